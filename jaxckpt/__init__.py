@@ -1,0 +1,65 @@
+"""jaxckpt: fast, safe checkpoints of sharded JAX state, through tensorstore zarr v3."""
+
+__version__ = "0.1.0"
+
+from jaxckpt._api import SaveHandle as SaveHandle
+from jaxckpt._api import metadata as metadata
+from jaxckpt._api import restore as restore
+from jaxckpt._api import save as save
+from jaxckpt._api import save_async as save_async
+from jaxckpt._errors import CheckpointError as CheckpointError
+from jaxckpt._errors import CheckpointExistsError as CheckpointExistsError
+from jaxckpt._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from jaxckpt._errors import CorruptChunkError as CorruptChunkError
+from jaxckpt._errors import DistributedError as DistributedError
+from jaxckpt._errors import DtypeMismatchError as DtypeMismatchError
+from jaxckpt._errors import KeyMismatchError as KeyMismatchError
+from jaxckpt._errors import ManifestError as ManifestError
+from jaxckpt._errors import PlanValidationError as PlanValidationError
+from jaxckpt._errors import ShapeMismatchError as ShapeMismatchError
+from jaxckpt._errors import UnsupportedLeafError as UnsupportedLeafError
+from jaxckpt._load_planner import DefaultLoadPlanner as DefaultLoadPlanner
+from jaxckpt._load_planner import LoadPlanner as LoadPlanner
+from jaxckpt._manifest import ArrayEntry as ArrayEntry
+from jaxckpt._manifest import Manifest as Manifest
+from jaxckpt._manifest import ValueEntry as ValueEntry
+from jaxckpt._plan import LoadPlan as LoadPlan
+from jaxckpt._plan import ReadItem as ReadItem
+from jaxckpt._plan import SavePlan as SavePlan
+from jaxckpt._plan import WriteItem as WriteItem
+from jaxckpt._save_planner import DefaultSavePlanner as DefaultSavePlanner
+from jaxckpt._save_planner import GlobalSavePlan as GlobalSavePlan
+from jaxckpt._save_planner import SavePlanner as SavePlanner
+from jaxckpt._save_planner import plan_cache_info as plan_cache_info
+
+__all__ = [
+    "ArrayEntry",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptChunkError",
+    "DefaultLoadPlanner",
+    "DefaultSavePlanner",
+    "DistributedError",
+    "DtypeMismatchError",
+    "GlobalSavePlan",
+    "KeyMismatchError",
+    "LoadPlan",
+    "LoadPlanner",
+    "Manifest",
+    "ManifestError",
+    "PlanValidationError",
+    "ReadItem",
+    "SaveHandle",
+    "SavePlan",
+    "SavePlanner",
+    "ShapeMismatchError",
+    "UnsupportedLeafError",
+    "ValueEntry",
+    "WriteItem",
+    "metadata",
+    "plan_cache_info",
+    "restore",
+    "save",
+    "save_async",
+]

@@ -1,0 +1,221 @@
+"""save / save_async / restore / metadata: the public entry points.
+
+Each is a short pipeline: planner (tree -> plan) then storage (plan -> tensorstore), so a
+reader can follow ``save()`` to the byte written in three hops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt import _distributed, _storage
+from jaxckpt._errors import CheckpointError
+from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
+from jaxckpt._manifest import ArrayEntry, Manifest
+from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner
+
+logger = logging.getLogger("jaxckpt")
+PathLike = str | os.PathLike
+
+
+def save(path: PathLike, tree: Any, *, overwrite: bool = False,
+         planner: SavePlanner | None = None) -> None:  # fmt: skip
+    """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
+
+    Blocks until the checkpoint is committed. Replicated shards are written once, spread
+    across devices and processes; ``manifest.json`` is written last.
+
+    Args:
+      path: a local directory, or a ``file://``, ``memory://``, ``s3://`` or ``gs://`` URL.
+      tree: the state to save. Leaves: ``jax.Array`` (incl. PRNG keys), numpy arrays,
+        ``int``/``float``/``bool``/``str``/``None``.
+      overwrite: replace an existing checkpoint at ``path``. The old one stays intact until
+        the new one is committed.
+      planner: a :class:`SavePlanner`; default :class:`DefaultSavePlanner`.
+
+    Raises:
+      CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite=False``.
+      UnsupportedLeafError: a leaf cannot be stored (names its key path).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxckpt, tempfile
+      >>> d = tempfile.mkdtemp()
+      >>> jaxckpt.save(d + "/ckpt", {"w": jnp.ones((2, 3)), "step": 7})
+      >>> jaxckpt.restore(d + "/ckpt")["step"]
+      7
+    """
+    _start_save(path, tree, overwrite=overwrite, planner=planner, stage=False).wait()
+
+
+def save_async(path: PathLike, tree: Any, *, overwrite: bool = False,
+               planner: SavePlanner | None = None) -> SaveHandle:  # fmt: skip
+    """Like :func:`save`, but returns once the device data is staged on the host.
+
+    The caller may then donate or overwrite the arrays; storage writes and the commit run in
+    a background thread. Call ``wait()`` on the handle before relying on the checkpoint.
+
+    Returns:
+      A :class:`SaveHandle`; ``wait()`` re-raises any error of the save.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxckpt, tempfile
+      >>> h = jaxckpt.save_async(tempfile.mkdtemp() + "/c", {"w": jnp.zeros(4)})
+      >>> h.wait(); h.done()
+      True
+    """
+    return _start_save(path, tree, overwrite=overwrite, planner=planner, stage=True)
+
+
+class SaveHandle:
+    """A save in progress. ``wait()`` blocks and re-raises its error; ``done()`` polls.
+
+    ``timings`` holds seconds per phase (plan, stage, write, commit) and ``nbytes`` the
+    bytes this process wrote, once done.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.timings: dict[str, float] = {}
+        self.nbytes = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._finished = threading.Event()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def gbps(self) -> float:
+        t = sum(self.timings.get(k, 0.0) for k in ("write", "commit"))
+        return self.nbytes / t / 1e9 if t else 0.0
+
+
+def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlanner | None,
+                stage: bool) -> SaveHandle:  # fmt: skip
+    t0 = time.perf_counter()
+    loc = _storage.Location(path)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    proc = _distributed.process_index()
+    planner.set_up_planner(tree, process_index=proc, process_count=_distributed.process_count())
+    global_plan = planner.create_global_plan()
+    local = planner.finish_plan(global_plan)
+    handle = SaveHandle(str(loc))
+    handle.timings["plan"] = time.perf_counter() - t0
+    sync = _distributed.SaveSync(str(loc), global_plan.digest)
+    writer = sync.run("open", lambda: _storage.Writer(loc, overwrite=overwrite,
+                                                      is_coordinator=sync.is_coordinator))  # fmt: skip
+    entries = {k: e for k, e in global_plan.manifest.entries.items() if isinstance(e, ArrayEntry)}
+    t1 = time.perf_counter()
+    if stage:  # copy every item to host memory now; the caller may reuse its buffers after
+        data = [(item, _host_copy(planner.resolve_data(item))) for item in local.items]
+    else:
+        data = ((item, planner.resolve_data(item)) for item in local.items)
+    handle.timings["stage"] = time.perf_counter() - t1
+
+    def run() -> None:
+        try:
+            t2 = time.perf_counter()
+            if sync.is_coordinator:
+                writer.open_arrays(entries.values(), create=True)
+            sync.barrier("created")
+            if not sync.is_coordinator:
+                writer.open_arrays((entries[k] for k in {i.key for i in local.items}), create=False)
+            handle.nbytes = writer.write(entries, data)
+            sync.barrier("written")
+            t3 = time.perf_counter()
+            if sync.is_coordinator:
+                writer.commit(global_plan.manifest.to_json())
+            sync.barrier("committed")
+            handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
+            logger.info("saved %s: %.1f MB in %s", loc, handle.nbytes / 1e6,
+                        {k: round(v, 3) for k, v in handle.timings.items()})  # fmt: skip
+        except BaseException as e:  # re-raised by wait()
+            writer.abort()
+            handle._error = sync.failed(e)
+        finally:
+            handle._finished.set()
+
+    if stage:
+        handle._thread = threading.Thread(target=run, name="jaxckpt-save", daemon=True)
+        handle._thread.start()
+    else:
+        run()
+    return handle
+
+
+def _host_copy(data: Any) -> np.ndarray:
+    # On CPU devices np.asarray aliases the device buffer, which the caller may donate.
+    return np.array(data, copy=True)
+
+
+def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: bool = True,
+            planner: LoadPlanner | None = None) -> Any:  # fmt: skip
+    """Restore a checkpoint onto ``target``'s shardings, or onto the host.
+
+    Args:
+      path: the checkpoint (local path or URL).
+      target: a pytree whose leaves say where each array goes: a ``jax.Array`` (its sharding,
+        shape and dtype), a ``jax.ShapeDtypeStruct`` with a sharding, a bare
+        ``jax.sharding.Sharding`` (shape and dtype from the checkpoint) or ``None`` (a numpy
+        array, or the saved Python value). ``None`` restores the whole saved tree on the host.
+      keys: restore only these key paths or ``/``-prefixes (e.g. ``["params"]``).
+      strict: missing or unexpected keys are an error naming them; with ``strict=False`` the
+        keys both have are restored and other target leaves come back unchanged.
+      planner: a :class:`LoadPlanner`; default :class:`DefaultLoadPlanner`.
+
+    Returns:
+      The restored tree, with ``target``'s structure (or the saved one when ``target=None``).
+
+    Raises:
+      CheckpointNotFoundError, ManifestError, KeyMismatchError, ShapeMismatchError,
+      DtypeMismatchError, CorruptChunkError: each names the path, key or chunk.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxckpt, tempfile
+      >>> d = tempfile.mkdtemp() + "/c"
+      >>> jaxckpt.save(d, {"w": jnp.arange(8.0)})
+      >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      >>> jaxckpt.restore(d, {"w": s})["w"].sharding == s
+      True
+    """
+    loc = _storage.Location(path)
+    manifest = _read_manifest(loc)
+    planner = planner if planner is not None else DefaultLoadPlanner()
+    planner.set_up_planner(target, manifest, keys=keys, strict=strict)
+    plan = planner.create_local_plan()
+    reader = _storage.Reader(loc)
+    for item, data in reader.read(manifest.entries, plan.items):
+        planner.commit_tensor(item, planner.transform_tensor(item, data))
+    return planner.finish()
+
+
+def metadata(path: PathLike) -> Manifest:
+    """The checkpoint's manifest: per key shape, dtype, chunk grid; no array data is read.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxckpt, tempfile
+      >>> d = tempfile.mkdtemp() + "/c"
+      >>> jaxckpt.save(d, {"w": jnp.zeros((4, 2))})
+      >>> jaxckpt.metadata(d).entries["w"].shape
+      (4, 2)
+    """
+    return _read_manifest(_storage.Location(path))
+
+
+def _read_manifest(loc: _storage.Location) -> Manifest:
+    return Manifest.from_json(_storage.read_manifest(loc), where=f"{loc}/manifest.json")
+
+

@@ -1,0 +1,244 @@
+"""The manifest: what a checkpoint holds, as frozen dataclasses and versioned JSON.
+
+``manifest.json`` is written last and is the commit point of a checkpoint; its exact layout is
+specified in ``docs/format.md``. Reading one never runs code: it is parsed as JSON, every field
+is type-checked, and storage paths are confined to the checkpoint's own ``arrays/`` folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any, Union
+
+import ml_dtypes
+import numpy as np
+
+from jaxckpt._errors import ManifestError
+
+FORMAT = "jaxckpt"
+VERSION = 1
+MANIFEST = "manifest.json"
+ARRAYS = "arrays"
+
+# zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
+_NATIVE = {
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
+    "int4", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
+    "float8_e5m2fnuz",
+}  # fmt: skip
+# Logical dtypes stored bit-exactly as an unsigned integer view of the same width.
+_CARRIED = {"uint4", "uint2", "int2", "float4_e2m1fn", "float8_e8m0fnu", "float8_e3m4", "float8_e4m3"}
+_MAX_NDIM = 64
+_MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
+_PATH_RE = re.compile(r"^arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """The numpy dtype for a manifest dtype name, refusing anything not on the list."""
+    if name not in _NATIVE and name not in _CARRIED:
+        raise ManifestError(f"dtype {name!r} is not one jaxckpt reads")
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def storage_dtype_name(dtype: np.dtype) -> str:
+    """The dtype the bytes are stored as: the dtype itself, or an unsigned carrier."""
+    name = np.dtype(dtype).name
+    if name in _NATIVE:
+        return name
+    if name in _CARRIED:
+        return f"uint{8 * np.dtype(dtype).itemsize}"
+    raise ValueError(name)
+
+
+def is_supported_dtype(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype).name in _NATIVE | _CARRIED
+    except TypeError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayEntry:
+    """One saved array: a zarr v3 array under ``path`` with a regular chunk grid.
+
+    ``dtype`` is the logical dtype; ``storage_dtype`` what the zarr array holds (they differ
+    only for carried dtypes). ``prng_impl`` is set for PRNG key arrays, whose key data is
+    stored (its trailing dimensions are part of ``shape``). ``sharding`` describes the source
+    layout for humans; restores never depend on it.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    storage_dtype: str
+    chunks: tuple[int, ...]
+    path: str
+    checksum: str = "crc32c"
+    prng_impl: str | None = None
+    sharding: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each dimension."""
+        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunks))
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueEntry:
+    """A Python scalar, string or ``None`` stored inline in the manifest."""
+
+    key: str
+    value: int | float | bool | str | None
+
+
+Entry = Union[ArrayEntry, ValueEntry]
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Everything about a checkpoint except the array bytes."""
+
+    tree: dict
+    entries: dict[str, Entry]
+    created: dict = dataclasses.field(default_factory=dict)
+    version: int = VERSION
+
+    def to_json(self) -> bytes:
+        entries = {k: _entry_to_json(e) for k, e in self.entries.items()}
+        doc = {"format": FORMAT, "version": self.version, "created": self.created,
+               "tree": self.tree, "entries": entries}  # fmt: skip
+        return json.dumps(doc, indent=1, allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str = MANIFEST) -> Manifest:
+        """Parse and validate ``manifest.json``; nothing in it can run code or escape."""
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(
+                f"{where} is not valid JSON ({e}). The checkpoint is damaged: restore an "
+                f"earlier one, or re-save."
+            ) from e
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ManifestError(f"{where} is not a jaxckpt manifest (no \"format\": \"{FORMAT}\").")
+        if doc.get("version") != VERSION:
+            raise ManifestError(
+                f"{where} has format version {doc.get('version')!r}; this jaxckpt reads version "
+                f"{VERSION}. Upgrade jaxckpt to read newer checkpoints."
+            )
+        raw = doc.get("entries")
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{where}: \"entries\" must be an object.")
+        entries = {k: _entry_from_json(k, v, where) for k, v in raw.items()}
+        paths = [e.path for e in entries.values() if isinstance(e, ArrayEntry)]
+        if len(set(paths)) != len(paths):
+            raise ManifestError(f"{where}: two keys share one storage path.")
+        tree = doc.get("tree")
+        _check_tree(tree, entries, where)
+        created = doc.get("created") if isinstance(doc.get("created"), dict) else {}
+        return cls(tree=tree, entries=entries, created=created)
+
+
+def _entry_to_json(e: Entry) -> dict:
+    if isinstance(e, ValueEntry):
+        v = e.value
+        if isinstance(v, float):  # repr round-trips exactly and spells nan/inf
+            return {"kind": "value", "type": "float", "value": repr(v)}
+        kind = "none" if v is None else type(v).__name__
+        return {"kind": "value", "type": kind, "value": v}
+    d = {"kind": "array", "shape": list(e.shape), "dtype": e.dtype,
+         "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "path": e.path,
+         "checksum": e.checksum}  # fmt: skip
+    if e.prng_impl:
+        d["prng_impl"] = e.prng_impl
+    if e.sharding:
+        d["sharding"] = e.sharding
+    return d
+
+
+def _bad(where: str, key: str, what: str) -> ManifestError:
+    return ManifestError(
+        f"{where}: entry {key!r} {what}. The manifest is damaged or was not written by "
+        f"jaxckpt; nothing was read."
+    )
+
+
+def _ints(x: Any) -> bool:
+    return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
+
+
+def _entry_from_json(key: str, d: Any, where: str) -> Entry:
+    if not isinstance(d, dict):
+        raise _bad(where, key, "is not an object")
+    if d.get("kind") == "value":
+        return ValueEntry(key, _value_from_json(key, d, where))
+    if d.get("kind") != "array":
+        raise _bad(where, key, f"has unknown kind {d.get('kind')!r}")
+    shape, chunks, path = d.get("shape"), d.get("chunks"), d.get("path")
+    if not _ints(shape) or len(shape) > _MAX_NDIM:
+        raise _bad(where, key, f"has an invalid shape {shape!r}")
+    if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
+        raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
+    if not isinstance(path, str) or not _PATH_RE.match(path) or ".." in path:
+        raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
+    dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
+    try:
+        logical = dtype_from_name(dtype)
+        dtype_from_name(sdtype)
+    except (ManifestError, TypeError):
+        raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}") from None
+    if sdtype != storage_dtype_name(logical):
+        raise _bad(where, key, f"stores {dtype} as {sdtype}, expected {storage_dtype_name(logical)}")
+    if math.prod(shape) * logical.itemsize > _MAX_BYTES:
+        raise _bad(where, key, f"claims an absurd size {shape!r}")
+    if d.get("checksum", "crc32c") not in ("crc32c", "none"):
+        raise _bad(where, key, f"has unknown checksum {d.get('checksum')!r}")
+    impl = d.get("prng_impl")
+    if impl is not None and not (isinstance(impl, str) and re.fullmatch(r"[a-z0-9_]+", impl)):
+        raise _bad(where, key, f"has an invalid prng_impl {impl!r}")
+    sharding = d.get("sharding")
+    return ArrayEntry(key=key, shape=tuple(shape), dtype=dtype, storage_dtype=sdtype,
+                      chunks=tuple(chunks), path=path, checksum=d.get("checksum", "crc32c"),
+                      prng_impl=impl, sharding=sharding if isinstance(sharding, str) else None)  # fmt: skip
+
+
+def _value_from_json(key: str, d: dict, where: str) -> Any:
+    kind, v = d.get("type"), d.get("value")
+    if kind == "none":
+        return None
+    if kind == "float" and isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    if (kind, type(v).__name__) in {("int", "int"), ("bool", "bool"), ("str", "str")}:
+        return v
+    raise _bad(where, key, f"has an invalid value of type {kind!r}")
+
+
+def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
+    if depth > 1000 or not isinstance(node, dict):
+        raise ManifestError(f"{where}: the tree structure is malformed.")
+    kind = node.get("type")
+    if kind == "leaf":
+        if node.get("key") not in entries:
+            raise ManifestError(f"{where}: the tree names key {node.get('key')!r} with no entry.")
+        return
+    if kind not in ("dict", "list", "tuple", "namedtuple", "node"):
+        raise ManifestError(f"{where}: unknown tree node type {kind!r}.")
+    kids = node.get("children")
+    keys = node.get("keys", [])
+    if not isinstance(kids, list) or not isinstance(keys, list):
+        raise ManifestError(f"{where}: the tree structure is malformed.")
+    if kind != "list" and kind != "tuple" and len(keys) != len(kids):
+        raise ManifestError(f"{where}: a {kind} node has {len(keys)} keys, {len(kids)} children.")
+    for child in kids:
+        _check_tree(child, entries, where, depth + 1)

@@ -1,0 +1,284 @@
+"""The save planner: the protocol, and the default that dedups and balances writes.
+
+Adapted from PyTorch DCP's ``DefaultSavePlanner``, with one change that matters at scale:
+every process can compute every shard's index from the sharding itself, so the global plan is
+computed **on every process without gathering local plans**; processes only compare a short
+digest of it (see ``jaxckpt._distributed``).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+import hashlib
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt import _manifest, _tree
+from jaxckpt._errors import UnsupportedLeafError
+from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry
+from jaxckpt._plan import SavePlan, WriteItem, assign_writers, chunk_shape, index_to_box, split_box, validate_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalSavePlan:
+    """Every process's writes plus the manifest they commit; identical on every process."""
+
+    manifest: Manifest
+    items: tuple[WriteItem, ...]
+    digest: str
+
+    def for_process(self, process: int) -> SavePlan:
+        return SavePlan(tuple(i for i in self.items if i.process == process))
+
+
+class SavePlanner(abc.ABC):
+    """The save protocol. ``jaxckpt.save`` calls, on every process, in this order:
+
+    1. ``set_up_planner(tree, process_index, process_count)``: flatten the tree.
+    2. ``create_global_plan() -> GlobalSavePlan``: every array box, who writes it, and the
+       manifest. Computed identically on every process from the shardings alone, so nothing is
+       gathered; the processes only agree on ``GlobalSavePlan.digest``.
+    3. ``finish_plan(global_plan) -> SavePlan``: this process's share of the writes.
+    4. ``resolve_data(item) -> np.ndarray``: the bytes of one item, asked for by storage
+       (storage never sees the tree).
+
+    Invariants the global plan must keep (``jaxckpt._plan.validate_plan`` checks them): the
+    items of each array tile it exactly once, along its chunk grid, in its dtype.
+    """
+
+    @abc.abstractmethod
+    def set_up_planner(self, tree: Any, *, process_index: int, process_count: int) -> None: ...
+
+    @abc.abstractmethod
+    def create_global_plan(self) -> GlobalSavePlan: ...
+
+    @abc.abstractmethod
+    def finish_plan(self, global_plan: GlobalSavePlan) -> SavePlan: ...
+
+    @abc.abstractmethod
+    def resolve_data(self, item: WriteItem) -> np.ndarray: ...
+
+
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+_CACHE_SIZE = 16
+_stats = {"hits": 0, "misses": 0}
+CacheInfo = collections.namedtuple("CacheInfo", "hits misses size")
+
+
+def plan_cache_info() -> CacheInfo:
+    """Hits and misses of the save-plan cache (a miss is a full planning pass)."""
+    return CacheInfo(_stats["hits"], _stats["misses"], len(_CACHE))
+
+
+def clear_plan_cache() -> None:
+    _CACHE.clear()
+    _stats.update(hits=0, misses=0)
+
+
+class DefaultSavePlanner(SavePlanner):
+    """Dedups replicated shards, balances writes by bytes, validates, and caches the plan.
+
+    Args:
+      dedup: ``"balanced"`` (default) gives each replicated box to the holder with the fewest
+        planned bytes; ``"lowest"`` to the lowest process/device.
+      max_chunk_bytes: shards larger than this are written as several chunks (split along
+        their outer dimension), which bounds memory per write and lets restores onto another
+        mesh read less.
+      enable_plan_caching: reuse the plan for the same structure, shapes, dtypes, shardings
+        and options.
+    """
+
+    def __init__(self, *, dedup: str = "balanced", max_chunk_bytes: int = 64 << 20,
+                 enable_plan_caching: bool = True) -> None:  # fmt: skip
+        if dedup not in ("balanced", "lowest"):
+            raise ValueError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
+        self.dedup = dedup
+        self.max_chunk_bytes = max_chunk_bytes
+        self.enable_plan_caching = enable_plan_caching
+
+    # 1.
+    def set_up_planner(self, tree: Any, *, process_index: int, process_count: int) -> None:
+        self.process_index = process_index
+        self.process_count = process_count
+        keys, leaves, self.treedef = _tree.flatten_with_treedef(tree)
+        self.tree = tree
+        self.leaves: dict[str, Any] = {}
+        self.prng: dict[str, str] = {}
+        for key, leaf in zip(keys, leaves):
+            self.leaves[key] = self._classify(key, leaf)
+        self._shards: dict[tuple[str, int], Any] = {}
+
+    def _classify(self, key: str, leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                self.prng[key] = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
+            if not _manifest.is_supported_dtype(leaf.dtype):
+                raise _unsupported(key, leaf, f"dtype {leaf.dtype}")
+            return leaf
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            if not _manifest.is_supported_dtype(leaf.dtype):
+                raise _unsupported(key, leaf, f"dtype {leaf.dtype}")
+            return np.asarray(leaf)
+        if leaf is None or isinstance(leaf, (bool, int, float, str)):
+            return leaf
+        raise _unsupported(key, leaf, f"type {type(leaf).__name__}")
+
+    def _signature(self) -> tuple:
+        sig = []
+        for key, leaf in self.leaves.items():
+            if isinstance(leaf, jax.Array):
+                sig.append((leaf.shape, leaf.dtype, leaf.sharding, self.prng.get(key)))
+            elif isinstance(leaf, np.ndarray):
+                sig.append((leaf.shape, leaf.dtype))
+            else:
+                sig.append(type(leaf))
+        return (type(self), self.treedef, tuple(sig), self.dedup, self.max_chunk_bytes,
+                self.process_count, _manifest.VERSION)  # fmt: skip
+
+    # 2.
+    def create_global_plan(self) -> GlobalSavePlan:
+        cache_key = None
+        if self.enable_plan_caching:
+            try:
+                cache_key = self._signature()
+                hash(cache_key)
+            except TypeError:  # an unhashable sharding or tree node: plan without the cache
+                cache_key = None
+        if cache_key is not None and cache_key in _CACHE:
+            _CACHE.move_to_end(cache_key)
+            _stats["hits"] += 1
+            plan = _CACHE[cache_key]
+            return dataclasses.replace(plan, manifest=self._with_values(plan.manifest))
+        _stats["misses"] += 1
+        plan = create_global_save_plan(
+            self.leaves, _tree.structure(self.tree), prng=self.prng,
+            lowest=self.dedup == "lowest", max_chunk_bytes=self.max_chunk_bytes,
+            process_count=self.process_count,
+        )  # fmt: skip
+        if cache_key is not None:
+            _CACHE[cache_key] = plan
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+        return plan
+
+    def _with_values(self, manifest: Manifest) -> Manifest:
+        """A cached manifest with this tree's Python values, which are not part of the key."""
+        values = {k: ValueEntry(k, v) for k, v in self.leaves.items() if not _is_array(v)}
+        if not values:
+            return manifest
+        return dataclasses.replace(manifest, entries={**manifest.entries, **values})
+
+    # 3.
+    def finish_plan(self, global_plan: GlobalSavePlan) -> SavePlan:
+        self.global_plan = global_plan
+        return global_plan.for_process(self.process_index)
+
+    # 4.
+    def resolve_data(self, item: WriteItem) -> np.ndarray:
+        leaf = self.leaves[item.key]
+        if isinstance(leaf, jax.Array):
+            shard = self._shard(item.key, leaf, item.device)
+            offsets, _ = index_to_box(shard.index, leaf.shape)
+            data = np.asarray(shard.data)
+        else:
+            offsets, data = (0,) * leaf.ndim, leaf
+        local = tuple(slice(o - so, o - so + s) for o, so, s in zip(item.offsets, offsets, item.sizes))
+        return data[local]
+
+    def _shard(self, key: str, leaf: jax.Array, device: int | None) -> Any:
+        found = self._shards.get((key, device))
+        if found is None:
+            for shard in leaf.addressable_shards:
+                self._shards[(key, shard.device.id)] = shard
+            found = self._shards[(key, device)]
+        return found
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def _unsupported(key: str, leaf: Any, what: str) -> UnsupportedLeafError:
+    return UnsupportedLeafError(
+        f"Leaf {key!r} has {what}, which jaxckpt cannot store. Supported leaves: jax.Array and "
+        f"numpy arrays of numeric/bool/PRNG-key dtypes, and Python int, float, bool, str, None. "
+        f"Convert the leaf (e.g. to a numpy array or a string) or drop it from the tree."
+    )
+
+
+def storage_name(key: str, taken: set[str]) -> str:
+    """A file-system-safe, unique storage path under ``arrays/`` for a key path."""
+    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in key.replace("/", "."))
+    safe = safe.lstrip(".-")[:200] or "_"
+    name, n = f"{_manifest.ARRAYS}/{safe}", 1
+    while name in taken:
+        name, n = f"{_manifest.ARRAYS}/{safe}-{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def create_global_save_plan(
+    leaves: dict[str, Any],
+    tree: dict,
+    *,
+    prng: dict[str, str] | None = None,
+    lowest: bool = False,
+    max_chunk_bytes: int = 64 << 20,
+    process_count: int = 1,
+) -> GlobalSavePlan:
+    """The default global plan: chunk grids, deduplicated balanced writers, the manifest."""
+    prng = prng or {}
+    entries: dict[str, Any] = {}
+    groups = []
+    arrays = {}
+    taken: set[str] = set()
+    for key, leaf in leaves.items():
+        if not _is_array(leaf):
+            entries[key] = ValueEntry(key, leaf)
+            continue
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        if isinstance(leaf, jax.Array):
+            holders: dict = collections.defaultdict(list)
+            for dev, index in leaf.sharding.devices_indices_map(shape).items():
+                holders[index_to_box(index, shape)].append((dev.process_index, dev.id))
+            sharding = str(leaf.sharding)
+        else:  # a host array: every process holds it
+            holders = {((0,) * len(shape), shape): [(p, None) for p in range(process_count)]}
+            sharding = None
+        chunks = chunk_shape(shape, holders)
+        chunks = _limit_chunk(chunks, dtype.itemsize, max_chunk_bytes)
+        entries[key] = ArrayEntry(
+            key=key, shape=shape, dtype=dtype.name, storage_dtype=_manifest.storage_dtype_name(dtype),
+            chunks=chunks, path=storage_name(key, taken), prng_impl=prng.get(key), sharding=sharding,
+        )  # fmt: skip
+        arrays[key] = (shape, dtype.name, chunks)
+        for box, hs in holders.items():
+            for sub in split_box(box, chunks, shape, 0, dtype.itemsize):  # one item per chunk
+                groups.append((key, sub, dtype.name, hs))
+    items = assign_writers(groups, lowest=lowest)
+    validate_plan(items, arrays)
+    created = {"jax": jax.__version__, "jaxckpt": _version(), "process_count": process_count}
+    manifest = Manifest(tree=tree, entries=entries, created=created)
+    h = hashlib.sha256(repr([(e.key, getattr(e, "chunks", None), getattr(e, "path", None)) for e in entries.values()]).encode())
+    h.update(repr([(i.key, i.offsets, i.sizes, i.process, i.device) for i in items]).encode())
+    return GlobalSavePlan(manifest=manifest, items=tuple(items), digest=h.hexdigest()[:16])
+
+
+def _limit_chunk(chunks: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
+    out = list(chunks)
+    for d in range(len(out)):
+        while math.prod(out) * itemsize > max_bytes and out[d] % 2 == 0:
+            out[d] //= 2
+    return tuple(out)
+
+
+def _version() -> str:
+    from jaxckpt import __version__
+
+    return __version__

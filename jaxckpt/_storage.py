@@ -1,0 +1,336 @@
+"""Storage: tensorstore zarr v3 arrays, the manifest, and the commit protocol.
+
+Storage knows nothing of pytrees: it is given manifest entries and (item, data) pairs by the
+planner's protocol. Each array is a zarr v3 array with a regular chunk grid aligned to shard
+boundaries and a ``crc32c`` checksum on every chunk.
+
+Commit protocol:
+
+* local paths (and ``file://``): everything is written into a hidden temporary sibling
+  ``.NAME.tmp-XXXX``, ``manifest.json`` last, then the sibling is renamed into place (swapped
+  atomically with an existing checkpoint under ``overwrite=True``, where the kernel allows).
+  A crash leaves at most a temporary sibling, never a damaged checkpoint.
+* other kvstores (``memory://``, ``s3://``, ``gs://``): there is no rename, so the manifest is
+  written last and is the commit; a directory without ``manifest.json`` is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptChunkError,
+)
+from jaxckpt._manifest import MANIFEST, ArrayEntry, dtype_from_name
+from jaxckpt._plan import ReadItem, WriteItem
+
+MAX_INFLIGHT_BYTES = 1 << 30
+_TMP = ".tmp-"
+# One context for the process: memory:// stores live in it, and no chunk cache is kept.
+_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+class Location:
+    """Where a checkpoint lives: a local directory or a tensorstore kvstore URL."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        text = os.fspath(path)
+        self.url = text
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+        if "://" in text:
+            self.local: Path | None = None
+            self.kvstore = _kvstore_for_url(text)
+        else:
+            self.local = Path(text).absolute()
+            self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
+
+    def __str__(self) -> str:
+        return self.url
+
+    def child(self, name: str) -> dict:
+        """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
+        return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
+
+
+def _kvstore_for_url(url: str) -> dict:
+    scheme, rest = url.split("://", 1)
+    rest = rest.strip("/")
+    if scheme == "memory":
+        return {"driver": "memory", "path": rest + "/"}
+    if scheme in ("gs", "s3"):
+        bucket, _, prefix = rest.partition("/")
+        spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
+                                "path": prefix + "/" if prefix else ""}  # fmt: skip
+        if scheme == "s3":
+            spec.update(_s3_options())
+        return spec
+    raise CheckpointError(
+        f"Unsupported path scheme {scheme!r} in {url!r}: use a local path, file://, memory://, "
+        f"gs:// or s3://."
+    )
+
+
+def _s3_options() -> dict:
+    opts: dict[str, Any] = {}
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        opts["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+    if os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
+        opts["aws_region"] = os.environ.get("AWS_REGION") or os.environ["AWS_DEFAULT_REGION"]
+    return opts
+
+
+def _kv(spec: dict) -> ts.KvStore:
+    return ts.KvStore.open(spec, context=_CONTEXT).result()
+
+
+def read_manifest(loc: Location) -> bytes:
+    """The bytes of ``manifest.json``, or :class:`CheckpointNotFoundError`."""
+    if loc.local is not None:
+        try:
+            return (loc.local / MANIFEST).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    else:
+        got = _kv(loc.kvstore).read(MANIFEST).result()
+        if got.state == "value":
+            return got.value
+    raise CheckpointNotFoundError(
+        f"No checkpoint at {loc}: {MANIFEST} is missing. A directory without a manifest is an "
+        f"unfinished or failed save; pick a committed one (e.g. CheckpointManager.latest_step())."
+    )
+
+
+def exists(loc: Location) -> bool:
+    try:
+        read_manifest(loc)
+        return True
+    except CheckpointNotFoundError:
+        return False
+
+
+def _spec(kvstore: dict, entry: ArrayEntry) -> dict:
+    codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if entry.checksum == "crc32c":
+        codecs.append({"name": "crc32c"})
+    return {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "metadata": {
+            "shape": list(entry.shape),
+            "data_type": entry.storage_dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(entry.chunks)}},
+            "codecs": codecs,
+        },
+    }
+
+
+class Writer:
+    """Writes one checkpoint: ``Writer(loc, overwrite)``, ``write(...)``, then ``commit(...)``.
+
+    On any failure call ``abort()``: the temporary data goes, an existing checkpoint stays.
+    """
+
+    def __init__(self, loc: Location, *, overwrite: bool, is_coordinator: bool = True) -> None:
+        self.loc = loc
+        self.overwrite = overwrite
+        self.is_coordinator = is_coordinator
+        if loc.local is not None:
+            _check_target_dir(loc.local, overwrite)
+            self.staging = loc.local.parent / f".{loc.local.name}{_TMP}{uuid.uuid4().hex[:8]}"
+            self.staging.mkdir(parents=True)
+            self.root = {"driver": "file", "path": str(self.staging) + "/"}
+        else:
+            if exists(loc) and not overwrite:
+                raise _exists_error(loc)
+            if overwrite and is_coordinator:
+                _kv(loc.kvstore).delete_range(ts.KvStore.KeyRange()).result()
+            self.staging = None
+            self.root = loc.kvstore
+
+    def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
+        """Create (coordinator) or open (others, after it) the zarr arrays, all at once."""
+        entries = list(entries)
+        futures = [
+            ts.open({**_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True},
+                    create=create, open=not create, context=_CONTEXT)  # fmt: skip
+            for e in entries
+        ]
+        self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
+
+    def _child(self, name: str) -> dict:
+        return {**self.root, "path": self.root["path"] + name + "/"}
+
+    def write(self, entries: dict[str, ArrayEntry], items: Iterable[tuple[WriteItem, np.ndarray]],
+              *, max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> int:  # fmt: skip
+        """Write each item's box into the opened arrays; at most ``max_inflight_bytes`` queued.
+
+        Returns the bytes written.
+        """
+        pending: collections.deque = collections.deque()
+        inflight = total = 0
+        for item, data in items:
+            entry = entries[item.key]
+            store = self.arrays[item.key]
+            if entry.storage_dtype != entry.dtype:
+                data = data.view(entry.storage_dtype)
+            box = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
+            pending.append((store[box].write(data), data.nbytes))
+            inflight += data.nbytes
+            total += data.nbytes
+            while inflight > max_inflight_bytes and pending:
+                fut, n = pending.popleft()
+                fut.result()
+                inflight -= n
+        for fut, _ in pending:
+            fut.result()
+        return total
+
+    def commit(self, manifest: bytes) -> None:
+        """Write the manifest last, then make the checkpoint visible."""
+        if self.staging is None:
+            _kv(self.loc.kvstore).write(MANIFEST, manifest).result()
+            return
+        target = self.loc.local
+        with open(self.staging / MANIFEST, "wb") as f:
+            f.write(manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        if target.exists():
+            if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
+                os.rename(target, self.staging.with_name(self.staging.name + "-old"))
+                os.rename(self.staging, target)
+                shutil.rmtree(self.staging.with_name(self.staging.name + "-old"), ignore_errors=True)
+            else:
+                shutil.rmtree(self.staging, ignore_errors=True)  # now holds the old checkpoint
+        else:
+            os.rename(self.staging, target)
+        _fsync_dir(target.parent)
+
+    def abort(self) -> None:
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _exists_error(loc: Location) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"A checkpoint already exists at {loc}. Pass overwrite=True to replace it (the old one "
+        f"stays intact until the new one is committed), or save to a new path."
+    )
+
+
+def _check_target_dir(path: Path, overwrite: bool) -> None:
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise CheckpointExistsError(f"{path} exists and is not a directory; choose another path.")
+    if (path / MANIFEST).exists():
+        if not overwrite:
+            raise _exists_error(Location(path))
+    elif any(path.iterdir()) and not overwrite:
+        raise CheckpointExistsError(
+            f"{path} exists, is not empty and holds no checkpoint. jaxckpt will not replace "
+            f"files it did not write: pass overwrite=True, or choose an empty or new path."
+        )
+
+
+_libc = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE) where Linux allows."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        at_fdcwd, rename_exchange = -100, 2
+        return _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Reader:
+    """Reads boxes of saved arrays; each array is opened once, reads run concurrently."""
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self._open: dict[str, Any] = {}
+
+    def _store(self, entry: ArrayEntry) -> Any:
+        store = self._open.get(entry.path)
+        if store is None:
+            spec = _spec(self.loc.child(entry.path), entry)
+            try:
+                spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
+                store = ts.open(spec, open=True, context=_CONTEXT).result()
+            except ValueError as e:
+                raise CorruptChunkError(
+                    f"Key {entry.key!r}: array {entry.path} in {self.loc} cannot be opened or does "
+                    f"not match the manifest ({e}). The checkpoint is damaged; restore another."
+                ) from e
+            self._open[entry.path] = store
+        return store
+
+    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
+             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+        """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead."""
+        pending: collections.deque = collections.deque()
+        inflight = 0
+        for item in items:
+            entry = entries[item.key]
+            box = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
+            fut = self._store(entry)[box].read()
+            n = int(np.prod(item.sizes)) * dtype_from_name(entry.storage_dtype).itemsize
+            pending.append((item, entry, fut, n))
+            inflight += n
+            while inflight > max_inflight_bytes and pending:
+                inflight -= pending[0][3]
+                yield self._result(*pending.popleft()[:3])
+        while pending:
+            yield self._result(*pending.popleft()[:3])
+
+    def _result(self, item: ReadItem, entry: ArrayEntry, fut: Any) -> tuple[ReadItem, np.ndarray]:
+        try:
+            data = fut.result()
+        except ValueError as e:
+            raise _chunk_error(entry, self.loc, e) from e
+        if entry.storage_dtype != entry.dtype:
+            data = data.view(dtype_from_name(entry.dtype))
+        return item, data
+
+
+def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunkError:
+    msg = str(e)
+    where = re.search(r'"([^"]*/c/[0-9/]+)"', msg)
+    chunk = where.group(1).rsplit("/c/", 1)[1].replace("/", ",") if where else "?"
+    what = "is missing" if "NOT_FOUND" in msg else "fails its checksum" if "igest" in msg else "cannot be read"
+    return CorruptChunkError(
+        f"Key {entry.key!r}: chunk ({chunk}) of {entry.path} in {loc} {what} ({msg}). The "
+        f"checkpoint is damaged: restore an earlier one; `jaxckpt verify PATH` lists every bad chunk."
+    )
