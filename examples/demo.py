@@ -19,7 +19,9 @@ def main() -> None:
     devices = np.array(jax.devices()[:8])
     mesh = Mesh(devices.reshape(4, 2), ("data", "model"))
     state = {
-        "w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model"))),
+        "w": jax.device_put(
+            jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model"))
+        ),
         "b": jax.device_put(jnp.ones(8), NamedSharding(mesh, P())),
         "step": 10,
     }
@@ -27,7 +29,11 @@ def main() -> None:
     jaxckpt.save(path, state)
     print(f"saved to {path}: {sorted(jaxckpt.metadata(path).entries)}")
     other = Mesh(devices.reshape(2, 4), ("a", "b"))
-    target = {"w": NamedSharding(other, P("b", "a")), "b": NamedSharding(other, P("a")), "step": None}
+    target = {
+        "w": NamedSharding(other, P("b", "a")),
+        "b": NamedSharding(other, P("a")),
+        "step": None,
+    }
     restored = jaxckpt.restore(path, target)
     assert np.array_equal(restored["w"], state["w"]) and restored["step"] == 10
     print(f"restored onto {restored['w'].sharding}")

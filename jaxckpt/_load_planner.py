@@ -192,9 +192,13 @@ def _shape_error(key: str, target: tuple, saved: tuple) -> ShapeMismatchError:
 def _key_message(missing: list[str], unexpected: list[str]) -> str:
     parts = []
     if missing:
-        parts.append(f"{len(missing)} key(s) in `target` missing from the checkpoint: {missing[:5]!r}")
+        parts.append(
+            f"{len(missing)} key(s) in `target` missing from the checkpoint: {missing[:5]!r}"
+        )
     if unexpected:
-        parts.append(f"{len(unexpected)} key(s) in the checkpoint not in `target`: {unexpected[:5]!r}")
+        parts.append(
+            f"{len(unexpected)} key(s) in the checkpoint not in `target`: {unexpected[:5]!r}"
+        )
     return (
         "; ".join(parts)
         + ". Pass strict=False to restore the keys both have (others keep the target's leaf), "

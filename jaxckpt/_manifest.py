@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any, Union
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -31,7 +31,15 @@ _NATIVE = {
     "float8_e5m2fnuz",
 }  # fmt: skip
 # Logical dtypes stored bit-exactly as an unsigned integer view of the same width.
-_CARRIED = {"uint4", "uint2", "int2", "float4_e2m1fn", "float8_e8m0fnu", "float8_e3m4", "float8_e4m3"}
+_CARRIED = {
+    "uint4",
+    "uint2",
+    "int2",
+    "float4_e2m1fn",
+    "float8_e8m0fnu",
+    "float8_e3m4",
+    "float8_e4m3",
+}
 _MAX_NDIM = 64
 _MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
 _PATH_RE = re.compile(r"^arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
@@ -99,7 +107,7 @@ class ValueEntry:
     value: int | float | bool | str | None
 
 
-Entry = Union[ArrayEntry, ValueEntry]
+Entry = ArrayEntry | ValueEntry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +136,7 @@ class Manifest:
                 f"earlier one, or re-save."
             ) from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ManifestError(f"{where} is not a jaxckpt manifest (no \"format\": \"{FORMAT}\").")
+            raise ManifestError(f'{where} is not a jaxckpt manifest (no "format": "{FORMAT}").')
         if doc.get("version") != VERSION:
             raise ManifestError(
                 f"{where} has format version {doc.get('version')!r}; this jaxckpt reads version "
@@ -136,7 +144,7 @@ class Manifest:
             )
         raw = doc.get("entries")
         if not isinstance(raw, dict):
-            raise ManifestError(f"{where}: \"entries\" must be an object.")
+            raise ManifestError(f'{where}: "entries" must be an object.')
         entries = {k: _entry_from_json(k, v, where) for k, v in raw.items()}
         paths = [e.path for e in entries.values() if isinstance(e, ArrayEntry)]
         if len(set(paths)) != len(paths):
@@ -196,7 +204,9 @@ def _entry_from_json(key: str, d: Any, where: str) -> Entry:
     except (ManifestError, TypeError):
         raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}") from None
     if sdtype != storage_dtype_name(logical):
-        raise _bad(where, key, f"stores {dtype} as {sdtype}, expected {storage_dtype_name(logical)}")
+        raise _bad(
+            where, key, f"stores {dtype} as {sdtype}, expected {storage_dtype_name(logical)}"
+        )
     if math.prod(shape) * logical.itemsize > _MAX_BYTES:
         raise _bad(where, key, f"claims an absurd size {shape!r}")
     if d.get("checksum", "crc32c") not in ("crc32c", "none"):

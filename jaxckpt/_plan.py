@@ -204,10 +204,14 @@ def _check_key(key, shape, dtype, chunks, items: list[WriteItem]) -> list[str]:
             return errors
         for o, s, dim, c in zip(it.offsets, it.sizes, shape, chunks):
             if o < 0 or s < 0 or o + s > dim:
-                errors.append(f"key {key!r}: box at {it.offsets} size {it.sizes} is out of bounds {shape}")
+                errors.append(
+                    f"key {key!r}: box at {it.offsets} size {it.sizes} is out of bounds {shape}"
+                )
                 break
             if o % c or ((o + s) % c and o + s != dim):
-                errors.append(f"key {key!r}: box at {it.offsets} size {it.sizes} is not aligned to chunks {chunks}")
+                errors.append(
+                    f"key {key!r}: box at {it.offsets} size {it.sizes} is not aligned to chunks {chunks}"
+                )
                 break
     if errors:
         return errors
@@ -229,7 +233,9 @@ def _check_key(key, shape, dtype, chunks, items: list[WriteItem]) -> list[str]:
         del active[:cut]
         for _, j in active:
             if _overlap(it, ordered[j]):
-                errors.append(f"key {key!r}: boxes at {it.offsets} and {ordered[j].offsets} overlap")
+                errors.append(
+                    f"key {key!r}: boxes at {it.offsets} and {ordered[j].offsets} overlap"
+                )
                 break
         bisect.insort(active, ((it.offsets[0] + it.sizes[0]) if shape else 1, i))
     volume = sum(math.prod(it.sizes) for it in items)

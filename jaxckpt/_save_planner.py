@@ -21,7 +21,15 @@ import numpy as np
 from jaxckpt import _manifest, _tree
 from jaxckpt._errors import UnsupportedLeafError
 from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry
-from jaxckpt._plan import SavePlan, WriteItem, assign_writers, chunk_shape, index_to_box, split_box, validate_plan
+from jaxckpt._plan import (
+    SavePlan,
+    WriteItem,
+    assign_writers,
+    chunk_shape,
+    index_to_box,
+    split_box,
+    validate_plan,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +196,9 @@ class DefaultSavePlanner(SavePlanner):
             data = np.asarray(shard.data)
         else:
             offsets, data = (0,) * leaf.ndim, leaf
-        local = tuple(slice(o - so, o - so + s) for o, so, s in zip(item.offsets, offsets, item.sizes))
+        local = tuple(
+            slice(o - so, o - so + s) for o, so, s in zip(item.offsets, offsets, item.sizes)
+        )
         return data[local]
 
     def _shard(self, key: str, leaf: jax.Array, device: int | None) -> Any:
@@ -265,7 +275,14 @@ def create_global_save_plan(
     validate_plan(items, arrays)
     created = {"jax": jax.__version__, "jaxckpt": _version(), "process_count": process_count}
     manifest = Manifest(tree=tree, entries=entries, created=created)
-    h = hashlib.sha256(repr([(e.key, getattr(e, "chunks", None), getattr(e, "path", None)) for e in entries.values()]).encode())
+    h = hashlib.sha256(
+        repr(
+            [
+                (e.key, getattr(e, "chunks", None), getattr(e, "path", None))
+                for e in entries.values()
+            ]
+        ).encode()
+    )
     h.update(repr([(i.key, i.offsets, i.sizes, i.process, i.device) for i in items]).encode())
     return GlobalSavePlan(manifest=manifest, items=tuple(items), digest=h.hexdigest()[:16])
 

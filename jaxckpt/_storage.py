@@ -35,6 +35,7 @@ from jaxckpt._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptChunkError,
+    ManifestError,
 )
 from jaxckpt._manifest import MANIFEST, ArrayEntry, dtype_from_name
 from jaxckpt._plan import ReadItem, WriteItem
@@ -285,6 +286,7 @@ class Reader:
     def _store(self, entry: ArrayEntry) -> Any:
         store = self._open.get(entry.path)
         if store is None:
+            self._check_inside(entry)
             spec = _spec(self.loc.child(entry.path), entry)
             try:
                 spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
@@ -296,6 +298,17 @@ class Reader:
                 ) from e
             self._open[entry.path] = store
         return store
+
+    def _check_inside(self, entry: ArrayEntry) -> None:
+        # Manifest paths are confined to arrays/ already; a symlink could still point out.
+        if self.loc.local is None:
+            return
+        root = os.path.realpath(self.loc.local)
+        if not os.path.realpath(self.loc.local / entry.path).startswith(root + os.sep):
+            raise ManifestError(
+                f"Key {entry.key!r}: {entry.path} in {self.loc} is a link outside the checkpoint; "
+                f"refusing to read it. Copy the checkpoint without links, or restore another."
+            )
 
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip

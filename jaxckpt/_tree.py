@@ -91,9 +91,7 @@ def _json_key(key: Any) -> Any:
 def _node(x: Any, path: tuple) -> dict:
     if x is None:
         return {"type": "leaf", "key": path_to_key(path)}
-    children, treedef = jax.tree_util.tree_flatten_with_path(
-        x, is_leaf=lambda y: y is not x
-    )
+    children, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
     if jax.tree_util.treedef_is_leaf(treedef) and children and children[0][1] is x:
         return {"type": "leaf", "key": path_to_key(path)}
     kids = [_node(child, path + p) for p, child in children]
@@ -157,7 +155,9 @@ def select(keys: list[str], wanted: list[str] | None) -> list[str]:
     for k in keys:
         if any(k == w or k.startswith(w.rstrip(SEP) + SEP) or w == "" for w in wanted):
             out.append(k)
-    unmatched = [w for w in wanted if not any(k == w or k.startswith(w.rstrip(SEP) + SEP) for k in keys)]
+    unmatched = [
+        w for w in wanted if not any(k == w or k.startswith(w.rstrip(SEP) + SEP) for k in keys)
+    ]
     if unmatched:
         raise KeyMismatchError(
             f"keys={unmatched!r} match no key in the checkpoint. Saved keys start with: "

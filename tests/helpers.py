@@ -1,0 +1,34 @@
+"""Small helpers shared by the tests: meshes, shardings, tree comparison."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> Mesh:
+    devs = np.array(devices if devices is not None else jax.devices()[: int(np.prod(shape))])
+    return Mesh(devs.reshape(shape), names)
+
+
+def put(x, m: Mesh, *spec) -> jax.Array:
+    return jax.device_put(x, NamedSharding(m, P(*spec)))
+
+
+def assert_tree_equal(a, b) -> None:
+    """Bit-exact equality of two trees (same structure, dtypes, values)."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"{ta} != {tb}"
+    for x, y in zip(la, lb):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            x, y = np.asarray(x), np.asarray(y)
+            assert x.dtype == y.dtype, (x.dtype, y.dtype)
+            assert x.shape == y.shape, (x.shape, y.shape)
+            assert x.tobytes() == y.tobytes()
+        else:
+            assert type(x) is type(y) and (x == y or (x != x and y != y)), (x, y)

@@ -1,0 +1,33 @@
+"""The public surface is pinned: adding or removing a public name is a deliberate change."""
+
+import jaxckpt
+
+PUBLIC = {
+    "ArrayEntry", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
+    "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
+    "DtypeMismatchError", "GlobalSavePlan", "KeyMismatchError", "LoadPlan", "LoadPlanner",
+    "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",
+    "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem",
+    "metadata", "plan_cache_info", "restore", "save", "save_async",
+}  # fmt: skip
+
+
+def test_all_is_pinned():
+    assert set(jaxckpt.__all__) == PUBLIC
+
+
+def test_namespace_holds_only_all():
+    names = {n for n in vars(jaxckpt) if not n.startswith("_")}
+    assert names == PUBLIC
+
+
+def test_every_public_name_is_documented():
+    for name in PUBLIC:
+        assert getattr(jaxckpt, name).__doc__, name
+
+
+def test_errors_share_one_hierarchy():
+    for name in PUBLIC:
+        obj = getattr(jaxckpt, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, jaxckpt.CheckpointError), name

@@ -1,0 +1,169 @@
+"""The save planner: dedup, balance, validation and the plan cache."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mesh, put
+
+import jaxckpt
+from jaxckpt import _plan
+from jaxckpt._plan import WriteItem
+
+M42 = mesh((4, 2), ("data", "model"))
+
+
+def _state():
+    rng = np.random.default_rng(0)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    return {
+        "replicated": put(f(64, 32), M42),
+        "rows": put(f(64, 32), M42, "data", None),
+        "cols": put(f(64, 32), M42, None, "model"),
+        "grid": put(f(64, 32), M42, "data", "model"),
+        "host": f(10, 3),
+        "step": 5,
+    }
+
+
+def _chunk_payload_bytes(root) -> tuple[int, int]:
+    """(bytes of chunk data under arrays/, number of chunk files) — checksums excluded."""
+    arrays = root / "arrays"
+    files = [p for p in arrays.rglob("*") if p.is_file() and "/c/" in f"/{p.relative_to(arrays)}"]
+    return sum(p.stat().st_size for p in files) - 4 * len(files), len(files)
+
+
+def test_replicated_data_is_written_once(tmp_path):
+    state = _state()
+    unique = sum(x.nbytes for x in state.values() if hasattr(x, "nbytes"))
+    jaxckpt.save(tmp_path / "c", state)
+    payload, nfiles = _chunk_payload_bytes(tmp_path / "c")
+    assert payload == unique
+    assert nfiles == 1 + 4 + 2 + 8 + 1  # one chunk per distinct shard
+
+
+def _plan_for(tree, **kw):
+    planner = jaxckpt.DefaultSavePlanner(enable_plan_caching=False, **kw)
+    planner.set_up_planner(tree, process_index=0, process_count=1)
+    return planner.create_global_plan()
+
+
+def test_replicated_writes_are_balanced_across_devices():
+    tree = {f"r{i}": put(np.zeros((32, 32), np.float32), M42) for i in range(16)}
+    plan = _plan_for(tree)
+    per_device: dict = {}
+    for it in plan.items:
+        per_device[it.device] = per_device.get(it.device, 0) + it.nbytes
+    assert len(per_device) == 8 and len(set(per_device.values())) == 1  # 2 arrays each
+    lowest = _plan_for(tree, dedup="lowest")
+    assert {it.device for it in lowest.items} == {0}
+
+
+def test_partially_replicated_boxes_go_to_distinct_replicas():
+    tree = {"a": put(np.zeros((8, 4), np.float32), M42, "data", None)}
+    plan = _plan_for(tree)
+    assert len(plan.items) == 4
+    holders = {d.id: d for d in M42.devices.flat}
+    for it in plan.items:
+        assert it.device in holders
+
+
+def _arrays(shape=(4, 4), chunks=(2, 2)):
+    return {"w": (shape, "float32", chunks)}
+
+
+def _grid_items():
+    return [WriteItem("w", (i, j), (2, 2), "float32", 0, 0) for i in (0, 2) for j in (0, 2)]
+
+
+def test_validation_accepts_an_exact_tiling():
+    _plan.validate_plan(_grid_items(), _arrays())
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda items: items + [items[0]], "same chunk"),
+        (lambda items: items[:-1], "gap"),
+        (
+            lambda items: [dataclasses.replace(items[0], offsets=(4, 0))] + items[1:],
+            "out of bounds",
+        ),
+        (lambda items: [dataclasses.replace(items[0], dtype="int32")] + items[1:], "dtype int32"),
+        (lambda items: [dataclasses.replace(items[0], offsets=(1, 0))] + items[1:], "not aligned"),
+        (lambda items: items + [WriteItem("v", (0,), (1,), "float32", 0)], "not in the manifest"),
+    ],
+)
+def test_validation_rejects_bad_plans_naming_the_key(mutate, message):
+    with pytest.raises(jaxckpt.PlanValidationError, match=rf"key '[wv]'.*{message}"):
+        _plan.validate_plan(mutate(_grid_items()), _arrays())
+
+
+def test_validation_sweep_finds_overlap_of_multi_chunk_boxes():
+    big = WriteItem("w", (0, 0), (4, 2), "float32", 0)
+    items = [big, WriteItem("w", (2, 0), (2, 4), "float32", 0)]
+    with pytest.raises(jaxckpt.PlanValidationError, match="overlap"):
+        _plan.validate_plan(items, _arrays())
+    ok = [big, WriteItem("w", (0, 2), (4, 2), "float32", 0)]
+    _plan.validate_plan(ok, _arrays())
+
+
+def test_validation_error_is_truncated():
+    items = [WriteItem(f"k{i}", (0,), (9,), "float32", 0) for i in range(20)]
+    arrays = {f"k{i}": ((4,), "float32", (4,)) for i in range(20)}
+    with pytest.raises(jaxckpt.PlanValidationError, match=r"and 12 more") as e:
+        _plan.validate_plan(items, arrays)
+    assert len(str(e.value)) < 1200
+
+
+def test_custom_planner_with_bad_global_plan_is_rejected_before_writing(tmp_path):
+    class DropOne(jaxckpt.DefaultSavePlanner):
+        def create_global_plan(self):
+            plan = super().create_global_plan()
+            items = plan.items[1:]
+            arrays = {
+                k: (e.shape, e.dtype, e.chunks)
+                for k, e in plan.manifest.entries.items()
+                if isinstance(e, jaxckpt.ArrayEntry)
+            }
+            _plan.validate_plan(items, arrays)
+            return dataclasses.replace(plan, items=items)
+
+    with pytest.raises(jaxckpt.PlanValidationError, match="key 'grid'.*gap"):
+        jaxckpt.save(tmp_path / "c", {"grid": put(np.zeros((8, 4)), M42, "data", "model")},
+                     planner=DropOne(enable_plan_caching=False))  # fmt: skip
+    assert not (tmp_path / "c").exists()
+
+
+def test_second_save_of_same_state_skips_planning(tmp_path):
+    state = _state()
+    jaxckpt.save(tmp_path / "a", state)
+    before = jaxckpt.plan_cache_info()
+    state["step"] = 6  # Python values change between saves; they are not part of the key
+    state["grid"] = state["grid"] + 1
+    jaxckpt.save(tmp_path / "b", state)
+    after = jaxckpt.plan_cache_info()
+    assert after.hits == before.hits + 1 and after.misses == before.misses
+    back = jaxckpt.restore(tmp_path / "b")
+    assert back["step"] == 6
+    np.testing.assert_array_equal(back["grid"], state["grid"])
+    # A different sharding is a different plan.
+    state["grid"] = put(np.zeros((64, 32), np.float32), M42, "model", None)
+    jaxckpt.save(tmp_path / "c", state)
+    assert jaxckpt.plan_cache_info().misses == after.misses + 1
+
+
+def test_large_shards_are_split_into_bounded_chunks(tmp_path):
+    x = put(jnp.arange(64 * 1024, dtype=jnp.float32).reshape(64, 1024), M42, "data")
+    planner = jaxckpt.DefaultSavePlanner(max_chunk_bytes=16 * 1024)
+    jaxckpt.save(tmp_path / "c", {"x": x}, planner=planner)
+    entry = jaxckpt.metadata(tmp_path / "c").entries["x"]
+    assert entry.chunks == (4, 1024)  # 16 KiB chunks, 4 per shard
+    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "c")["x"], x)
+
+
+def test_chunk_shape_follows_shard_boundaries():
+    boxes = [((0, 0), (3, 5)), ((3, 0), (3, 5)), ((6, 0), (3, 5))]
+    assert _plan.chunk_shape((9, 5), boxes) == (3, 5)
+    assert _plan.chunk_shape((0, 5), [((0, 0), (0, 5))]) == (1, 5)
