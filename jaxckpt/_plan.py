@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -88,91 +89,32 @@ def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
     return tuple(offsets), tuple(sizes)
 
 
-def chunk_shape(shape: Sequence[int], boxes: Iterable[Box]) -> tuple[int, ...]:
-    """The largest regular chunk grid whose boundaries include every box boundary.
-
-    For the usual evenly divided shardings this is the shard shape, so each shard is exactly
-    one chunk and no two writers ever touch the same chunk.
-    """
-    chunks = [dim for dim in shape]
-    for offsets, sizes in boxes:
-        for d, (o, s) in enumerate(zip(offsets, sizes)):
-            chunks[d] = math.gcd(chunks[d], o)
-            if o + s != shape[d]:
-                chunks[d] = math.gcd(chunks[d], o + s)
-    return tuple(max(c, 1) for c in chunks)
+def chunk_shape(box: Sequence[int], itemsize: int, max_bytes: int) -> tuple[int, ...]:
+    """The chunk shape for shards of shape ``box``: the box itself, halved (outer dimensions
+    first) while it exceeds ``max_bytes``, so chunk boundaries stay shard boundaries."""
+    out = [max(int(b), 1) for b in box]
+    for d in range(len(out)):
+        while math.prod(out) * itemsize > max_bytes and out[d] % 2 == 0:
+            out[d] //= 2
+    return tuple(out)
 
 
-def split_box(box: Box, chunks: Sequence[int], shape: Sequence[int], max_bytes: int,
-              itemsize: int) -> list[Box]:  # fmt: skip
-    """Split ``box`` along chunk boundaries into pieces of at most ``max_bytes`` if possible."""
-    offsets, sizes = box
-    if math.prod(sizes) * itemsize <= max_bytes or not sizes:
-        return [box]
-    # Split the outermost dimension that spans more than one chunk.
-    for d, (o, s) in enumerate(zip(offsets, sizes)):
-        n = -(-s // chunks[d])
-        if n > 1:
-            cuts = range(o, o + s, chunks[d])
-            out: list[Box] = []
-            for c in cuts:
-                size = min(chunks[d], o + s - c)
-                sub = (offsets[:d] + (c,) + offsets[d + 1 :], sizes[:d] + (size,) + sizes[d + 1 :])
-                out.extend(split_box(sub, chunks, shape, max_bytes, itemsize))
-            return out
-    return [box]
-
-
-def assign_writers(
-    groups: Sequence[tuple[str, Box, str, Sequence[tuple[int, int | None]]]],
-    *,
-    lowest: bool = False,
-) -> list[WriteItem]:
-    """Pick one writer for each replicated box (the seed's ``dedup_save_plans``).
-
-    ``groups`` holds ``(key, box, dtype, holders)`` where ``holders`` lists the
-    ``(process, device)`` pairs that hold the box. The default gives each box to the holder
-    with the fewest bytes planned so far, largest boxes first, so replicated data is spread
-    across devices and hosts; ``lowest=True`` gives it to the lowest (process, device) instead.
-    Deterministic: every process computes the same answer from the same input.
-    """
-    load: dict[tuple[int, int | None], int] = {}
-    proc_load: dict[int, int] = {}
-    out: list[WriteItem] = []
-    order = sorted(range(len(groups)), key=lambda i: -_box_bytes(groups[i]))
-    for i in order:
-        key, (offsets, sizes), dtype, holders = groups[i]
-        if lowest:
-            proc, dev = min(holders, key=_holder_order)
-        else:
-            proc, dev = min(
-                holders, key=lambda h: (load.get(h, 0), proc_load.get(h[0], 0), _holder_order(h))
-            )
-        item = WriteItem(key, offsets, sizes, dtype, proc, dev)
-        load[(proc, dev)] = load.get((proc, dev), 0) + item.nbytes
-        proc_load[proc] = proc_load.get(proc, 0) + item.nbytes
-        out.append(item)
-    out.sort(key=lambda it: (it.key, it.offsets))
+def chunk_boxes(offsets: Sequence[int], sizes: Sequence[int], chunks: Sequence[int]) -> list[Box]:
+    """Split a chunk-aligned box into its chunks (row-major)."""
+    ranges = [
+        range(o, o + s, c) if s else range(o, o + 1) for o, s, c in zip(offsets, sizes, chunks)
+    ]
+    out = []
+    for corner in itertools.product(*ranges):
+        size = tuple(min(c, o + s - k) for k, o, s, c in zip(corner, offsets, sizes, chunks))
+        out.append((tuple(corner), size))
     return out
-
-
-def _holder_order(h: tuple[int, int | None]) -> tuple[int, int]:
-    return (h[0], -1 if h[1] is None else h[1])
-
-
-def _box_bytes(group) -> int:
-    _, (_, sizes), dtype, _ = group
-    return math.prod(sizes) * np.dtype(_np_dtype(dtype)).itemsize
 
 
 def validate_plan(
     items: Iterable[WriteItem], arrays: dict[str, tuple[tuple[int, ...], str, tuple[int, ...]]]
 ) -> None:
-    """Check a global plan: bounds, chunk alignment, no overlaps, full coverage, one dtype.
-
-    ``arrays`` maps each key to ``(shape, dtype, chunks)``. Overlaps are found with a sweep
-    along the first dimension (O(n log n) for the boxes of a grid); full coverage follows from
-    no overlap plus equal volume.
+    """Check a list of write items against ``arrays`` (key -> ``(shape, dtype, chunks)``).
 
     Raises:
         PlanValidationError: naming each bad key, truncated after a few.
@@ -180,11 +122,24 @@ def validate_plan(
     by_key: dict[str, list[WriteItem]] = {}
     for it in items:
         by_key.setdefault(it.key, []).append(it)
-    errors: list[str] = []
-    for key in by_key.keys() - arrays.keys():
-        errors.append(f"key {key!r}: written but not in the manifest")
+    errors = [f"key {k!r}: written but not in the manifest" for k in by_key.keys() - arrays.keys()]
     for key, (shape, dtype, chunks) in arrays.items():
-        errors.extend(_check_key(key, shape, dtype, chunks, by_key.get(key, [])))
+        mine = by_key.get(key, [])
+        errors += [
+            f"key {key!r}: item dtype {i.dtype} differs from {dtype}"
+            for i in mine
+            if i.dtype != dtype
+        ]
+        if any(len(i.offsets) != len(shape) or len(i.sizes) != len(shape) for i in mine):
+            errors.append(f"key {key!r}: a box has the wrong rank for shape {shape}")
+            continue
+        offsets = np.array([i.offsets for i in mine], np.int64).reshape(len(mine), len(shape))
+        sizes = np.array([i.sizes for i in mine], np.int64).reshape(len(mine), len(shape))
+        errors += check_boxes(key, shape, chunks, offsets, sizes)
+    raise_if(errors)
+
+
+def raise_if(errors: list[str]) -> None:
     if errors:
         summary = "; ".join(errors[:8])
         more = f" (and {len(errors) - 8} more)" if len(errors) > 8 else ""
@@ -194,78 +149,81 @@ def validate_plan(
         )
 
 
-def _check_key(key, shape, dtype, chunks, items: list[WriteItem]) -> list[str]:
-    errors = []
-    for it in items:
-        if it.dtype != dtype:
-            errors.append(f"key {key!r}: item dtype {it.dtype} differs from {dtype}")
-        if len(it.offsets) != len(shape) or len(it.sizes) != len(shape):
-            errors.append(f"key {key!r}: box {it.offsets}/{it.sizes} has the wrong rank")
-            return errors
-        for o, s, dim, c in zip(it.offsets, it.sizes, shape, chunks):
-            if o < 0 or s < 0 or o + s > dim:
-                errors.append(
-                    f"key {key!r}: box at {it.offsets} size {it.sizes} is out of bounds {shape}"
-                )
-                break
-            if o % c or ((o + s) % c and o + s != dim):
-                errors.append(
-                    f"key {key!r}: box at {it.offsets} size {it.sizes} is not aligned to chunks {chunks}"
-                )
-                break
-    if errors:
-        return errors
-    if shape and math.prod(shape) == 0:
-        return errors
-    cells = [_cell(it, chunks, shape) for it in items]
-    if all(c is not None for c in cells):  # the usual case: one chunk per box, checked as a grid
-        if len(set(cells)) != len(cells):
-            errors.append(f"key {key!r}: two boxes write the same chunk (overlap)")
-        elif len(cells) != math.prod(-(-d // c) for d, c in zip(shape, chunks)):
-            errors.append(f"key {key!r}: boxes cover {len(cells)} chunks of the grid (a gap)")
-        return errors
-    # Sweep along dim 0: keep boxes whose extent along dim 0 is still open.
-    ordered = sorted(items, key=lambda it: it.offsets)
-    active: list[tuple[int, int]] = []  # (end along dim 0, index)
-    for i, it in enumerate(ordered):
-        start = it.offsets[0] if shape else 0
-        cut = bisect.bisect_right(active, (start, len(ordered)))
-        del active[:cut]
-        for _, j in active:
-            if _overlap(it, ordered[j]):
-                errors.append(
-                    f"key {key!r}: boxes at {it.offsets} and {ordered[j].offsets} overlap"
-                )
-                break
-        bisect.insort(active, ((it.offsets[0] + it.sizes[0]) if shape else 1, i))
-    volume = sum(math.prod(it.sizes) for it in items)
-    if not errors and volume != math.prod(shape):
-        errors.append(f"key {key!r}: boxes cover {volume} of {math.prod(shape)} elements (a gap)")
-    return errors
+def check_boxes(key: str, shape: Sequence[int], chunks: Sequence[int], offsets: np.ndarray,
+                sizes: np.ndarray) -> list[str]:  # fmt: skip
+    """Bounds, chunk alignment, no overlap and full coverage of one array's boxes.
+
+    Vectorized. Boxes on a regular grid (the usual case) are checked as a grid in O(n): each
+    cell counted once. Other boxes go through a sweep along dimension 0, O(n log n) for
+    non-pathological layouts; with no overlap, equal volume means full coverage.
+    """
+    shape_a = np.array(shape, np.int64)
+    chunks_a = np.array(chunks, np.int64)
+    ends = offsets + sizes
+    if (offsets < 0).any() or (sizes < 0).any() or (ends > shape_a).any():
+        i = int(np.argmax((offsets < 0).any(1) | (sizes < 0).any(1) | (ends > shape_a).any(1)))
+        return [
+            f"key {key!r}: box at {tuple(offsets[i])} size {tuple(sizes[i])} is out of bounds {tuple(shape)}"
+        ]
+    if math.prod(shape) == 0:
+        return []
+    if len(offsets) == 0:
+        return [f"key {key!r}: no box covers it (a gap)"]
+    box = sizes.max(0)
+    if (box > 0).all():
+        cell = offsets // box
+        if (cell * box == offsets).all() and (sizes == np.minimum(box, shape_a - offsets)).all():
+            return _check_grid(key, shape_a, chunks_a, box, cell)
+    misaligned = (offsets % chunks_a != 0).any(1) | (
+        (ends % chunks_a != 0) & (ends != shape_a)
+    ).any(1)
+    if misaligned.any():
+        i = int(np.argmax(misaligned))
+        return [_misaligned(key, offsets[i], sizes[i], chunks)]
+    return _sweep(key, shape, offsets, sizes)
 
 
-def _cell(it: WriteItem, chunks, shape) -> tuple[int, ...] | None:
-    """The grid cell of a box that is exactly one chunk, else ``None``."""
-    for o, s, c, dim in zip(it.offsets, it.sizes, chunks, shape):
-        if s != min(c, dim - o):
-            return None
-    return tuple(o // c for o, c in zip(it.offsets, chunks))
+def _misaligned(key: str, offsets, sizes, chunks) -> str:
+    return f"key {key!r}: box at {tuple(offsets)} size {tuple(sizes)} is not aligned to chunks {tuple(chunks)}"
 
 
-def _overlap(a: WriteItem, b: WriteItem) -> bool:
-    return all(
-        ao < bo + bs and bo < ao + as_
-        for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+def _check_grid(
+    key: str, shape: np.ndarray, chunks: np.ndarray, box: np.ndarray, cell: np.ndarray
+) -> list[str]:
+    # Boxes of one size on multiples of it: aligned to chunks iff the box size is.
+    if ((box % chunks != 0) & (box < shape)).any():
+        return [_misaligned(key, cell[0] * box, box, chunks)]
+    grid = -(-shape // box)
+    cells = (
+        np.ravel_multi_index(tuple(cell.T), tuple(grid))
+        if len(shape)
+        else np.zeros(len(cell), np.int64)
     )
+    counts = np.bincount(cells, minlength=math.prod(grid.tolist()))
+    if (counts > 1).any():
+        return [f"key {key!r}: two boxes write the same chunk (overlap)"]
+    if (counts == 0).any():
+        return [
+            f"key {key!r}: boxes cover {int((counts > 0).sum())} of {len(counts)} cells of the grid (a gap)"
+        ]
+    return []
 
 
-def intersect(a: Box, b: Box) -> Box | None:
-    """The intersection of two boxes, or ``None`` when they do not meet."""
-    offsets, sizes = [], []
-    for ao, as_, bo, bs in zip(*a, *b):
-        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
+def _sweep(key: str, shape, offsets: np.ndarray, sizes: np.ndarray) -> list[str]:
+    order = np.lexsort(offsets.T[::-1]) if len(shape) else np.arange(len(offsets))
+    active: list[tuple[int, int]] = []  # (end along dim 0, index), sorted
+    for i in order.tolist():
+        start = int(offsets[i, 0]) if len(shape) else 0
+        del active[: bisect.bisect_right(active, (start, len(order)))]
+        for _, j in active:
+            if (offsets[i] < offsets[j] + sizes[j]).all() and (
+                offsets[j] < offsets[i] + sizes[i]
+            ).all():
+                return [
+                    f"key {key!r}: boxes at {tuple(offsets[i])} and {tuple(offsets[j])} overlap"
+                ]
+        bisect.insort(active, (int(offsets[i, 0] + sizes[i, 0]) if len(shape) else 1, i))
+    volume = int(np.prod(sizes, axis=1).sum())
+    if volume != math.prod(shape):
+        return [f"key {key!r}: boxes cover {volume} of {math.prod(shape)} elements (a gap)"]
+    return []

@@ -18,30 +18,95 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _manifest, _tree
+from jaxckpt import _layout, _manifest, _tree
 from jaxckpt._errors import UnsupportedLeafError
 from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._plan import (
     SavePlan,
     WriteItem,
-    assign_writers,
+    check_boxes,
+    chunk_boxes,
     chunk_shape,
     index_to_box,
-    split_box,
-    validate_plan,
+    raise_if,
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArrayPlan:
+    """Who writes which box of one array: one row per shard box (compact at any scale).
+
+    ``offsets[b]`` is box ``b``'s corner (every box has ``entry``'s shard shape ``box``, clipped
+    at the array's end); ``process[b]``/``device[b]`` its writer (device ``-1``: a host array).
+    Each box is written as the chunks it covers.
+    """
+
+    entry: ArrayEntry
+    box: tuple[int, ...]
+    offsets: np.ndarray
+    process: np.ndarray
+    device: np.ndarray
+
+    def sizes(self) -> np.ndarray:
+        return np.minimum(
+            np.array(self.box, np.int64), np.array(self.entry.shape, np.int64) - self.offsets
+        )
+
+    def items(self, process: int | None = None) -> list[WriteItem]:
+        """The write items (one per chunk) of ``process``, or of every process."""
+        rows = (
+            range(len(self.offsets)) if process is None else np.flatnonzero(self.process == process)
+        )
+        sizes = self.sizes()
+        e = self.entry
+        out = []
+        for b in rows:
+            dev = int(self.device[b])
+            for offsets, size in chunk_boxes(self.offsets[b].tolist(), sizes[b].tolist(), e.chunks):
+                out.append(
+                    WriteItem(
+                        e.key,
+                        offsets,
+                        size,
+                        e.dtype,
+                        int(self.process[b]),
+                        None if dev < 0 else dev,
+                    )
+                )
+        return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class GlobalSavePlan:
     """Every process's writes plus the manifest they commit; identical on every process."""
 
     manifest: Manifest
-    items: tuple[WriteItem, ...]
+    arrays: tuple[ArrayPlan, ...]
     digest: str
 
+    @property
+    def items(self) -> tuple[WriteItem, ...]:
+        """Every write item of every process (materialised; for inspection and tests)."""
+        return tuple(i for a in self.arrays for i in a.items())
+
     def for_process(self, process: int) -> SavePlan:
-        return SavePlan(tuple(i for i in self.items if i.process == process))
+        return SavePlan(tuple(i for a in self.arrays for i in a.items(process)))
+
+
+def validate_global_plan(plan: GlobalSavePlan) -> None:
+    """Check every array plan tiles its array exactly once along its chunk grid.
+
+    Raises:
+        PlanValidationError: naming the bad keys.
+    """
+    errors: list[str] = []
+    for a in plan.arrays:
+        e = a.entry
+        errors += check_boxes(e.key, e.shape, e.chunks, a.offsets, a.sizes())
+    missing = {k for k, v in plan.manifest.entries.items() if isinstance(v, ArrayEntry)}
+    missing -= {a.entry.key for a in plan.arrays}
+    errors += [f"key {k!r}: no boxes planned (a gap)" for k in sorted(missing)]
+    raise_if(errors)
 
 
 class SavePlanner(abc.ABC):
@@ -242,11 +307,14 @@ def create_global_save_plan(
     max_chunk_bytes: int = 64 << 20,
     process_count: int = 1,
 ) -> GlobalSavePlan:
-    """The default global plan: chunk grids, deduplicated balanced writers, the manifest."""
+    """The default global plan: chunk grids, deduplicated balanced writers, the manifest.
+
+    Arrays are assigned largest shard first (the seed's greedy, by bytes); see
+    :class:`jaxckpt._layout.Balancer`.
+    """
     prng = prng or {}
     entries: dict[str, Any] = {}
-    groups = []
-    arrays = {}
+    layouts = {}
     taken: set[str] = set()
     for key, leaf in leaves.items():
         if not _is_array(leaf):
@@ -254,45 +322,47 @@ def create_global_save_plan(
             continue
         shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
         if isinstance(leaf, jax.Array):
-            holders: dict = collections.defaultdict(list)
-            for dev, index in leaf.sharding.devices_indices_map(shape).items():
-                holders[index_to_box(index, shape)].append((dev.process_index, dev.id))
+            lay = _layout.layout(shape, leaf.sharding)
             sharding = str(leaf.sharding)
-        else:  # a host array: every process holds it
-            holders = {((0,) * len(shape), shape): [(p, None) for p in range(process_count)]}
-            sharding = None
-        chunks = chunk_shape(shape, holders)
-        chunks = _limit_chunk(chunks, dtype.itemsize, max_chunk_bytes)
+        else:
+            lay, sharding = _layout.host_layout(shape, process_count), None
+        layouts[key] = lay
         entries[key] = ArrayEntry(
             key=key, shape=shape, dtype=dtype.name, storage_dtype=_manifest.storage_dtype_name(dtype),
-            chunks=chunks, path=storage_name(key, taken), prng_impl=prng.get(key), sharding=sharding,
+            chunks=chunk_shape(lay.box, dtype.itemsize, max_chunk_bytes),
+            path=storage_name(key, taken), prng_impl=prng.get(key), sharding=sharding,
         )  # fmt: skip
-        arrays[key] = (shape, dtype.name, chunks)
-        for box, hs in holders.items():
-            for sub in split_box(box, chunks, shape, 0, dtype.itemsize):  # one item per chunk
-                groups.append((key, sub, dtype.name, hs))
-    items = assign_writers(groups, lowest=lowest)
-    validate_plan(items, arrays)
+    balancer = _layout.Balancer(lowest=lowest)
+    arrays = {}
+    by_size = sorted(
+        layouts,
+        key=lambda k: (
+            -math.prod(layouts[k].box) * entries[k].nbytes // max(math.prod(entries[k].shape), 1)
+        ),
+    )
+    for key in by_size:
+        lay = layouts[key]
+        e = entries[key]
+        writers = balancer.assign(
+            lay, math.prod(lay.box) * _manifest.dtype_from_name(e.dtype).itemsize
+        )
+        arrays[key] = ArrayPlan(
+            e, lay.box, lay.offsets, lay.processes[writers], lay.device_ids[writers]
+        )
     created = {"jax": jax.__version__, "jaxckpt": _version(), "process_count": process_count}
     manifest = Manifest(tree=tree, entries=entries, created=created)
-    h = hashlib.sha256(
-        repr(
-            [
-                (e.key, getattr(e, "chunks", None), getattr(e, "path", None))
-                for e in entries.values()
-            ]
-        ).encode()
-    )
-    h.update(repr([(i.key, i.offsets, i.sizes, i.process, i.device) for i in items]).encode())
-    return GlobalSavePlan(manifest=manifest, items=tuple(items), digest=h.hexdigest()[:16])
+    ordered = tuple(arrays[k] for k in layouts)
+    plan = GlobalSavePlan(manifest=manifest, arrays=ordered, digest=_digest(manifest, ordered))
+    validate_global_plan(plan)
+    return plan
 
 
-def _limit_chunk(chunks: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
-    out = list(chunks)
-    for d in range(len(out)):
-        while math.prod(out) * itemsize > max_bytes and out[d] % 2 == 0:
-            out[d] //= 2
-    return tuple(out)
+def _digest(manifest: Manifest, arrays: tuple[ArrayPlan, ...]) -> str:
+    h = hashlib.sha256(manifest.to_json())
+    for a in arrays:
+        for part in (a.offsets, a.process, a.device):
+            h.update(np.ascontiguousarray(part).tobytes())
+    return h.hexdigest()[:16]
 
 
 def _version() -> str:

@@ -10,6 +10,7 @@ from helpers import mesh, put
 import jaxckpt
 from jaxckpt import _plan
 from jaxckpt._plan import WriteItem
+from jaxckpt._save_planner import validate_global_plan
 
 M42 = mesh((4, 2), ("data", "model"))
 
@@ -121,14 +122,13 @@ def test_custom_planner_with_bad_global_plan_is_rejected_before_writing(tmp_path
     class DropOne(jaxckpt.DefaultSavePlanner):
         def create_global_plan(self):
             plan = super().create_global_plan()
-            items = plan.items[1:]
-            arrays = {
-                k: (e.shape, e.dtype, e.chunks)
-                for k, e in plan.manifest.entries.items()
-                if isinstance(e, jaxckpt.ArrayEntry)
-            }
-            _plan.validate_plan(items, arrays)
-            return dataclasses.replace(plan, items=items)
+            a = plan.arrays[0]
+            short = dataclasses.replace(
+                a, offsets=a.offsets[1:], process=a.process[1:], device=a.device[1:]
+            )
+            plan = dataclasses.replace(plan, arrays=(short,))
+            validate_global_plan(plan)
+            return plan
 
     with pytest.raises(jaxckpt.PlanValidationError, match="key 'grid'.*gap"):
         jaxckpt.save(tmp_path / "c", {"grid": put(np.zeros((8, 4)), M42, "data", "model")},
@@ -163,7 +163,8 @@ def test_large_shards_are_split_into_bounded_chunks(tmp_path):
     np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "c")["x"], x)
 
 
-def test_chunk_shape_follows_shard_boundaries():
-    boxes = [((0, 0), (3, 5)), ((3, 0), (3, 5)), ((6, 0), (3, 5))]
-    assert _plan.chunk_shape((9, 5), boxes) == (3, 5)
-    assert _plan.chunk_shape((0, 5), [((0, 0), (0, 5))]) == (1, 5)
+def test_chunk_shape_is_the_shard_halved_to_the_limit():
+    assert _plan.chunk_shape((3, 5), 4, 1 << 20) == (3, 5)
+    assert _plan.chunk_shape((64, 1024), 4, 16 * 1024) == (4, 1024)
+    assert _plan.chunk_shape((0, 5), 4, 1 << 20) == (1, 5)
+    assert _plan.chunk_boxes((4, 0), (4, 5), (2, 5)) == [((4, 0), (2, 5)), ((6, 0), (2, 5))]
