@@ -151,17 +151,18 @@ def select(keys: list[str], wanted: list[str] | None) -> list[str]:
         return list(keys)
     if isinstance(wanted, str):
         wanted = [wanted]
-    out = []
-    for k in keys:
-        if any(k == w or k.startswith(w.rstrip(SEP) + SEP) or w == "" for w in wanted):
-            out.append(k)
-    unmatched = [
-        w for w in wanted if not any(k == w or k.startswith(w.rstrip(SEP) + SEP) for k in keys)
-    ]
+    hit = {w: [k for k in keys if _matches(k, w)] for w in wanted}
+    unmatched = [w for w, ks in hit.items() if not ks]
     if unmatched:
         raise KeyMismatchError(
             f"keys={unmatched!r} match no key in the checkpoint. Saved keys start with: "
             f"{sorted({k.split(SEP)[0] for k in keys})[:10]!r}. Use `jaxckpt inspect PATH` to "
             f"list them."
         )
-    return out
+    chosen = {k for ks in hit.values() for k in ks}
+    return [k for k in keys if k in chosen]
+
+
+def _matches(key: str, wanted: str) -> bool:
+    prefix = wanted.rstrip(SEP)
+    return key == wanted or not prefix or key.startswith(prefix + SEP)

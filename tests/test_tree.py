@@ -1,0 +1,64 @@
+"""Pytree flattening: stable key paths, None kept, structure rebuilt without a target."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_equal
+
+import jaxckpt
+from jaxckpt import _tree
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=["name"])
+@dataclasses.dataclass
+class Dense:
+    w: jax.Array
+    b: jax.Array | None
+    name: str = "dense"
+
+
+def test_key_paths_are_stable_strings():
+    tree = {"params": [Dense(jnp.ones(2), None), {"x": 1}], "opt": (jnp.zeros(1),)}
+    keys, leaves, _ = _tree.flatten_with_treedef(tree)
+    assert keys == ["opt/0", "params/0/w", "params/0/b", "params/1/x"]
+    assert leaves[2] is None
+
+
+def test_custom_nodes_round_trip_with_target_and_as_dicts_without(tmp_path):
+    tree = {"layers": [Dense(jnp.arange(3.0), jnp.ones(3)), Dense(jnp.ones((2, 2)), None, "head")]}
+    jaxckpt.save(tmp_path / "c", tree)
+    back = jaxckpt.restore(tmp_path / "c", tree)
+    assert isinstance(back["layers"][1], Dense) and back["layers"][1].name == "head"
+    assert back["layers"][1].b is None
+    assert_tree_equal(back, tree)
+    host = jaxckpt.restore(tmp_path / "c")
+    assert set(host["layers"][0]) == {"w", "b"} and host["layers"][1]["b"] is None
+    np.testing.assert_array_equal(host["layers"][0]["w"], np.arange(3.0))
+
+
+def test_int_dict_keys_and_nested_empty_containers(tmp_path):
+    tree = {"by_id": {3: jnp.ones(1), 10: jnp.zeros(1)}, "e": [(), {}], "t": ()}
+    jaxckpt.save(tmp_path / "c", tree)
+    back = jaxckpt.restore(tmp_path / "c")
+    assert set(back["by_id"]) == {3, 10} and back["e"] == [(), {}] and back["t"] == ()
+
+
+def test_structure_is_json_and_unflatten_drops_unselected():
+    tree = {"a": [1, 2], "b": {"c": 3}}
+    node = _tree.structure(tree)
+    assert _tree.unflatten(node, {"a/0": 1, "a/1": 2, "b/c": 3}) == tree
+    assert _tree.unflatten(node, {"b/c": 3}) == {"b": {"c": 3}}
+    assert _tree.unflatten(node, {"a/1": 2}) == {"a": {"1": 2}}
+
+
+def test_select_matches_exact_keys_and_prefixes():
+    keys = ["params/w", "params/b", "paramsx", "opt/0"]
+    assert _tree.select(keys, ["params"]) == ["params/w", "params/b"]
+    assert _tree.select(keys, "params/w") == ["params/w"]
+    assert _tree.select(keys, None) == keys
+    with pytest.raises(jaxckpt.KeyMismatchError, match="'nope'"):
+        _tree.select(keys, ["params", "nope"])
