@@ -1,0 +1,395 @@
+"""The ``jaxckpt`` command line: inspect, verify, ls and export checkpoints.
+
+A thin layer over :func:`jaxckpt.metadata` and storage reading; it never touches a device.
+Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exporting),
+2 a usage error or a path that holds no checkpoint (one line on stderr, no traceback)::
+
+    jaxckpt inspect PATH [--json]          keys, shapes, dtypes, chunk grids, bytes
+    jaxckpt verify PATH                    read every chunk, check every checksum
+    jaxckpt ls DIR [--all] [--json]        the checkpoints (steps) in a directory
+    jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import zipfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from jaxckpt import _storage, _tree
+from jaxckpt._api import metadata
+from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
+from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry, dtype_from_name
+from jaxckpt._plan import ReadItem
+
+# safetensors dtype names; other dtypes are skipped with a message.
+_SAFETENSORS = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
+    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64", "float16": "F16",
+    "bfloat16": "BF16", "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}  # fmt: skip
+_VERIFY_THREADS = 8
+
+
+class UsageError(Exception):
+    """A mistake on the command line: exit status 2, the message on one line."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxckpt, tempfile
+      >>> d = tempfile.mkdtemp() + "/c"
+      >>> jaxckpt.save(d, {"w": jnp.zeros((4, 2))})
+      >>> from jaxckpt._cli import main
+      >>> main(["verify", d])  # doctest: +ELLIPSIS
+      OK: ...
+      0
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or argparse's own usage error (already printed)
+        return int(e.code or 0)
+    try:
+        return args.run(args)
+    except (UsageError, CheckpointError, OSError) as e:
+        code = 1 if isinstance(e, (CorruptChunkError, ManifestError)) else 2
+        print(f"jaxckpt {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print(f"jaxckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxckpt",
+        description="Inspect, verify, list and export jaxckpt checkpoints. PATH may be a local "
+        "directory or a file://, memory://, s3:// or gs:// URL.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("inspect", help="keys, shapes, dtypes, chunk grids and bytes")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("--json", action="store_true", help="print the listing as JSON")
+    c.set_defaults(run=_inspect)
+    c = sub.add_parser("verify", help="read every chunk and check its checksum")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr")
+    c.set_defaults(run=_verify)
+    c = sub.add_parser("ls", help="the checkpoints (e.g. steps) in a directory")
+    c.add_argument("path", metavar="DIR")
+    c.add_argument("--all", action="store_true", help="include hidden (temporary) directories")
+    c.add_argument("--json", action="store_true", help="print the listing as JSON")
+    c.set_defaults(run=_ls)
+    c = sub.add_parser("export", help="copy arrays to OUT.safetensors or OUT.npz on this host")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("out", metavar="OUT", type=Path)
+    c.add_argument("--keys", nargs="+", metavar="KEY", help="only these keys or key prefixes")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr")
+    c.set_defaults(run=_export)
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+class _Progress:
+    """``\\r``-updated status on stderr, when it is a terminal or asked for."""
+
+    def __init__(self, label: str, total: int, enabled: bool, stream: TextIO) -> None:
+        self.label, self.total, self.done, self.stream = label, total, 0, stream
+        self.enabled = enabled or stream.isatty()
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        if self.enabled:
+            self.stream.write(f"\r{self.label}: {self.done}/{self.total} {what}"[:120].ljust(60))
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+
+
+# inspect ------------------------------------------------------------------------------------
+
+
+def _entry_json(e: ArrayEntry | ValueEntry) -> dict:
+    if isinstance(e, ValueEntry):
+        return {"key": e.key, "kind": "value", "value": e.value}
+    return {"key": e.key, "kind": "array", "shape": list(e.shape), "dtype": e.dtype,
+            "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "grid": list(e.grid),
+            "nbytes": e.nbytes, "path": e.path, "checksum": e.checksum,
+            "prng_impl": e.prng_impl, "sharding": e.sharding}  # fmt: skip
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    m = metadata(args.path)
+    arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
+    total = sum(e.nbytes for e in arrays)
+    if args.json:
+        doc = {"path": args.path, "version": m.version, "created": m.created,
+               "arrays": len(arrays), "values": len(m.entries) - len(arrays), "nbytes": total,
+               "entries": [_entry_json(e) for e in m.entries.values()]}  # fmt: skip
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"{args.path}: {len(arrays)} arrays ({_bytes(total)}), "
+          f"{len(m.entries) - len(arrays)} values, format v{m.version}")  # fmt: skip
+    rows = list(_tree_rows(m))
+    width = max((len(r[0]) for r in rows), default=0)
+    for name, cols in rows:
+        print(f"{name:<{width}}  {cols}".rstrip() if cols else name)
+    return 0
+
+
+def _tree_rows(m: Manifest) -> Iterator[tuple[str, str]]:
+    """(indented name, description) for each directory and entry, in saved order."""
+    shown: tuple[str, ...] = ()
+    for key, e in m.entries.items():
+        parts = key.split(_tree.SEP) if key else ["<root>"]
+        parents = tuple(parts[:-1])
+        common = 0
+        while common < min(len(shown), len(parents)) and shown[common] == parents[common]:
+            common += 1
+        for depth in range(common, len(parents)):
+            yield "  " * depth + parents[depth] + "/", ""
+        shown = parents
+        yield "  " * len(parents) + parts[-1], _describe(e)
+
+
+def _describe(e: ArrayEntry | ValueEntry) -> str:
+    if isinstance(e, ValueEntry):
+        return f"= {e.value!r}"
+    shape = ",".join(map(str, e.shape))
+    grid = "x".join(map(str, e.grid)) or "1"
+    chunk = ",".join(map(str, e.chunks))
+    dtype = f"key<{e.prng_impl}>:{e.dtype}" if e.prng_impl else e.dtype
+    cols = [f"{dtype}[{shape}]", f"chunks {grid} of [{chunk}]", _bytes(e.nbytes)]
+    if e.sharding:
+        cols.append(e.sharding)
+    return "  ".join(cols)
+
+
+# verify -------------------------------------------------------------------------------------
+
+
+def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
+    for idx in np.ndindex(*e.grid):
+        offsets = tuple(i * c for i, c in zip(idx, e.chunks))
+        sizes = tuple(min(c, s - o) for c, s, o in zip(e.chunks, e.shape, offsets))
+        yield idx, ReadItem(e.key, offsets, sizes)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    m = metadata(args.path)  # a damaged manifest raises ManifestError: exit 1
+    loc = _storage.Location(args.path)
+    reader = _storage.Reader(loc)
+    arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
+    jobs = [(e, idx, item) for e in arrays for idx, item in _chunk_items(e)]
+    progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
+
+    def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
+        e, idx, item = job
+        try:
+            for _ in reader.read(m.entries, [item]):
+                pass
+        except CorruptChunkError as err:
+            msg = _one_line(err)
+            for what in ("fails its checksum", "is missing"):
+                if what in msg:
+                    return what
+            return msg
+        return None
+
+    damaged: dict[str, list[str]] = {}
+    with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
+        for (e, idx, _), problem in zip(jobs, pool.map(check, jobs)):
+            progress.step(e.key)
+            if problem is None:
+                continue
+            if "cannot be opened" in problem:  # the array's zarr.json: say it once
+                if e.key not in damaged:
+                    print(f"DAMAGED {e.key} (every chunk): {problem}")
+            else:
+                where = "/".join(["c", *map(str, idx)])
+                print(
+                    f"DAMAGED {e.key} chunk ({','.join(map(str, idx))}) at {e.path}/{where}: {problem}"
+                )
+            damaged.setdefault(e.key, []).append(",".join(map(str, idx)))
+    progress.close()
+    nbytes = sum(e.nbytes for e in arrays)
+    if not damaged:
+        print(f"OK: {args.path}: {len(arrays)} arrays, {len(jobs)} chunks, {_bytes(nbytes)} "
+              f"read, every checksum matches")  # fmt: skip
+        return 0
+    bad = "; ".join(f"{k} ({len(v)}: {' '.join(f'({c})' for c in v[:20])})"
+                    for k, v in damaged.items())  # fmt: skip
+    print(f"DAMAGED: {args.path}: {sum(map(len, damaged.values()))} of {len(jobs)} chunks in "
+          f"{len(damaged)} of {len(arrays)} arrays: {bad}. Restore an earlier checkpoint, or "
+          f"restore the undamaged keys with jaxckpt.restore(..., keys=[...]).")  # fmt: skip
+    return 1
+
+
+# ls -----------------------------------------------------------------------------------------
+
+
+def _ls(args: argparse.Namespace) -> int:
+    loc = _storage.Location(args.path)
+    if _storage.exists(loc):
+        raise UsageError(f"{args.path} is itself a checkpoint, not a directory of them: "
+                         f"`jaxckpt inspect {args.path}` shows what it holds.")  # fmt: skip
+    found = [(n, ok) for n, ok in _storage.children(loc) if args.all or not n.startswith(".")]
+    rows = []
+    for name, committed in found:
+        child = loc.join(name)
+        rows.append({"name": name, "committed": committed, "nbytes": _size(child, committed)})
+    if args.json:
+        print(json.dumps({"path": args.path, "entries": rows}, indent=1))
+        return 0
+    if not rows:
+        print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)
+        return 0
+    width = max(4, *(len(r["name"]) for r in rows))
+    print(f"{'NAME':<{width}}  {'STATUS':<10}  SIZE")
+    for r in rows:
+        status = "committed" if r["committed"] else "incomplete"
+        size = "?" if r["nbytes"] is None else _bytes(r["nbytes"])
+        print(f"{r['name']:<{width}}  {status:<10}  {size}")
+    return 0
+
+
+def _size(loc: _storage.Location, committed: bool) -> int | None:
+    """Bytes on disk (local), or the arrays' bytes from the manifest (object stores)."""
+    if loc.local is not None:
+        return sum(f.stat().st_size for f in loc.local.rglob("*") if f.is_file())
+    if not committed:
+        return None
+    m = Manifest.from_json(_storage.read_manifest(loc), where=f"{loc}/{MANIFEST}")
+    return sum(e.nbytes for e in m.entries.values() if isinstance(e, ArrayEntry))
+
+
+# export -------------------------------------------------------------------------------------
+
+
+def _export(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    kind = out.suffix.lower()
+    if kind not in (".safetensors", ".npz"):
+        raise UsageError(f"{out}: OUT must end in .safetensors or .npz (the format to write).")
+    if out.exists() and not args.force:
+        raise UsageError(f"{out} exists: pass --force to replace it, or choose another name.")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out}: directory {out.parent} does not exist; create it first.")
+    m = metadata(args.path)
+    keys = _tree.select(list(m.entries), args.keys)
+    arrays, values, skipped = [], {}, []
+    for k in keys:
+        e = m.entries[k]
+        if isinstance(e, ValueEntry):
+            values[k] = e.value
+        elif _exportable(e, kind):
+            arrays.append(e)
+        else:
+            skipped.append(f"{k} ({e.dtype})")
+    if skipped:
+        hint = " (.safetensors holds bfloat16 and float8)" if kind == ".npz" else ""
+        print(f"jaxckpt export: skipped {len(skipped)} arrays {kind} cannot hold{hint}: "
+              f"{', '.join(skipped)}", file=sys.stderr)  # fmt: skip
+    reader = _storage.Reader(_storage.Location(args.path))
+    progress = _Progress("export", len(arrays), args.progress, sys.stderr)
+
+    def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:
+        for e in arrays:
+            item = ReadItem(e.key, (0,) * len(e.shape), e.shape)
+            for _, a in reader.read(m.entries, [item]):
+                progress.step(e.key)
+                yield e, a
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if kind == ".npz":
+            _write_npz(tmp, data(), values)
+        else:
+            _write_safetensors(tmp, arrays, data(), values)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        progress.close()
+    print(f"wrote {out}: {len(arrays)} arrays, {_bytes(sum(e.nbytes for e in arrays))}")
+    return 0
+
+
+def _exportable(e: ArrayEntry, kind: str) -> bool:
+    if kind == ".safetensors":
+        return e.dtype in _SAFETENSORS
+    return dtype_from_name(e.dtype).kind in "biufc"  # bfloat16, float8, int4: kind "V"
+
+
+def _write_safetensors(path: Path, arrays: list[ArrayEntry],
+                       data: Iterator[tuple[ArrayEntry, np.ndarray]], values: dict) -> None:  # fmt: skip
+    """safetensors: 8-byte little-endian header length, JSON header, raw little-endian bytes."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for e in arrays:
+        header[e.key] = {"dtype": _SAFETENSORS[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [offset, offset + e.nbytes]}  # fmt: skip
+        offset += e.nbytes
+    meta = {"format": "pt", "jaxckpt": "1"}  # "pt" is what most readers expect to find
+    meta.update({f"value:{k}": json.dumps(v) for k, v in values.items()})
+    header["__metadata__"] = meta
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # align the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for e, a in data:
+            a = np.ascontiguousarray(a)
+            if a.dtype.byteorder == ">":
+                a = a.byteswap().view(a.dtype.newbyteorder("<"))
+            if a.nbytes != e.nbytes:
+                raise CorruptChunkError(
+                    f"Key {e.key!r}: read {a.nbytes} bytes, expected {e.nbytes}."
+                )
+            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+
+
+def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values: dict) -> None:
+    """An uncompressed ``.npz`` written one array at a time; load with ``np.load(OUT)``."""
+    with zipfile.ZipFile(path, "w", allowZip64=True) as z:
+        for e, a in data:
+            with z.open(e.key + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asarray(a), allow_pickle=False)
+        for k, v in values.items():
+            if v is None:
+                print(f"jaxckpt export: skipped value {k} (None has no .npz form)", file=sys.stderr)
+                continue
+            with z.open(k + ".npy", "w") as f:
+                np.lib.format.write_array(f, np.asarray(v), allow_pickle=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+
+
+__all__ = ["main"]

@@ -1,0 +1,312 @@
+"""The command line, run in-process through ``main([...])`` on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import mesh, put
+
+import jaxckpt
+from jaxckpt._cli import main
+
+
+def _tree() -> dict:
+    m = mesh((4, 2), ("x", "y"))
+    return {
+        "params": {
+            "dense": {
+                "kernel": put(jnp.arange(64.0).reshape(8, 8), m, "x", "y"),
+                "bias": put(jnp.linspace(0, 1, 8).astype(jnp.bfloat16), m, None),
+            },
+            "emb": np.arange(12, dtype=np.int16).reshape(3, 4),
+        },
+        "flags": np.array([True, False]),
+        "nibbles": np.array([1, 2, 15], dtype=ml_dtypes.uint4),
+        "step": 7,
+        "name": "run-1",
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """A run directory: two committed steps and one unfinished one."""
+    d = tmp_path_factory.mktemp("runs")
+    jaxckpt.save(d / "000100", _tree())
+    jaxckpt.save(d / "000020", _tree())
+    (d / "000300" / "arrays").mkdir(parents=True)
+    (d / ".000400.tmp-abcd1234").mkdir()
+    return d
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    """A fresh checkpoint the test may damage."""
+    jaxckpt.save(tmp_path / "c", _tree())
+    return tmp_path / "c"
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *needles: str) -> None:
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and err.endswith(lines[0] + "\n"), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+# inspect ------------------------------------------------------------------------------------
+
+
+def test_inspect_prints_the_tree_with_shapes_dtypes_grids_shardings(capsys, runs):
+    code, out, _ = run(capsys, "inspect", runs / "000100")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{runs / '000100'}: 5 arrays (301 B)") and "2 values" in lines[0]
+    assert "params/" in lines and "  dense/" in lines
+    kernel = next(line for line in lines if line.strip().startswith("kernel"))
+    assert kernel.startswith("    kernel")
+    assert "float32[8,8]" in kernel and "chunks 4x2 of [2,4]" in kernel and "256 B" in kernel
+    assert "spec=P('x', 'y')" in kernel
+    assert any("bfloat16[8]" in line for line in lines)
+    assert any("uint4[3]" in line for line in lines)
+    assert any(line.startswith("step") and "= 7" in line for line in lines)
+    assert any(line.startswith("name") and "= 'run-1'" in line for line in lines)
+
+
+def test_inspect_json_lists_every_entry(capsys, runs):
+    code, out, _ = run(capsys, "inspect", "--json", runs / "000100")
+    assert code == 0
+    doc = json.loads(out)
+    entries = {e["key"]: e for e in doc["entries"]}
+    assert set(entries) == {"params/dense/kernel", "params/dense/bias", "params/emb", "flags",
+                            "nibbles", "step", "name"}  # fmt: skip
+    k = entries["params/dense/kernel"]
+    assert (k["shape"], k["dtype"], k["chunks"], k["grid"], k["nbytes"]) == (
+        [8, 8], "float32", [2, 4], [4, 2], 256)  # fmt: skip
+    assert entries["nibbles"]["storage_dtype"] == "uint8"
+    assert entries["step"] == {"key": "step", "kind": "value", "value": 7}
+    assert doc["arrays"] == 5 and doc["nbytes"] == 256 + 16 + 24 + 2 + 3
+
+
+def test_inspect_missing_checkpoint_is_one_line_exit_2(capsys, tmp_path):
+    code, out, err = run(capsys, "inspect", tmp_path / "nope")
+    assert code == 2 and out == ""
+    assert_one_line_error(err, "jaxckpt inspect: error:", str(tmp_path / "nope"), "manifest.json")
+    assert "pick a committed one" in err
+
+
+def test_inspect_unfinished_save_says_it_is_not_committed(capsys, runs):
+    code, _, err = run(capsys, "inspect", runs / "000300")
+    assert code == 2
+    assert_one_line_error(err, str(runs / "000300"), "unfinished or failed save")
+
+
+def test_inspect_damaged_manifest_exits_1_naming_it(capsys, ckpt):
+    (ckpt / "manifest.json").write_text("{not json")
+    code, _, err = run(capsys, "inspect", ckpt)
+    assert code == 1
+    assert_one_line_error(err, f"{ckpt}/manifest.json", "not valid JSON", "restore an earlier")
+
+
+def test_unknown_url_scheme_is_one_line_exit_2(capsys):
+    code, _, err = run(capsys, "inspect", "ftp://host/ckpt")
+    assert code == 2
+    assert_one_line_error(err, "'ftp'", "ftp://host/ckpt", "use a local path")
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert main([]) == 2
+    assert main(["--help"]) == 0
+    assert "inspect" in capsys.readouterr().out
+
+
+# verify -------------------------------------------------------------------------------------
+
+
+def test_verify_clean_checkpoint(capsys, runs):
+    code, out, _ = run(capsys, "verify", runs / "000100")
+    assert code == 0
+    assert out.startswith(f"OK: {runs / '000100'}: 5 arrays, 12 chunks")
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+def test_verify_names_every_damaged_chunk_and_key(capsys, ckpt):
+    kernel = ckpt / "arrays" / "params.dense.kernel" / "c"
+    _flip(kernel / "0" / "1")
+    _flip(kernel / "3" / "0")
+    (ckpt / "arrays" / "params.emb" / "c" / "0" / "0").unlink()
+    code, out, _ = run(capsys, "verify", ckpt)
+    assert code == 1
+    damaged = [line for line in out.splitlines() if line.startswith("DAMAGED ")]
+    assert damaged == [
+        "DAMAGED params/dense/kernel chunk (0,1) at arrays/params.dense.kernel/c/0/1: "
+        "fails its checksum",
+        "DAMAGED params/dense/kernel chunk (3,0) at arrays/params.dense.kernel/c/3/0: "
+        "fails its checksum",
+        "DAMAGED params/emb chunk (0,0) at arrays/params.emb/c/0/0: is missing",
+    ]
+    summary = out.splitlines()[-1]
+    assert summary.startswith(f"DAMAGED: {ckpt}: 3 of 12 chunks in 2 of 5 arrays")
+    assert "params/dense/kernel (2: (0,1) (3,0))" in summary and "params/emb (1: (0,0))" in summary
+    assert "Restore an earlier checkpoint" in summary
+
+
+def test_verify_array_metadata_gone_is_reported_once(capsys, ckpt):
+    (ckpt / "arrays" / "flags" / "zarr.json").unlink()
+    code, out, _ = run(capsys, "verify", ckpt)
+    assert code == 1
+    lines = [line for line in out.splitlines() if line.startswith("DAMAGED flags")]
+    assert len(lines) == 1 and "(every chunk)" in lines[0] and "cannot be opened" in lines[0]
+
+
+def test_verify_missing_checkpoint_exits_2(capsys, tmp_path):
+    code, _, err = run(capsys, "verify", tmp_path)
+    assert code == 2
+    assert_one_line_error(err, "jaxckpt verify: error:", str(tmp_path), "manifest.json is missing")
+
+
+def test_verify_progress_goes_to_stderr(capsys, runs):
+    code, out, err = run(capsys, "verify", "--progress", runs / "000100")
+    assert code == 0
+    assert "verify: 12/12" in err and "verify:" not in out
+
+
+# ls -----------------------------------------------------------------------------------------
+
+
+def test_ls_lists_steps_in_order_with_status_and_size(capsys, runs):
+    code, out, _ = run(capsys, "ls", runs)
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()]
+    assert rows[0] == ["NAME", "STATUS", "SIZE"]
+    assert [r[:2] for r in rows[1:]] == [
+        ["000020", "committed"], ["000100", "committed"], ["000300", "incomplete"]]  # fmt: skip
+    on_disk = sum(f.stat().st_size for f in (runs / "000100").rglob("*") if f.is_file())
+    assert rows[2][2:] == (f"{on_disk / 1024:.1f} KiB".split() if on_disk >= 1024 else
+                           [str(on_disk), "B"])  # fmt: skip
+
+
+def test_ls_all_and_json_include_hidden_temporaries(capsys, runs):
+    code, out, _ = run(capsys, "ls", "--all", "--json", runs)
+    assert code == 0
+    doc = json.loads(out)
+    names = [(e["name"], e["committed"]) for e in doc["entries"]]
+    assert names == [("000020", True), ("000100", True), ("000300", False),
+                     (".000400.tmp-abcd1234", False)]  # fmt: skip
+    assert doc["entries"][0]["nbytes"] > 256
+
+
+def test_ls_errors(capsys, tmp_path, runs):
+    code, _, err = run(capsys, "ls", tmp_path / "absent")
+    assert code == 2
+    assert_one_line_error(err, str(tmp_path / "absent"), "is not a directory", "Check the path")
+    code, _, err = run(capsys, "ls", runs / "000100")
+    assert code == 2
+    assert_one_line_error(err, "is itself a checkpoint", f"jaxckpt inspect {runs / '000100'}")
+    code, out, err = run(capsys, "ls", tmp_path)
+    assert code == 0 and out == "" and "no checkpoints" in err
+
+
+# export -------------------------------------------------------------------------------------
+
+
+def _read_safetensors(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def test_export_safetensors_is_exact(capsys, runs, tmp_path):
+    out_path = tmp_path / "model.safetensors"
+    code, out, err = run(capsys, "export", runs / "000100", out_path)
+    assert code == 0 and f"wrote {out_path}: 4 arrays" in out
+    assert "skipped 1 arrays .safetensors cannot hold: nibbles (uint4)" in err
+    header, data = _read_safetensors(out_path)
+    meta = header.pop("__metadata__")
+    assert meta["value:step"] == "7" and json.loads(meta["value:name"]) == "run-1"
+    want = jaxckpt.restore(runs / "000100")
+    dtypes = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "I16": np.int16, "BOOL": np.bool_}
+    keys = {"params/dense/kernel", "params/dense/bias", "params/emb", "flags"}
+    assert set(header) == keys
+    for key, h in header.items():
+        a, b = h["data_offsets"]
+        got = np.frombuffer(data[a:b], dtypes[h["dtype"]]).reshape(h["shape"])
+        ref = want
+        for part in key.split("/"):
+            ref = ref[part]
+        assert got.dtype == ref.dtype and got.tobytes() == ref.tobytes(), key
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    loaded = safetensors_numpy.load_file(str(out_path))
+    np.testing.assert_array_equal(loaded["params/dense/kernel"], want["params"]["dense"]["kernel"])
+
+
+def test_export_npz_selected_keys(capsys, runs, tmp_path):
+    out_path = tmp_path / "w.npz"
+    code, _, err = run(capsys, "export", runs / "000100", out_path, "--keys", "params", "step")
+    assert code == 0
+    assert "params/dense/bias (bfloat16)" in err and ".safetensors holds bfloat16" in err
+    with np.load(out_path) as z:
+        assert sorted(z.files) == ["params/dense/kernel", "params/emb", "step"]
+        np.testing.assert_array_equal(z["params/dense/kernel"], np.arange(64.0).reshape(8, 8))
+        assert z["params/emb"].dtype == np.int16 and int(z["step"]) == 7
+
+
+def test_export_errors_name_the_file_and_the_fix(capsys, runs, tmp_path):
+    src = runs / "000100"
+    code, _, err = run(capsys, "export", src, tmp_path / "x.h5")
+    assert code == 2
+    assert_one_line_error(err, str(tmp_path / "x.h5"), "must end in .safetensors or .npz")
+    (tmp_path / "old.npz").write_bytes(b"keep")
+    code, _, err = run(capsys, "export", src, tmp_path / "old.npz")
+    assert code == 2
+    assert_one_line_error(err, str(tmp_path / "old.npz"), "exists", "--force")
+    assert (tmp_path / "old.npz").read_bytes() == b"keep"
+    assert main(["export", str(src), str(tmp_path / "old.npz"), "--force"]) == 0
+    capsys.readouterr()
+    code, _, err = run(capsys, "export", src, tmp_path / "no" / "dir" / "x.npz")
+    assert code == 2
+    assert_one_line_error(err, str(tmp_path / "no" / "dir"), "does not exist", "create it")
+    code, _, err = run(capsys, "export", src, tmp_path / "y.npz", "--keys", "paramz")
+    assert code == 2
+    assert_one_line_error(err, "['paramz']", "match no key", "jaxckpt inspect")
+    assert not (tmp_path / "y.npz").exists()
+    code, _, err = run(capsys, "export", tmp_path / "absent", tmp_path / "z.npz")
+    assert code == 2
+    assert_one_line_error(err, str(tmp_path / "absent"), "manifest.json is missing")
+
+
+def test_export_damaged_chunk_exits_1_and_leaves_no_file(capsys, ckpt, tmp_path):
+    _flip(ckpt / "arrays" / "params.emb" / "c" / "0" / "0")
+    out_path = tmp_path / "o.safetensors"
+    code, _, err = run(capsys, "export", ckpt, out_path)
+    assert code == 1
+    assert_one_line_error(err, "Key 'params/emb'", "chunk (0,0)", "fails its checksum")
+    assert not out_path.exists() and not list(tmp_path.glob(".o.safetensors*"))
+
+
+def test_python_dash_m_runs_the_cli(runs):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "jaxckpt", "inspect", str(runs / "000100")],
+                       capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "float32[8,8]" in r.stdout
