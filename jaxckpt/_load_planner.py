@@ -155,7 +155,10 @@ class DefaultLoadPlanner(LoadPlanner):
     # 4.
     def finish(self) -> Any:
         devices = {d.id: d for d in jax.devices()}
-        values = {}
+        values: dict[str, Any] = {}
+        sharded: dict[str, tuple[int, int]] = {}  # key -> its slice of the batched transfer
+        arrays: list[np.ndarray] = []
+        targets: list[Any] = []
         for key, (_, where) in self.wants.items():
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
@@ -168,13 +171,18 @@ class DefaultLoadPlanner(LoadPlanner):
             elif where is _HOST:
                 values[key] = parts[0][1]
             else:
-                arrays, devs = [], []
+                start = len(arrays)
                 for item, array in parts:
                     for d in item.devices:
                         arrays.append(array)
-                        devs.append(devices[d])
-                shards = jax.device_put(arrays, devs)
-                values[key] = jax.make_array_from_single_device_arrays(entry.shape, where, shards)
+                        targets.append(devices[d])
+                sharded[key] = (start, len(arrays))
+        shards = jax.device_put(arrays, targets) if arrays else []  # one batched transfer
+        for key, (lo, hi) in sharded.items():
+            entry = self.manifest.entries[key]
+            values[key] = jax.make_array_from_single_device_arrays(
+                entry.shape, self.wants[key][1], shards[lo:hi]
+            )
         if self.treedef is None:
             tree = _tree.unflatten(self.manifest.tree, values)
             return None if tree is _tree._MISSING else tree
