@@ -193,7 +193,10 @@ class Writer:
             if entry.storage_dtype != entry.dtype:
                 data = data.view(entry.storage_dtype)
             box = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
-            pending.append((store[box].write(data), data.nbytes))
+            # Blocking saves hold the caller's arrays and async saves their own staged copies until
+            # the write completes, so tensorstore may reference the bytes instead of copying.
+            fut = store[box].write(data, can_reference_source_data_indefinitely=True)
+            pending.append((fut, data.nbytes))
             inflight += data.nbytes
             total += data.nbytes
             while inflight > max_inflight_bytes and pending:
