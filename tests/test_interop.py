@@ -1,0 +1,128 @@
+"""Interoperability: zarr-python v3 reads jaxckpt arrays; flax NNX and equinox state round-trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_equal, mesh, put
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import ArrayEntry
+
+zarr = pytest.importorskip("zarr", minversion="3")
+
+
+def _standard_tree() -> dict:
+    m = mesh((4, 2), ("data", "model"))
+    return {
+        "params": {
+            "w": put(jnp.arange(96.0).reshape(8, 12), m, "data", "model"),
+            "b": put(jnp.arange(12, dtype=jnp.int32), m, "model"),
+            "replicated": put(jnp.linspace(-1, 1, 6, dtype=jnp.float16), m, None),
+        },
+        "mask": np.array([[True, False], [False, True]]),
+        "counts": np.arange(10, dtype=np.uint64).reshape(2, 5),
+        "f64": np.array(3.25),
+        "c64": (np.arange(4) + 1j).astype(np.complex64),
+        "step": 11,
+    }
+
+
+def test_zarr_python_reads_every_array(tmp_path):
+    path = tmp_path / "ckpt"
+    jaxckpt.save(path, _standard_tree())
+    want = jaxckpt.restore(path)
+    arrays = [e for e in jaxckpt.metadata(path).entries.values() if isinstance(e, ArrayEntry)]
+    assert len(arrays) == 7
+    for e in arrays:
+        z = zarr.open_array(str(path / e.path), mode="r")
+        assert z.shape == e.shape and z.chunks == e.chunks, e.key
+        assert [c.to_dict()["name"] for c in z.metadata.codecs] == ["bytes", "crc32c"]
+        got = z[...]
+        ref = want
+        for part in e.key.split("/"):
+            ref = ref[part]
+        assert got.dtype == np.asarray(ref).dtype, e.key
+        np.testing.assert_array_equal(got, ref, err_msg=e.key)
+
+
+def test_zarr_python_checks_the_crc32c_codec(tmp_path):
+    path = tmp_path / "ckpt"
+    jaxckpt.save(path, {"w": put(jnp.arange(16.0).reshape(4, 4), mesh((2,), ("x",)), "x")})
+    chunk = path / "arrays" / "w" / "c" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 1
+    chunk.write_bytes(bytes(data))
+    z = zarr.open_array(str(path / "arrays" / "w"), mode="r")
+    np.testing.assert_array_equal(z[:2], np.arange(8.0).reshape(2, 4))  # the other chunk
+    with pytest.raises(ValueError, match="checksum do not match"):
+        z[2:]
+
+
+# flax NNX ---------------------------------------------------------------------------------
+
+
+def test_flax_nnx_state_roundtrip_onto_an_abstract_sharded_state(tmp_path: Path):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.l1 = nnx.Linear(4, 8, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+    model = MLP(nnx.Rngs(0, dropout=1))
+    model(jnp.ones((5, 4)))  # update the batch statistics and the dropout key count
+    _, state = nnx.split(model)
+    jaxckpt.save(tmp_path / "nnx", state)
+    assert "l1/kernel/value" in jaxckpt.metadata(tmp_path / "nnx").entries
+
+    abstract = nnx.eval_shape(lambda: MLP(nnx.Rngs(7, dropout=8)))
+    graphdef, abstract_state = nnx.split(abstract)
+    m = mesh((4, 2), ("data", "model"))
+
+    def place(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        spec = P(None, "model") if x.ndim == 2 else P()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, spec))
+
+    target = jax.tree.map(place, abstract_state)
+    restored = nnx.merge(graphdef, jaxckpt.restore(tmp_path / "nnx", target))
+    _, restored_state = nnx.split(restored)
+    assert_tree_equal(restored_state, state)
+    assert restored.l1.kernel[...].sharding == NamedSharding(m, P(None, "model"))
+    model.eval()
+    restored.eval()
+    x = jnp.arange(12.0).reshape(3, 4)  # sharded matmuls may round differently
+    np.testing.assert_allclose(restored(x), model(x), rtol=1e-5)
+
+
+# equinox ----------------------------------------------------------------------------------
+
+
+def test_equinox_module_roundtrip_with_partition(tmp_path: Path):
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(4, 2, 8, depth=2, key=jax.random.key(0))
+    params, _ = eqx.partition(model, eqx.is_array)
+    jaxckpt.save(tmp_path / "eqx", params)
+    assert "layers/0/weight" in jaxckpt.metadata(tmp_path / "eqx").entries
+
+    fresh = eqx.nn.MLP(4, 2, 8, depth=2, key=jax.random.key(1))  # same structure, other values
+    like, static = eqx.partition(fresh, eqx.is_array)
+    restored = eqx.combine(jaxckpt.restore(tmp_path / "eqx", like), static)
+    assert_tree_equal(eqx.filter(restored, eqx.is_array), eqx.filter(model, eqx.is_array))
+    x = jnp.linspace(-1, 1, 4)
+    np.testing.assert_array_equal(restored(x), model(x))
+
+    with pytest.raises(jaxckpt.ShapeMismatchError, match="layers/0/weight"):
+        wider = eqx.nn.MLP(4, 2, 16, depth=2, key=jax.random.key(2))
+        jaxckpt.restore(tmp_path / "eqx", eqx.filter(wider, eqx.is_array))

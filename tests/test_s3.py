@@ -1,0 +1,264 @@
+"""Object storage: s3:// against a real S3-compatible server (moto) on 127.0.0.1, and memory://.
+
+The commit protocol on object stores has no rename: arrays first, ``manifest.json`` last; a
+prefix without a manifest is not a checkpoint; an overwrite writes the new arrays under a fresh
+generation prefix and deletes the old ones only after the new manifest is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_equal, mesh, put
+
+import jaxckpt
+from jaxckpt import _manifest, _storage
+from jaxckpt._cli import main
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "ckpts"
+# Overwrites on object stores store arrays under gXXXXXXXX/arrays/...; the manifest reader
+# must accept that path form (docs/object_storage.md).
+_GEN_PATHS = bool(_manifest._PATH_RE.match("g0123abcd/arrays/w"))
+needs_gen_paths = pytest.mark.xfail(
+    not _GEN_PATHS, strict=True, reason="_manifest._PATH_RE does not accept gXXXXXXXX/arrays/"
+)
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A moto S3 server on a free port of 127.0.0.1, with the AWS variables pointing at it."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    yield client
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def prefix(s3) -> str:
+    """A fresh prefix in the bucket for one test."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def keys(s3, prefix: str) -> list[str]:
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1 :] for p in pages for o in p.get("Contents", []))
+
+
+def state(scale: float = 1.0) -> dict:
+    m = mesh((4, 2), ("data", "model"))
+    return {
+        "w": put(jnp.arange(64.0).reshape(8, 8) * scale, m, "data", "model"),
+        "b": put(jnp.ones(8, jnp.bfloat16) * scale, m, None),
+        "step": int(scale),
+    }
+
+
+class FailingPlanner(jaxckpt.DefaultSavePlanner):
+    """Fails while writing ``fail_key``, after other arrays may already be written."""
+
+    def __init__(self, fail_key: str) -> None:
+        super().__init__()
+        self.fail_key = fail_key
+
+    def resolve_data(self, item):
+        if item.key == self.fail_key:
+            raise RuntimeError(f"injected failure writing {item.key}")
+        return super().resolve_data(item)
+
+
+def test_save_restore_onto_another_mesh(s3, prefix):
+    url = f"s3://{BUCKET}/{prefix}/ckpt"
+    tree = state()
+    jaxckpt.save(url, tree)
+    assert "manifest.json" in keys(s3, f"{prefix}/ckpt")
+    assert any(k.startswith("arrays/w/c/") for k in keys(s3, f"{prefix}/ckpt"))
+    assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(tree))
+    other = mesh((2, 2), ("a", "b"))
+    target = {"w": put(jnp.zeros((8, 8)), other, "b", "a"), "b": None, "step": None}
+    got = jaxckpt.restore(url, target)
+    assert got["w"].sharding == target["w"].sharding
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(64.0).reshape(8, 8))
+    assert jaxckpt.metadata(url).entries["w"].chunks == (2, 4)
+
+
+def jax_to_numpy(tree: dict) -> dict:
+    return {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in tree.items()}
+
+
+def test_existing_checkpoint_is_not_replaced_without_overwrite(s3, prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    jaxckpt.save(url, state())
+    with pytest.raises(
+        jaxckpt.CheckpointExistsError, match=f"already exists at {url}.*overwrite=True"
+    ):
+        jaxckpt.save(url, state(2.0))
+    assert jaxckpt.restore(url)["step"] == 1
+
+
+def test_failed_save_leaves_no_checkpoint_and_a_retry_works(s3, prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    with pytest.raises(RuntimeError, match="injected failure writing w"):
+        jaxckpt.save(url, state(), planner=FailingPlanner("w"))
+    left = keys(s3, prefix)
+    assert left and "manifest.json" not in left  # arrays were written, no commit
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=f"No checkpoint at {url}"):
+        jaxckpt.restore(url)
+    assert not _storage.exists(_storage.Location(url))
+    jaxckpt.save(url, state())  # its own leftovers do not block a plain retry
+    assert jaxckpt.restore(url)["step"] == 1
+
+
+def test_foreign_objects_are_not_replaced_without_overwrite(s3, prefix):
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/notes.txt", Body=b"mine")
+    url = f"s3://{BUCKET}/{prefix}"
+    with pytest.raises(jaxckpt.CheckpointExistsError, match="holds no checkpoint.*'notes.txt'"):
+        jaxckpt.save(url, state())
+    assert keys(s3, prefix) == ["notes.txt"]
+    jaxckpt.save(url, state(), overwrite=True)
+    assert "notes.txt" not in keys(s3, prefix)
+
+
+@needs_gen_paths
+def test_overwrite_commits_then_deletes_the_old_arrays(s3, prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    jaxckpt.save(url, state())
+    jaxckpt.save(url, {"w2": jnp.full(5, 3.0)}, overwrite=True)
+    after = keys(s3, prefix)
+    gens = {k.split("/")[0] for k in after if k != "manifest.json"}
+    assert len(gens) == 1 and all(g.startswith("g") for g in gens), after
+    (gen,) = gens
+    assert not any(k.startswith("arrays/") for k in after)  # the old arrays are gone
+    assert jaxckpt.metadata(url).entries["w2"].path == f"{gen}/arrays/w2"
+    np.testing.assert_array_equal(jaxckpt.restore(url)["w2"], np.full(5, 3.0))
+    jaxckpt.save(url, state(4.0), overwrite=True)  # and again: a new generation replaces it
+    assert not any(k.startswith(gen) for k in keys(s3, prefix))
+    assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state(4.0)))
+
+
+@needs_gen_paths
+def test_failed_overwrite_keeps_the_old_checkpoint(s3, prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    jaxckpt.save(url, state())
+    before = keys(s3, prefix)
+    manifest = s3.get_object(Bucket=BUCKET, Key=f"{prefix}/manifest.json")["Body"].read()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        jaxckpt.save(url, state(2.0), overwrite=True, planner=FailingPlanner("w"))
+    assert set(before) < set(keys(s3, prefix))  # new arrays written beside, nothing deleted
+    assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/manifest.json")["Body"].read() == manifest
+    assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state()))
+    assert main(["verify", url]) == 0
+    jaxckpt.save(url, state(3.0), overwrite=True)  # the retry reuses and cleans the generation
+    assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state(3.0)))
+    assert len({k.split("/")[0] for k in keys(s3, prefix)}) == 2  # manifest.json + one gen
+
+
+def test_cli_on_s3(s3, prefix, capsys):
+    run = f"s3://{BUCKET}/{prefix}/run"
+    jaxckpt.save(f"{run}/000010", state())
+    jaxckpt.save(f"{run}/000002", state(2.0))
+    with pytest.raises(RuntimeError):
+        jaxckpt.save(f"{run}/000020", state(), planner=FailingPlanner("b"))
+    capsys.readouterr()
+    assert main(["ls", run]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["000002", "committed", "272", "B"], ["000010", "committed", "272", "B"],
+                    ["000020", "incomplete", "?"]]  # fmt: skip
+    assert main(["inspect", f"{run}/000010"]) == 0
+    assert "float32[8,8]  chunks 4x2 of [2,4]" in capsys.readouterr().out
+    assert main(["verify", f"{run}/000010"]) == 0
+    chunk = f"{prefix}/run/000010/arrays/w/c/1/1"
+    body = bytearray(s3.get_object(Bucket=BUCKET, Key=chunk)["Body"].read())
+    body[0] ^= 1
+    s3.put_object(Bucket=BUCKET, Key=chunk, Body=bytes(body))
+    capsys.readouterr()
+    assert main(["verify", f"{run}/000010"]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED w chunk (1,1) at arrays/w/c/1/1: fails its checksum" in out
+    assert main(["inspect", f"{run}/000020"]) == 2
+    assert "unfinished or failed save" in capsys.readouterr().err
+
+
+def test_delete_removes_a_checkpoint_and_refuses_a_parent(s3, prefix):
+    run = f"s3://{BUCKET}/{prefix}"
+    jaxckpt.save(f"{run}/000001", state())
+    jaxckpt.save(f"{run}/000002", state())
+    with pytest.raises(jaxckpt.CheckpointError, match=f"Refusing to delete {run}: .*'000001/"):
+        _storage.delete(_storage.Location(run))
+    _storage.delete(_storage.Location(f"{run}/000001"))
+    assert [k.split("/")[0] for k in keys(s3, prefix)] == ["000002"] * len(keys(s3, prefix))
+    assert _storage.children(_storage.Location(run)) == [("000002", True)]
+    _storage.delete(_storage.Location(f"{run}/000001"))  # nothing there: not an error
+
+
+def test_missing_bucket_and_bad_urls(s3):
+    with pytest.raises(
+        jaxckpt.CheckpointError,
+        match="Cannot list s3://no-such-bucket/x: .*NoSuchBucket.*bucket exists",
+    ):
+        jaxckpt.save("s3://no-such-bucket/x", state())
+    with pytest.raises(
+        jaxckpt.CheckpointNotFoundError, match="No checkpoint at s3://no-such-bucket/x"
+    ):
+        jaxckpt.restore("s3://no-such-bucket/x")
+    with pytest.raises(
+        jaxckpt.CheckpointError, match="names no valid bucket .*write s3://BUCKET/PREFIX"
+    ):
+        jaxckpt.save("s3:///x", state())
+
+
+def test_s3_options_come_from_the_aws_variables(monkeypatch):
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+              "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # fmt: skip
+        monkeypatch.delenv(k, raising=False)
+    spec = _storage.Location("s3://bkt/p/q/").kvstore
+    assert spec == {"driver": "s3", "bucket": "bkt", "path": "p/q/"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9/")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:10")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    spec = _storage.Location("s3://bkt").kvstore
+    assert spec == {"driver": "s3", "bucket": "bkt", "path": "", "endpoint": "http://127.0.0.1:10",
+                    "aws_region": "eu-west-1", "aws_credentials": {"type": "environment"}}  # fmt: skip
+
+
+# memory:// -- the same protocol, no server ------------------------------------------------
+
+
+def test_memory_roundtrip_overwrite_list_delete():
+    run = f"memory://{uuid.uuid4().hex[:8]}"
+    jaxckpt.save(f"{run}/000001", state())
+    assert_tree_equal(jaxckpt.restore(f"{run}/000001"), jax_to_numpy(state()))
+    with pytest.raises(RuntimeError):
+        jaxckpt.save(f"{run}/000002", state(), planner=FailingPlanner("w"))
+    assert _storage.children(_storage.Location(run)) == [("000001", True), ("000002", False)]
+    _storage.delete(_storage.Location(f"{run}/000002"))
+    assert _storage.children(_storage.Location(run)) == [("000001", True)]
+    if _GEN_PATHS:
+        jaxckpt.save(f"{run}/000001", state(5.0), overwrite=True)
+        assert_tree_equal(jaxckpt.restore(f"{run}/000001"), jax_to_numpy(state(5.0)))
