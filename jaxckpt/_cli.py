@@ -16,6 +16,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import sys
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+import tensorstore as ts
 
 from jaxckpt import _storage, _tree
 from jaxckpt._api import metadata
@@ -106,6 +108,10 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -154,8 +160,9 @@ def _inspect(args: argparse.Namespace) -> int:
                "entries": [_entry_json(e) for e in m.entries.values()]}  # fmt: skip
         print(json.dumps(doc, indent=1))
         return 0
-    print(f"{args.path}: {len(arrays)} arrays ({_bytes(total)}), "
-          f"{len(m.entries) - len(arrays)} values, format v{m.version}")  # fmt: skip
+    n_values = len(m.entries) - len(arrays)
+    print(f"{args.path}: {_plural(len(arrays), 'array')} ({_bytes(total)}), "
+          f"{_plural(n_values, 'value')}, format v{m.version}")  # fmt: skip
     rows = list(_tree_rows(m))
     width = max((len(r[0]) for r in rows), default=0)
     for name, cols in rows:
@@ -186,8 +193,8 @@ def _describe(e: ArrayEntry | ValueEntry) -> str:
     chunk = ",".join(map(str, e.chunks))
     dtype = f"key<{e.prng_impl}>:{e.dtype}" if e.prng_impl else e.dtype
     cols = [f"{dtype}[{shape}]", f"chunks {grid} of [{chunk}]", _bytes(e.nbytes)]
-    if e.sharding:
-        cols.append(e.sharding)
+    if e.sharding:  # drop what is the same for nearly every array
+        cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))
     return "  ".join(cols)
 
 
@@ -210,45 +217,56 @@ def _verify(args: argparse.Namespace) -> int:
     progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
-        e, idx, item = job
         try:
-            for _ in reader.read(m.entries, [item]):
+            for _ in reader.read(m.entries, [job[2]]):
                 pass
         except CorruptChunkError as err:
             msg = _one_line(err)
-            for what in ("fails its checksum", "is missing"):
-                if what in msg:
-                    return what
-            return msg
+            return next((w for w in ("fails its checksum", "is missing") if w in msg), msg)
         return None
 
     damaged: dict[str, list[str]] = {}
+    bad_chunks = 0
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
+        for e, problem in zip(arrays, pool.map(lambda e: _zarr_json_problem(loc, e), arrays)):
+            if problem is not None:
+                print(f"DAMAGED {e.key} metadata at {e.path}/zarr.json: {problem}")
+                damaged.setdefault(e.key, []).append("zarr.json")
         for (e, idx, _), problem in zip(jobs, pool.map(check, jobs)):
             progress.step(e.key)
-            if problem is None:
-                continue
-            if "cannot be opened" in problem:  # the array's zarr.json: say it once
-                if e.key not in damaged:
-                    print(f"DAMAGED {e.key} (every chunk): {problem}")
-            else:
+            if problem is not None:
+                chunk = ",".join(map(str, idx))
                 where = "/".join(["c", *map(str, idx)])
-                print(
-                    f"DAMAGED {e.key} chunk ({','.join(map(str, idx))}) at {e.path}/{where}: {problem}"
-                )
-            damaged.setdefault(e.key, []).append(",".join(map(str, idx)))
+                print(f"DAMAGED {e.key} chunk ({chunk}) at {e.path}/{where}: {problem}")
+                damaged.setdefault(e.key, []).append(f"({chunk})")
+                bad_chunks += 1
     progress.close()
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
-        print(f"OK: {args.path}: {len(arrays)} arrays, {len(jobs)} chunks, {_bytes(nbytes)} "
-              f"read, every checksum matches")  # fmt: skip
+        print(f"OK: {args.path}: {_plural(len(arrays), 'array')}, {_plural(len(jobs), 'chunk')}, "
+              f"{_bytes(nbytes)} read, every checksum matches")  # fmt: skip
         return 0
-    bad = "; ".join(f"{k} ({len(v)}: {' '.join(f'({c})' for c in v[:20])})"
+    bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
                     for k, v in damaged.items())  # fmt: skip
-    print(f"DAMAGED: {args.path}: {sum(map(len, damaged.values()))} of {len(jobs)} chunks in "
-          f"{len(damaged)} of {len(arrays)} arrays: {bad}. Restore an earlier checkpoint, or "
-          f"restore the undamaged keys with jaxckpt.restore(..., keys=[...]).")  # fmt: skip
+    print(f"DAMAGED: {args.path}: {bad_chunks} of {_plural(len(jobs), 'chunk')} bad, "
+          f"{len(damaged)} of {_plural(len(arrays), 'array')} affected: {bad}. Restore an "
+          f"earlier checkpoint, or restore the undamaged keys with "
+          f"jaxckpt.restore(..., keys=[...]).")  # fmt: skip
     return 1
+
+
+def _zarr_json_problem(loc: _storage.Location, e: ArrayEntry) -> str | None:
+    """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
+    try:
+        ts.open(_storage._spec(loc.child(e.path), e), open=True, context=_storage._CONTEXT).result()
+    except ValueError as err:
+        msg = str(err)
+        if "NOT_FOUND" in msg:
+            return "is missing"
+        for tail in (" [tensorstore_spec=", " [source locations=", " [http_"):
+            msg = msg.split(tail, 1)[0]
+        return f"does not match the manifest ({' '.join(msg.split())})"
+    return None
 
 
 # ls -----------------------------------------------------------------------------------------
@@ -314,7 +332,7 @@ def _export(args: argparse.Namespace) -> int:
             skipped.append(f"{k} ({e.dtype})")
     if skipped:
         hint = " (.safetensors holds bfloat16 and float8)" if kind == ".npz" else ""
-        print(f"jaxckpt export: skipped {len(skipped)} arrays {kind} cannot hold{hint}: "
+        print(f"jaxckpt export: skipped {_plural(len(skipped), 'array')} {kind} cannot hold{hint}: "
               f"{', '.join(skipped)}", file=sys.stderr)  # fmt: skip
     reader = _storage.Reader(_storage.Location(args.path))
     progress = _Progress("export", len(arrays), args.progress, sys.stderr)

@@ -166,17 +166,27 @@ def test_verify_names_every_damaged_chunk_and_key(capsys, ckpt):
         "DAMAGED params/emb chunk (0,0) at arrays/params.emb/c/0/0: is missing",
     ]
     summary = out.splitlines()[-1]
-    assert summary.startswith(f"DAMAGED: {ckpt}: 3 of 12 chunks in 2 of 5 arrays")
-    assert "params/dense/kernel (2: (0,1) (3,0))" in summary and "params/emb (1: (0,0))" in summary
+    assert summary.startswith(f"DAMAGED: {ckpt}: 3 of 12 chunks bad, 2 of 5 arrays affected")
+    assert "params/dense/kernel ((0,1) (3,0)); params/emb ((0,0))" in summary
     assert "Restore an earlier checkpoint" in summary
 
 
-def test_verify_array_metadata_gone_is_reported_once(capsys, ckpt):
+def test_verify_checks_each_arrays_zarr_json(capsys, ckpt):
+    # jaxckpt reads by the manifest, but other zarr readers need zarr.json.
     (ckpt / "arrays" / "flags" / "zarr.json").unlink()
+    meta = json.loads((ckpt / "arrays" / "params.emb" / "zarr.json").read_text())
+    meta["shape"] = [4, 4]
+    (ckpt / "arrays" / "params.emb" / "zarr.json").write_text(json.dumps(meta))
     code, out, _ = run(capsys, "verify", ckpt)
     assert code == 1
-    lines = [line for line in out.splitlines() if line.startswith("DAMAGED flags")]
-    assert len(lines) == 1 and "(every chunk)" in lines[0] and "cannot be opened" in lines[0]
+    damaged = [line for line in out.splitlines() if line.startswith("DAMAGED ")]
+    assert len(damaged) == 2
+    assert damaged[0] == "DAMAGED flags metadata at arrays/flags/zarr.json: is missing"
+    assert damaged[1].startswith(
+        "DAMAGED params/emb metadata at arrays/params.emb/zarr.json: does not match the manifest"
+    )
+    assert 'Expected "shape" of [3,4] but received: [4,4]' in damaged[1]
+    assert "0 of 12 chunks bad, 2 of 5 arrays affected: flags (zarr.json); params/emb" in out
 
 
 def test_verify_missing_checkpoint_exits_2(capsys, tmp_path):
@@ -240,7 +250,7 @@ def test_export_safetensors_is_exact(capsys, runs, tmp_path):
     out_path = tmp_path / "model.safetensors"
     code, out, err = run(capsys, "export", runs / "000100", out_path)
     assert code == 0 and f"wrote {out_path}: 4 arrays" in out
-    assert "skipped 1 arrays .safetensors cannot hold: nibbles (uint4)" in err
+    assert "skipped 1 array .safetensors cannot hold: nibbles (uint4)" in err
     header, data = _read_safetensors(out_path)
     meta = header.pop("__metadata__")
     assert meta["value:step"] == "7" and json.loads(meta["value:name"]) == "run-1"
