@@ -116,7 +116,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     handle.timings["plan"] = time.perf_counter() - t0
     sync = _distributed.SaveSync(str(loc), global_plan.digest)
     writer = sync.run("open", lambda: _storage.Writer(loc, overwrite=overwrite,
-                                                      is_coordinator=sync.is_coordinator))  # fmt: skip
+                      is_coordinator=sync.is_coordinator, broadcast=sync.broadcast))  # fmt: skip
     entries = {k: e for k, e in global_plan.manifest.entries.items() if isinstance(e, ArrayEntry)}
     t1 = time.perf_counter()
     if stage:  # copy every item to host memory now; the caller may reuse its buffers after
@@ -130,7 +130,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
             t2 = time.perf_counter()
             if sync.is_coordinator:
                 writer.open_arrays(entries.values(), create=True)
-            sync.barrier("created")
+            sync.barrier("created", wait_for_all=False)
             if not sync.is_coordinator:
                 writer.open_arrays((entries[k] for k in {i.key for i in local.items}), create=False)
             handle.nbytes = writer.write(entries, data)
@@ -138,13 +138,13 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
             t3 = time.perf_counter()
             if sync.is_coordinator:
                 writer.commit(global_plan.manifest.to_json())
-            sync.barrier("committed")
+            sync.barrier("committed", wait_for_all=False)
             handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
             logger.info("saved %s: %.1f MB in %s", loc, handle.nbytes / 1e6,
                         {k: round(v, 3) for k, v in handle.timings.items()})  # fmt: skip
         except BaseException as e:  # re-raised by wait()
+            handle._error = sync.failed(e)  # first: returns once the others stopped writing
             writer.abort()
-            handle._error = sync.failed(e)
         finally:
             handle._finished.set()
 

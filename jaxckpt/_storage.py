@@ -149,15 +149,28 @@ class Writer:
     On any failure call ``abort()``: the temporary data goes, an existing checkpoint stays.
     """
 
-    def __init__(self, loc: Location, *, overwrite: bool, is_coordinator: bool = True) -> None:
+    def __init__(self, loc: Location, *, overwrite: bool, is_coordinator: bool = True,
+                 broadcast: collections.abc.Callable[[str, str], str] | None = None) -> None:  # fmt: skip
+        """``broadcast(name, value)``: the coordinator's value on every process (multi-process)."""
         self.loc = loc
         self.overwrite = overwrite
         self.is_coordinator = is_coordinator
         if loc.local is not None:
-            _check_target_dir(loc.local, overwrite)
-            self.staging = loc.local.parent / f".{loc.local.name}{_TMP}{uuid.uuid4().hex[:8]}"
-            self.staging.mkdir(parents=True)
-            self.root = {"driver": "file", "path": str(self.staging) + "/"}
+            # Only the coordinator checks the target and makes the staging dir; the others
+            # write into the same dir (shared storage), and only the coordinator commits or
+            # removes it, so theirs is None.
+            self.staging = None
+            name = ""
+            if is_coordinator:
+                _check_target_dir(loc.local, overwrite)
+                name = f".{loc.local.name}{_TMP}{uuid.uuid4().hex[:8]}"
+                self.staging = loc.local.parent / name
+                self.staging.mkdir(parents=True)
+            if broadcast is not None:
+                name = broadcast("staging", name)
+            elif not is_coordinator:
+                raise ValueError("a non-coordinator Writer needs broadcast= to find the staging dir")
+            self.root = {"driver": "file", "path": str(loc.local.parent / name) + "/"}
         else:
             if exists(loc) and not overwrite:
                 raise _exists_error(loc)

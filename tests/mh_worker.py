@@ -1,0 +1,318 @@
+"""One process of a multi-process JAX group for tests/test_multihost.py (run as a script).
+
+    python tests/mh_worker.py STAGE PROCESS_ID NUM_PROCESSES PORT WORKDIR
+
+Each process runs the checks of STAGE in order and writes ``WORKDIR/STAGE-PID.json`` after
+each one: ``checks`` maps a check's name to ``"ok"`` or its traceback, ``data`` holds what the
+test compares across processes (bytes written and read, expected bytes). Errors are checked
+here with ``pytest.raises(match=)``, on the real exception of the real process.
+
+Importing this module only defines things: the test imports it for the state's definition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxckpt
+
+# The saved state: key -> (shape, dtype). Values are a pure function of the key, so every
+# process (and the test) knows every global array without communicating.
+ARRAYS = {
+    "params/w": ((256, 128), "float32"),
+    "params/b": ((128,), "bfloat16"),
+    "opt/mu": ((256, 128), "float32"),
+    "ids": ((64,), "int32"),
+    **{f"rep/{i}": ((64, 64), "float32") for i in range(8)},  # fully replicated
+}
+HOST = "host"  # a numpy array every process holds
+STEP = 7
+MAX_CHUNK_BYTES = 16 << 10
+
+# PartitionSpecs per key over a mesh with axes ("a", "b"); each stage saves and restores with
+# different ones, so every restore reshards.
+SPECS = {
+    "single": {"params/w": ("a", "b"), "params/b": ("b",), "opt/mu": (None, "b"), "ids": ("a",)},
+    "two": {"params/w": ("b", "a"), "params/b": ("a",), "opt/mu": ("a", None), "ids": ("b",)},
+    "four": {"params/w": ("a", "b"), "params/b": ("b",), "opt/mu": (("a", "b"),), "ids": ("a",)},
+}
+MESHES = {"single": (2, 4), "two": (2, 4), "four": (4, 4)}
+
+
+def value(key: str) -> np.ndarray:
+    """The global value of ``key``: the same on every process, bit for bit."""
+    import ml_dtypes
+
+    if key == HOST:
+        return np.arange(40 * 100, dtype=np.int16).reshape(40, 100)
+    shape, dtype = ARRAYS[key]
+    rng = np.random.default_rng(zlib.crc32(key.encode()))
+    if dtype.startswith("int"):
+        return rng.integers(-(2**30), 2**30, size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(getattr(ml_dtypes, dtype, dtype))
+
+
+def nest(flat: dict) -> dict:
+    tree: dict = {}
+    for key, leaf in flat.items():
+        *parents, last = key.split("/")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return tree
+
+
+def sharding(stage: str, key: str, devices=None):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = jax.devices() if devices is None else devices
+    mesh = Mesh(np.array(devices).reshape(MESHES[stage]), ("a", "b"))
+    return NamedSharding(mesh, PartitionSpec(*SPECS[stage].get(key, ())))
+
+
+def make_state(stage: str, devices=None, **extra) -> dict:
+    """The state, laid out for ``stage``, built without any collective."""
+    flat = {}
+    for key in ARRAYS:
+        v = value(key)
+        flat[key] = jax.make_array_from_callback(
+            v.shape, sharding(stage, key, devices), lambda idx, v=v: v[idx]
+        )
+    flat[HOST] = value(HOST)
+    flat["step"] = STEP
+    flat.update(extra)
+    return nest(flat)
+
+
+def target(stage: str, devices=None) -> dict:
+    """A restore target for ``stage``'s layout: arrays as ShapeDtypeStructs, host leaves None."""
+    flat = {}
+    for key, (shape, dtype) in ARRAYS.items():
+        dt = value(key).dtype if dtype == "bfloat16" else dtype
+        flat[key] = jax.ShapeDtypeStruct(shape, dt, sharding=sharding(stage, key, devices))
+    flat[HOST] = None
+    flat["step"] = None
+    return nest(flat)
+
+
+def check_state(tree: dict) -> None:
+    """Every addressable shard (and host leaf) is bit-exact with the global value."""
+    for key in ARRAYS:
+        node = tree
+        for part in key.split("/"):
+            node = node[part]
+        want = value(key)
+        assert node.shape == want.shape and node.dtype == want.dtype, (key, node.dtype)
+        for shard in node.addressable_shards:
+            got = np.asarray(shard.data)
+            assert got.tobytes() == want[shard.index].tobytes(), f"{key} at {shard.index}"
+    assert np.asarray(tree[HOST]).tobytes() == value(HOST).tobytes()
+    assert tree["step"] == STEP, tree["step"]
+
+
+def bytes_needed(path: str, stage: str, devices=None) -> tuple[int, int]:
+    """Bytes a restore onto ``stage``'s layout must read on this process, and may read.
+
+    Reads are whole chunks (data plus a 4-byte crc32c). The least is every chunk that some
+    distinct local target box overlaps, once; the most counts them once per box (if concurrent
+    reads of a chunk were not merged) plus each array's ``zarr.json``. Host leaves need every
+    chunk.
+    """
+    from jaxckpt._plan import index_to_box
+
+    entries = jaxckpt.metadata(path).entries
+    least = most = 0
+    for key, entry in entries.items():
+        if not isinstance(entry, jaxckpt.ArrayEntry):
+            continue
+        meta = (Path(path) / entry.path / "zarr.json").stat().st_size
+        chunk_bytes = int(np.prod(entry.chunks)) * np.dtype(value(key).dtype).itemsize + 4
+        if key == HOST:
+            boxes = {((0,) * len(entry.shape), entry.shape)}
+        else:
+            imap = sharding(stage, key, devices).addressable_devices_indices_map(entry.shape)
+            boxes = {index_to_box(i, entry.shape) for i in imap.values()}
+        cells: list[tuple] = []
+        for offsets, sizes in boxes:
+            ranges = [
+                range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(offsets, sizes, entry.chunks)
+            ]
+            cells.extend(itertools.product(*ranges))
+        least += len(set(cells)) * chunk_bytes
+        most += meta + len(cells) * chunk_bytes
+    return least, most
+
+
+def file_bytes(metric: str) -> int:
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/file/{metric}")
+    return sum(v["value"] for m in found for v in m["values"])
+
+
+class _Checks:
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.result: dict = {"checks": {}, "data": {}}
+        self.flush()
+
+    def flush(self) -> None:
+        tmp = self.out.with_suffix(".part")
+        tmp.write_text(json.dumps(self.result))
+        os.replace(tmp, self.out)
+
+    def run(self, name: str, fn) -> None:
+        try:
+            fn()
+            self.result["checks"][name] = "ok"
+        except BaseException:  # noqa: BLE001 - recorded for the test to report
+            self.result["checks"][name] = traceback.format_exc()
+        self.flush()
+
+
+def _planner(**kw):
+    return jaxckpt.DefaultSavePlanner(max_chunk_bytes=MAX_CHUNK_BYTES, **kw)
+
+
+def stage_two(checks: _Checks, work: Path, pid: int) -> None:
+    """2 processes: restore the single-process checkpoint (1 -> 2), save ckpt2 for stage four."""
+    data = checks.result["data"]
+
+    def restore_1():
+        before = file_bytes("bytes_read")
+        check_state(jaxckpt.restore(work / "ckpt1", target("two")))
+        data["read_1"] = file_bytes("bytes_read") - before
+        data["needed_1"] = bytes_needed(str(work / "ckpt1"), "two")
+
+    def save_2():
+        jaxckpt.save(work / "ckpt2", make_state("two"), planner=_planner())
+
+    checks.run("restore_1", restore_1)
+    checks.run("save_2", save_2)
+
+
+class _FailingPlanner(jaxckpt.DefaultSavePlanner):
+    """Fails (or dies) on one process while that process writes its data."""
+
+    def __init__(self, process: int, kill: bool, checks: _Checks | None = None) -> None:
+        super().__init__(max_chunk_bytes=MAX_CHUNK_BYTES)
+        self.victim, self.kill, self.checks, self.calls = process, kill, checks, 0
+
+    def resolve_data(self, item):
+        self.calls += 1
+        if self.process_index == self.victim and self.calls == 3:
+            if self.kill:
+                self.checks.result["data"]["killed_mid_save"] = True
+                self.checks.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"disk on fire on process {self.victim}")
+        return super().resolve_data(item)
+
+
+def stage_four(checks: _Checks, work: Path, pid: int) -> None:
+    """4 processes: restore ckpt2 (2 -> 4), balanced save + round trip, failures, a kill."""
+    data = checks.result["data"]
+    state = make_state("four")
+
+    def restore_2():
+        before = file_bytes("bytes_read")
+        check_state(jaxckpt.restore(work / "ckpt2", target("four")))
+        data["read_2"] = file_bytes("bytes_read") - before
+        data["needed_2"] = bytes_needed(str(work / "ckpt2"), "four")
+
+    def save_4():
+        before = file_bytes("bytes_written")
+        jaxckpt.save(work / "ckpt4", state, planner=_planner())
+        data["written_4"] = file_bytes("bytes_written") - before
+        check_state(jaxckpt.restore(work / "ckpt4", target("four")))
+
+    def save_lowest():
+        before = file_bytes("bytes_written")
+        jaxckpt.save(work / "lowest", state, planner=_planner(dedup="lowest"))
+        data["written_lowest"] = file_bytes("bytes_written") - before
+
+    def save_async_overwrite():
+        h = jaxckpt.save_async(work / "lowest", state, overwrite=True)
+        h.wait()
+        check_state(jaxckpt.restore(work / "lowest", target("four")))
+
+    def exists():
+        want = (jaxckpt.CheckpointExistsError, "A checkpoint already exists")
+        if pid != 0:  # only the coordinator checks the path; the others hear why it failed
+            want = (jaxckpt.DistributedError, "failed on process 0: CheckpointExistsError")
+        with pytest.raises(want[0], match=want[1]):
+            jaxckpt.save(work / "ckpt4", state)
+
+    def mismatch():
+        tree = make_state("four", extra=1) if pid == 2 else state
+        match = r"planned different checkpoints \(processes \[0, 1, 3\]: .*; process 2: plan"
+        with pytest.raises(jaxckpt.DistributedError, match=match):
+            jaxckpt.save(work / "mismatch" / "ckpt", tree)
+
+    def failure():
+        planner = _FailingPlanner(1, kill=False)
+        if pid == 1:
+            want = r"failed on this process \(1\): RuntimeError: disk on fire on process 1"
+        else:
+            want = r"failed on process 1: RuntimeError: disk on fire on process 1\. No checkpoint"
+        with pytest.raises(jaxckpt.DistributedError, match=want):
+            jaxckpt.save(work / "fail" / "ckpt", state, planner=planner)
+        assert not (work / "fail" / "ckpt").exists()
+
+    def killed():
+        os.environ["JAXCKPT_SYNC_TIMEOUT"] = "3"
+        planner = _FailingPlanner(3, kill=True, checks=checks)
+        t0 = time.monotonic()
+        if pid == 0:
+            match = r"process 3 did not reach 'written' within 3 s"
+        else:  # the coordinator's report reaches the others before their own (longer) deadline
+            match = r"failed on process 0: DistributedError: .*process 3 did not reach 'written'"
+        with pytest.raises(jaxckpt.DistributedError, match=match):
+            jaxckpt.save(work / "kill" / "ckpt", state, planner=planner)
+        data["kill_raised_after_s"] = time.monotonic() - t0
+        assert not (work / "kill" / "ckpt").exists()
+
+    checks.run("restore_2", restore_2)
+    checks.run("save_4", save_4)
+    checks.run("save_lowest", save_lowest)
+    checks.run("save_async_overwrite", save_async_overwrite)
+    checks.run("exists", exists)
+    checks.run("mismatch", mismatch)
+    checks.run("failure", failure)
+    checks.run("killed", killed)  # last: the group has lost a process after it
+    data["process_index"] = jax.process_index()
+
+
+def main(argv: list[str]) -> None:
+    stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without it JAX itself terminates every process once one dies (see docs/multihost.md).
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", coordinator_bind_address=f"127.0.0.1:{port}",
+        num_processes=n, process_id=pid, initialization_timeout=60,
+        heartbeat_timeout_seconds=60, shutdown_timeout_seconds=10,
+    )  # fmt: skip
+    checks = _Checks(work / f"{stage}-{pid}.json")
+    {"two": stage_two, "four": stage_four}[stage](checks, work, pid)
+    # Skip the shutdown barrier: after the kill check one process is gone for good.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

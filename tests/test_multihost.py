@@ -1,0 +1,224 @@
+"""Multi-host save and restore on real ``jax.distributed`` process groups on 127.0.0.1.
+
+One pipeline, run once per module (process groups are slow to start on small machines):
+
+1. this pytest process (8 devices, no ``jax.distributed``) saves ``ckpt1``;
+2. a group of 2 processes x 4 devices restores it (1 -> 2) and saves ``ckpt2``;
+3. a group of 4 processes x 4 devices restores ``ckpt2`` (2 -> 4), saves ``ckpt4`` and checks
+   balance, dedup policies, overwrite, async saves, shared failures, a plan mismatch, and a
+   process killed mid-save;
+4. this process restores ``ckpt4`` (4 -> 1).
+
+The workers (``tests/mh_worker.py``) check each error with ``pytest.raises(match=)`` in the
+process that raised it and record ``"ok"`` or the traceback; the tests here read the records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import mh_worker
+import numpy as np
+import pytest
+
+import jaxckpt
+
+WORKER = Path(__file__).with_name("mh_worker.py")
+GROUP_TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_group(stage: str, n: int, work: Path) -> list[dict]:
+    """Run ``n`` worker processes of ``stage``; return each one's record."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+        JAXCKPT_SYNC_TIMEOUT="60",  # a hang becomes an error long before GROUP_TIMEOUT_S
+        PYTHONUNBUFFERED="1",
+    )
+    port = _free_port()
+    procs, logs = [], []
+    for i in range(n):
+        log = open(work / f"{stage}-{i}.log", "wb")  # noqa: SIM115 - closed below
+        logs.append(log)
+        cmd = [sys.executable, str(WORKER), stage, str(i), str(n), str(port), str(work)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+        pytest.fail(f"group {stage} hung; logs:\n{_tails(stage, n, work)}")
+    finally:
+        for log in logs:
+            log.close()
+    records = []
+    for i in range(n):
+        path = work / f"{stage}-{i}.json"
+        if not path.exists():
+            pytest.fail(f"process {i} of {stage} wrote no record; logs:\n{_tails(stage, n, work)}")
+        records.append(json.loads(path.read_text()))
+    return records
+
+
+def _tails(stage: str, n: int, work: Path) -> str:
+    return "\n".join(
+        f"--- {stage} process {i}:\n" + (work / f"{stage}-{i}.log").read_text()[-3000:]
+        for i in range(n)
+    )
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("multihost")
+    jaxckpt.save(work / "ckpt1", mh_worker.make_state("single"))
+    two = _run_group("two", 2, work)
+    four = _run_group("four", 4, work)
+    return {"work": work, "two": two, "four": four}
+
+
+def _ok(records: list[dict], check: str, processes=None) -> None:
+    for p in processes if processes is not None else range(len(records)):
+        got = records[p]["checks"].get(check, "not run")
+        assert got == "ok", f"check {check!r} on process {p}:\n{got}"
+
+
+def test_single_process_save_needs_no_coordinator(groups):
+    from jax._src import distributed
+
+    assert distributed.global_state.client is None
+    assert jaxckpt.metadata(groups["work"] / "ckpt1").created["process_count"] == 1
+
+
+def test_restore_one_to_two_processes_bit_exact(groups):
+    _ok(groups["two"], "restore_1")
+
+
+def test_restore_two_to_four_processes_bit_exact(groups):
+    _ok(groups["two"], "save_2")
+    _ok(groups["four"], "restore_2")
+
+
+def test_round_trip_four_processes_bit_exact(groups):
+    _ok(groups["four"], "save_4")
+    _ok(groups["four"], "save_async_overwrite")
+    assert jaxckpt.metadata(groups["work"] / "ckpt4").created["process_count"] == 4
+
+
+def test_restore_four_to_one_process_bit_exact(groups):
+    ckpt = groups["work"] / "ckpt4"
+    mh_worker.check_state(jaxckpt.restore(ckpt, mh_worker.target("two", jax.devices())))
+    host = jaxckpt.restore(ckpt)  # no target: numpy on this host
+    for key in mh_worker.ARRAYS:
+        got = host
+        for part in key.split("/"):
+            got = got[part]
+        assert got.tobytes() == mh_worker.value(key).tobytes(), key
+
+
+def _overhead(ckpt: Path) -> tuple[int, int]:
+    """(zarr.json bytes, chunk files) of a checkpoint: what tensorstore writes besides data."""
+    meta = sum(p.stat().st_size for p in ckpt.glob("arrays/*/zarr.json"))
+    chunks = sum(1 for p in ckpt.glob("arrays/*/c/**/*") if p.is_file())
+    return meta, chunks
+
+
+def _payload() -> int:
+    return sum(mh_worker.value(k).nbytes for k in [*mh_worker.ARRAYS, mh_worker.HOST])
+
+
+def test_every_byte_written_once(groups):
+    _ok(groups["four"], "save_4")
+    written = [r["data"]["written_4"] for r in groups["four"]]
+    meta, chunks = _overhead(groups["work"] / "ckpt4")
+    # The file bytes of all processes are exactly the data once, plus each chunk's crc32c and
+    # the arrays' metadata.
+    assert sum(written) == _payload() + 4 * chunks + meta
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_layout.Balancer balances per device only: 8 replicated arrays on 16 devices all go "
+    "to the devices of processes 0 and 1. Fix: break device-load ties by process load.",
+)
+def test_writes_balanced_across_processes(groups):
+    _ok(groups["four"], "save_4")
+    written = [r["data"]["written_4"] for r in groups["four"]]
+    meta, chunks = _overhead(groups["work"] / "ckpt4")
+    # Each process writes its share, give or take one chunk (the coordinator also writes the
+    # arrays' metadata).
+    share = _payload() / 4
+    for p, w in enumerate(written):
+        data = w - (meta if p == 0 else 0)
+        assert abs(data - share) <= mh_worker.MAX_CHUNK_BYTES + 4 * chunks, (p, written, share)
+
+
+def test_lowest_dedup_gives_replicas_to_process_zero(groups):
+    _ok(groups["four"], "save_lowest")
+    written = [r["data"]["written_lowest"] for r in groups["four"]]
+    replicated = sum(mh_worker.value(k).nbytes for k in mh_worker.ARRAYS if k.startswith("rep/"))
+    replicated += mh_worker.value(mh_worker.HOST).nbytes
+    meta, chunks = _overhead(groups["work"] / "lowest")
+    assert sum(written) == _payload() + 4 * chunks + meta
+    assert written[0] - meta > replicated
+    assert all(w < written[0] - replicated for w in written[1:]), written
+
+
+def test_each_process_reads_only_what_its_devices_need(groups):
+    for stage, key in (("two", "1"), ("four", "2")):
+        for p, record in enumerate(groups[stage]):
+            read = record["data"][f"read_{key}"]
+            least, most = record["data"][f"needed_{key}"]
+            # The whole chunks of the regions its devices need, nothing else.
+            assert least <= read <= most, (stage, p, read, least, most)
+    # The premise: a process of four needs a quarter of the sharded arrays and all of the
+    # replicated ones, about half of the checkpoint's chunks, not all of them.
+    chunks = (groups["work"] / "ckpt2").glob("arrays/*/c/**/*")
+    whole = sum(p.stat().st_size for p in chunks if p.is_file())
+    assert all(r["data"]["read_2"] < 0.6 * whole for r in groups["four"])
+
+
+def test_failure_on_one_process_raises_on_every_process(groups):
+    _ok(groups["four"], "failure")
+    assert os.listdir(groups["work"] / "fail") == []  # no checkpoint, no staging dir
+
+
+def test_existing_checkpoint_refused_on_every_process(groups):
+    _ok(groups["four"], "exists")
+
+
+def test_different_tree_on_one_process_is_a_plan_mismatch(groups):
+    _ok(groups["four"], "mismatch")
+    assert not (groups["work"] / "mismatch").exists()
+
+
+def test_process_killed_mid_save(groups):
+    four = groups["four"]
+    assert four[3]["data"].get("killed_mid_save"), "process 3 was not killed while writing"
+    _ok(four, "killed", processes=[0, 1, 2])
+    assert os.listdir(groups["work"] / "kill") == []  # no checkpoint, no staging dir
+
+
+def test_state_has_replicated_and_sharded_leaves():
+    # Guards the other tests' premises: replicas to dedup, and shards to read selectively.
+    devices = np.array(jax.devices()).reshape(2, 4)
+    assert len(mh_worker.sharding("single", "rep/0", devices).device_set) == 8
+    assert mh_worker.sharding("single", "params/w", devices).shard_shape((256, 128)) == (128, 32)
