@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
+import dataclasses
+import hashlib
 import os
 import re
 import shutil
@@ -37,7 +39,7 @@ from jaxckpt._errors import (
     CorruptChunkError,
     ManifestError,
 )
-from jaxckpt._manifest import MANIFEST, ArrayEntry, dtype_from_name
+from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._plan import ReadItem, WriteItem
 
 MAX_INFLIGHT_BYTES = 1 << 30
@@ -70,16 +72,27 @@ class Location:
         """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
         return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
 
+    def join(self, name: str) -> Location:
+        """The location ``name`` below this one (e.g. a step of a checkpoint directory)."""
+        if self.local is not None:
+            return Location(self.local / name)
+        return Location(self.url.rstrip("/") + "/" + name)
+
 
 def _kvstore_for_url(url: str) -> dict:
     scheme, rest = url.split("://", 1)
-    rest = rest.strip("/")
     if scheme == "memory":
-        return {"driver": "memory", "path": rest + "/"}
+        rest = rest.strip("/")
+        return {"driver": "memory", "path": rest + "/" if rest else ""}
     if scheme in ("gs", "s3"):
-        bucket, _, prefix = rest.partition("/")
+        bucket, _, prefix = rest.rstrip("/").partition("/")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}", bucket):
+            raise CheckpointError(
+                f"{url!r} names no valid bucket ({bucket!r}): write {scheme}://BUCKET/PREFIX with "
+                f"a bucket name of 3 or more letters, digits, '.', '-' or '_'."
+            )
         spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
-                                "path": prefix + "/" if prefix else ""}  # fmt: skip
+                                "path": prefix.strip("/") + "/" if prefix else ""}  # fmt: skip
         if scheme == "s3":
             spec.update(_s3_options())
         return spec
@@ -90,11 +103,25 @@ def _kvstore_for_url(url: str) -> dict:
 
 
 def _s3_options() -> dict:
+    """Endpoint, region and credentials for ``s3://`` from the standard AWS variables.
+
+    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` select an S3-compatible server (MinIO,
+    moto, ...; addressed path-style, ``ENDPOINT/BUCKET/KEY``); ``AWS_REGION`` or
+    ``AWS_DEFAULT_REGION`` the region (otherwise tensorstore asks the bucket). With
+    ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` set, those keys (and
+    ``AWS_SESSION_TOKEN``) are used; otherwise tensorstore's default chain (profile, instance
+    metadata).
+    """
+    env = os.environ
     opts: dict[str, Any] = {}
-    if os.environ.get("AWS_ENDPOINT_URL"):
-        opts["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
-    if os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
-        opts["aws_region"] = os.environ.get("AWS_REGION") or os.environ["AWS_DEFAULT_REGION"]
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["endpoint"] = endpoint.rstrip("/")
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        opts["aws_region"] = region
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        opts["aws_credentials"] = {"type": "environment"}
     return opts
 
 
@@ -171,13 +198,10 @@ class Writer:
             elif not is_coordinator:
                 raise ValueError("a non-coordinator Writer needs broadcast= to find the staging dir")
             self.root = {"driver": "file", "path": str(loc.local.parent / name) + "/"}
-        else:
-            if exists(loc) and not overwrite:
-                raise _exists_error(loc)
-            if overwrite and is_coordinator:
-                _kv(loc.kvstore).delete_range(ts.KvStore.KeyRange()).result()
+        else:  # object store: no rename, the manifest written last is the commit
             self.staging = None
-            self.root = loc.kvstore
+            self.generation = _prepare_object_store(loc, overwrite, is_coordinator)
+            self.root = {**loc.kvstore, "path": loc.kvstore["path"] + self.generation}
 
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
         """Create (coordinator) or open (others, after it) the zarr arrays, all at once."""
@@ -222,8 +246,13 @@ class Writer:
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, then make the checkpoint visible."""
-        if self.staging is None:
-            _kv(self.loc.kvstore).write(MANIFEST, manifest).result()
+        if self.loc.local is None:
+            kv = _kv(self.loc.kvstore)
+            if self.generation:
+                manifest = _in_generation(manifest, self.generation)
+            kv.write(MANIFEST, manifest).result()  # the commit
+            if self.generation:
+                _delete_all_but(kv, self.generation)  # the replaced arrays go only now
             return
         target = self.loc.local
         _syncfs(self.staging)  # every array byte is durable before the manifest exists
@@ -389,3 +418,150 @@ def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunk
         f"Key {entry.key!r}: chunk ({chunk}) of {entry.path} in {loc} {what} ({msg}). The "
         f"checkpoint is damaged: restore an earlier one; `jaxckpt verify PATH` lists every bad chunk."
     )
+
+
+# Object stores (memory://, s3://, gs://): overwrite by generation, delete, list.
+#
+# There is no rename, so an overwrite writes the new arrays under a fresh generation prefix
+# ``gXXXXXXXX/arrays/...`` beside the old ones, writes the new manifest (the commit), and only
+# then deletes everything else under the checkpoint's prefix. The generation is derived from
+# the old manifest, so every process of a save computes the same one without talking.
+_OWN_KEY = re.compile(r"^(manifest\.json$|(g[0-9a-f]{8}/)?arrays/)")
+
+
+def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) -> str:
+    """Check the target prefix; return the generation prefix (``""`` or ``"gXXXXXXXX/"``)."""
+    kv = _kv(loc.kvstore)
+    old = kv.read(MANIFEST).result()
+    if old.state == "value":
+        if not overwrite:
+            raise _exists_error(loc)
+        generation = _generation(old.value)
+        if is_coordinator:  # leftovers of an earlier failed overwrite of the same checkpoint
+            kv.delete_range(_prefix_range(generation)).result()
+        return generation
+    if is_coordinator:
+        keys = _list(loc)
+        foreign = [k for k in keys if not _OWN_KEY.match(k)]
+        if foreign and not overwrite:
+            raise CheckpointExistsError(
+                f"{loc} holds no checkpoint but other objects (e.g. {foreign[0]!r}). jaxckpt "
+                f"will not replace data it did not write: pass overwrite=True, or choose an "
+                f"empty or new prefix."
+            )
+        if keys:  # an unfinished save's arrays, never committed
+            kv.delete_range(ts.KvStore.KeyRange()).result()
+    return ""
+
+
+def _list(loc: Location) -> list[str]:
+    """Every key under an object-store location (relative to it)."""
+    try:
+        return [k.decode() for k in _kv(loc.kvstore).list().result()]
+    except ValueError as e:
+        raise CheckpointError(
+            f"Cannot list {loc}: {' '.join(str(e).split('[', 1)[0].split())}. Check that the "
+            f"bucket exists and that the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            f"AWS_ENDPOINT_URL for an S3-compatible server) may list and write it."
+        ) from e
+
+
+def _generation(old_manifest: bytes) -> str:
+    digest = old_manifest
+    while True:  # a prefix the old manifest does not use
+        digest = hashlib.sha256(digest).digest()
+        generation = f"g{digest.hex()[:8]}/"
+        if f'"{generation}'.encode() not in old_manifest:
+            return generation
+
+
+def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+    return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def _in_generation(manifest: bytes, generation: str) -> bytes:
+    m = Manifest.from_json(manifest)
+    entries = {
+        k: dataclasses.replace(e, path=generation + e.path) if isinstance(e, ArrayEntry) else e
+        for k, e in m.entries.items()
+    }
+    return dataclasses.replace(m, entries=entries).to_json()
+
+
+def _delete_all_but(kv: ts.KvStore, generation: str) -> None:
+    keep = sorted([_prefix_range(generation), ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")],
+                  key=lambda r: r.inclusive_min)  # fmt: skip
+    gaps, low = [], b""
+    for r in keep:
+        gaps.append(ts.KvStore.KeyRange(low, r.inclusive_min))
+        low = r.exclusive_max
+    gaps.append(ts.KvStore.KeyRange(low, b""))
+    for fut in [kv.delete_range(g) for g in gaps if not g.empty]:
+        fut.result()
+
+
+def delete(loc: Location) -> None:
+    """Delete the checkpoint, or an unfinished save's leftovers, at ``loc`` on any store.
+
+    The checkpoint stops being one first (the local directory is renamed away, the manifest
+    object is deleted before the arrays), so an interrupted delete never leaves a damaged
+    checkpoint. Nothing at ``loc`` is not an error.
+
+    Raises:
+      CheckpointError: ``loc`` holds files or objects jaxckpt did not write (e.g. it is the
+        parent directory of several checkpoints); nothing is deleted.
+    """
+    if loc.local is not None:
+        if not loc.local.exists():
+            return
+        names = [p.name for p in loc.local.iterdir()] if loc.local.is_dir() else [loc.local.name]
+        foreign = [n for n in names if not _OWN_KEY.match(n + "/") and n != MANIFEST]
+        if foreign:
+            raise _foreign_error(loc, foreign[0])
+        doomed = loc.local.parent / f".{loc.local.name}{_TMP}{uuid.uuid4().hex[:8]}-deleted"
+        os.rename(loc.local, doomed)
+        _fsync_dir(loc.local.parent)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return
+    kv = _kv(loc.kvstore)
+    foreign = [k for k in _list(loc) if not _OWN_KEY.match(k)]
+    if foreign:
+        raise _foreign_error(loc, foreign[0])
+    kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")).result()
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+
+
+def _foreign_error(loc: Location, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"Refusing to delete {loc}: it holds {name!r}, which jaxckpt did not write, so it is "
+        f"not a single checkpoint. Pass the checkpoint's own path (e.g. DIR/000100), or delete "
+        f"it by hand."
+    )
+
+
+def children(loc: Location) -> list[tuple[str, bool]]:
+    """The sub-directories (or sub-prefixes) of ``loc`` and whether each holds a checkpoint.
+
+    Names are sorted, numbers (step directories such as ``000100``) by value. Local hidden
+    directories (e.g. the ``.NAME.tmp-XXXX`` of a save in progress) are included.
+
+    Raises:
+      CheckpointNotFoundError: ``loc`` is a local path that is not a directory.
+    """
+    if loc.local is not None:
+        if not loc.local.is_dir():
+            raise CheckpointNotFoundError(
+                f"{loc} is not a directory. Check the path (a checkpoint directory such as the "
+                f"one given to CheckpointManager)."
+            )
+        found = [(p.name, (p / MANIFEST).is_file()) for p in loc.local.iterdir() if p.is_dir()]
+    else:
+        keys = set(_list(loc))
+        names = {k.split("/", 1)[0] for k in keys if "/" in k}
+        found = [(n, f"{n}/{MANIFEST}" in keys) for n in names]
+    return sorted(found, key=_name_order)
+
+
+def _name_order(child: tuple[str, bool]) -> tuple:
+    name = child[0]
+    return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
