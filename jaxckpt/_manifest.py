@@ -42,7 +42,8 @@ _CARRIED = {
 }
 _MAX_NDIM = 64
 _MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
-_PATH_RE = re.compile(r"^arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+# arrays/NAME, or gXXXXXXXX/arrays/NAME for a generation written by an object-store overwrite
+_PATH_RE = re.compile(r"^(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 
 def dtype_from_name(name: str) -> np.dtype:

@@ -12,25 +12,18 @@ import os
 import socket
 import uuid
 
+import boto3  # noqa: E402  (test extra)
 import jax.numpy as jnp
+import moto.server as moto_server  # noqa: E402
 import numpy as np
 import pytest
 from helpers import assert_tree_equal, mesh, put
 
 import jaxckpt
-from jaxckpt import _manifest, _storage
+from jaxckpt import _storage
 from jaxckpt._cli import main
 
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
-
 BUCKET = "ckpts"
-# Overwrites on object stores store arrays under gXXXXXXXX/arrays/...; the manifest reader
-# must accept that path form (docs/object_storage.md).
-_GEN_PATHS = bool(_manifest._PATH_RE.match("g0123abcd/arrays/w"))
-needs_gen_paths = pytest.mark.xfail(
-    not _GEN_PATHS, strict=True, reason="_manifest._PATH_RE does not accept gXXXXXXXX/arrays/"
-)
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +136,6 @@ def test_foreign_objects_are_not_replaced_without_overwrite(s3, prefix):
     assert "notes.txt" not in keys(s3, prefix)
 
 
-@needs_gen_paths
 def test_overwrite_commits_then_deletes_the_old_arrays(s3, prefix):
     url = f"s3://{BUCKET}/{prefix}"
     jaxckpt.save(url, state())
@@ -160,7 +152,6 @@ def test_overwrite_commits_then_deletes_the_old_arrays(s3, prefix):
     assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state(4.0)))
 
 
-@needs_gen_paths
 def test_failed_overwrite_keeps_the_old_checkpoint(s3, prefix):
     url = f"s3://{BUCKET}/{prefix}"
     jaxckpt.save(url, state())
