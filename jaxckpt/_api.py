@@ -134,6 +134,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
             if not sync.is_coordinator:
                 writer.open_arrays((entries[k] for k in {i.key for i in local.items}), create=False)
             handle.nbytes = writer.write(entries, data)
+            writer.flush()
             sync.barrier("written")
             t3 = time.perf_counter()
             if sync.is_coordinator:

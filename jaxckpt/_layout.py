@@ -162,6 +162,7 @@ class Balancer:
     def __init__(self, lowest: bool = False) -> None:
         self.lowest = lowest
         self.loads = {False: np.zeros(0, np.int64), True: np.zeros(0, np.int64)}
+        self.proc_loads = np.zeros(0, np.int64)
 
     def assign(self, lay: Layout, box_bytes: int) -> np.ndarray:
         """Position (into ``lay.device_ids``) of the writer of each box."""
@@ -177,10 +178,19 @@ class Balancer:
             table = self.loads[host] = np.concatenate(
                 [table, np.zeros(ids.max() + 1 - len(table), np.int64)]
             )
+        procs = self.proc_loads
+        if len(procs) <= lay.processes.max():
+            procs = self.proc_loads = np.concatenate(
+                [procs, np.zeros(lay.processes.max() + 1 - len(procs), np.int64)]
+            )
         cand = table[holder]
-        tie = (np.arange(n_rep)[None, :] - np.arange(n_boxes)[:, None]) % n_rep
         best = cand == cand.min(axis=1, keepdims=True)
+        # Among the least-loaded devices, the least-loaded process: spreads replicas over hosts.
+        pcand = np.where(best, procs[lay.processes[groups]], np.iinfo(np.int64).max)
+        best = pcand == pcand.min(axis=1, keepdims=True)
+        tie = (np.arange(n_rep)[None, :] - np.arange(n_boxes)[:, None]) % n_rep
         choice = np.argmin(np.where(best, tie, n_rep), axis=1)
         writers = groups[np.arange(n_boxes), choice]
         table[ids[writers]] += box_bytes  # a device holds one box per array: no repeats
+        np.add.at(procs, lay.processes[writers], box_bytes)
         return writers

@@ -244,6 +244,12 @@ class Writer:
             fut.result()
         return total
 
+    def flush(self) -> None:
+        """Make this process's writes durable; every process calls it before reporting done,
+        so every array byte is on disk before the coordinator writes the manifest."""
+        if self.loc.local is not None:
+            _syncfs(Path(self.root["path"]))
+
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, then make the checkpoint visible."""
         if self.loc.local is None:
@@ -255,7 +261,6 @@ class Writer:
                 _delete_all_but(kv, self.generation)  # the replaced arrays go only now
             return
         target = self.loc.local
-        _syncfs(self.staging)  # every array byte is durable before the manifest exists
         with open(self.staging / MANIFEST, "wb") as f:
             f.write(manifest)
             f.flush()

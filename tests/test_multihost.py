@@ -154,11 +154,6 @@ def test_every_byte_written_once(groups):
     assert sum(written) == _payload() + 4 * chunks + meta
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_layout.Balancer balances per device only: 8 replicated arrays on 16 devices all go "
-    "to the devices of processes 0 and 1. Fix: break device-load ties by process load.",
-)
 def test_writes_balanced_across_processes(groups):
     _ok(groups["four"], "save_4")
     written = [r["data"]["written_4"] for r in groups["four"]]
