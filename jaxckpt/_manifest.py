@@ -8,6 +8,7 @@ is type-checked, and storage paths are confined to the checkpoint's own ``arrays
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -121,10 +122,20 @@ class Manifest:
     version: int = VERSION
 
     def to_json(self) -> bytes:
-        entries = {k: _entry_to_json(e) for k, e in self.entries.items()}
-        doc = {"format": FORMAT, "version": self.version, "created": self.created,
-               "tree": self.tree, "entries": entries}  # fmt: skip
-        return json.dumps(doc, indent=1, allow_nan=False).encode()
+        # One line per top-level field and per entry: readable with `less`, diffable, and
+        # encoded by json's C encoder (indent= would switch to the ~10x slower Python one).
+        dump = functools.partial(json.dumps, allow_nan=False)
+        head = {
+            "format": FORMAT,
+            "version": self.version,
+            "created": self.created,
+            "tree": self.tree,
+        }
+        lines = [f" {dump(k)}: {dump(v)}," for k, v in head.items()]
+        entries = ",\n".join(
+            f"  {dump(k)}: {dump(_entry_to_json(e))}" for k, e in self.entries.items()
+        )
+        return ("{\n" + "\n".join(lines) + '\n "entries": {\n' + entries + "\n }\n}\n").encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str = MANIFEST) -> Manifest:

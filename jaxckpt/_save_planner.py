@@ -250,7 +250,16 @@ class DefaultSavePlanner(SavePlanner):
     # 3.
     def finish_plan(self, global_plan: GlobalSavePlan) -> SavePlan:
         self.global_plan = global_plan
-        return global_plan.for_process(self.process_index)
+        plan = global_plan.for_process(self.process_index)
+        # Start every device-to-host copy now so they overlap (GPU/TPU); on CPU devices the
+        # host already holds the bytes and a copy would only cost memory.
+        for item in plan.items:
+            leaf = self.leaves[item.key]
+            if isinstance(leaf, jax.Array) and item.device is not None:
+                shard = self._shard(item.key, leaf, item.device)
+                if shard.device.platform != "cpu":
+                    shard.data.copy_to_host_async()
+        return plan
 
     # 4.
     def resolve_data(self, item: WriteItem) -> np.ndarray:
