@@ -20,6 +20,7 @@ from jaxckpt._errors import ShapeMismatchError as ShapeMismatchError
 from jaxckpt._errors import UnsupportedLeafError as UnsupportedLeafError
 from jaxckpt._load_planner import DefaultLoadPlanner as DefaultLoadPlanner
 from jaxckpt._load_planner import LoadPlanner as LoadPlanner
+from jaxckpt._manager import CheckpointManager as CheckpointManager
 from jaxckpt._manifest import ArrayEntry as ArrayEntry
 from jaxckpt._manifest import Manifest as Manifest
 from jaxckpt._manifest import ValueEntry as ValueEntry
@@ -36,6 +37,7 @@ __all__ = [
     "ArrayEntry",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptChunkError",
     "DefaultLoadPlanner",
