@@ -1,0 +1,226 @@
+"""Crash safety with real processes and real signals.
+
+Workers (tests/fault_worker.py, forked from a forkserver that has jax imported) save step after
+step with a CheckpointManager. They are killed with SIGKILL at a spread of moments chosen by
+the parent, and at chosen OS calls of the save (tripwires in the worker, not in the library).
+After every kill: each step ``ls`` shows is whole and restores bit-exactly, ``latest_step()``
+is at least the last step known committed, leftovers are cleaned up by the next manager, and
+the next save succeeds. Also: SIGTERM preemption, and a full disk.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import fault_worker as fw
+import numpy as np
+import pytest
+from helpers import assert_tree_equal
+
+import jaxckpt
+
+# Delays (s) after a worker has committed its first step; a save cycle here takes ~0.1-0.3 s.
+DELAYS = [0.0, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.09, 0.11,
+          0.13, 0.15, 0.18, 0.21, 0.25, 0.3, 0.35, 0.42, 0.5]  # fmt: skip
+TRAPS = ["mid_staging", "before_commit_rename", "after_commit_rename", "before_metrics",
+         "before_delete", "after_delete_rename", "mid_delete"]  # fmt: skip
+
+
+@pytest.fixture
+def fast_dir(tmp_path):
+    """A directory on a tmpfs (/dev/shm) where there is one, else ``tmp_path``.
+
+    SIGKILL leaves the page cache alone, so a memory file system shows the same crash states
+    as a disk, without the disk's syncs (4x faster saves on this shared machine).
+    """
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 1 << 28):
+        yield tmp_path
+        return
+    d = Path(tempfile.mkdtemp(dir=shm, prefix="jaxckpt-faults-"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    c = multiprocessing.get_context("forkserver")
+    # Modules the forkserver imports once, so a worker starts in milliseconds. (It does not
+    # see tests/ on sys.path, so each worker imports fault_worker itself; that is cheap.)
+    c.set_forkserver_preload(["jaxckpt", "jax.numpy", "pytest"])
+    return c
+
+
+def _lines(progress: Path) -> list[str]:
+    return progress.read_text().splitlines() if progress.exists() else []
+
+
+def _wait_for(progress: Path, proc, prefix: str, timeout: float = 60.0) -> list[str]:
+    """Poll the worker's progress until a line starts with ``prefix``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = _lines(progress)
+        if any(line.startswith(prefix) for line in lines):
+            return lines
+        if not proc.is_alive():
+            pytest.fail(f"worker exited ({proc.exitcode}) before {prefix!r}: {lines}")
+        time.sleep(0.002)
+    proc.kill()
+    pytest.fail(f"worker did not reach {prefix!r} in {timeout} s: {_lines(progress)}")
+
+
+def _last_started(lines: list[str]) -> int | None:
+    started = [int(x.split()[1]) for x in lines if x.startswith("started ")]
+    return max(started, default=None)
+
+
+def _check_after_crash(d: Path, last_started: int | None) -> tuple[int, list[str]]:
+    """The directory a killed save left: returns (latest step, leftovers seen before cleanup)."""
+    leftovers = sorted(n for n in os.listdir(d) if n.startswith("."))
+    visible = sorted(n for n in os.listdir(d) if not n.startswith(".") and n != "metrics.json")
+    for name in visible:  # what `ls` shows is never a broken step
+        assert (d / name / "manifest.json").is_file(), f"{name} visible without a manifest"
+    mgr = jaxckpt.CheckpointManager(d)  # cleans up what the crash left
+    steps = mgr.all_steps()
+    assert steps == [int(n) for n in visible]
+    latest = mgr.latest_step()
+    assert latest is not None
+    if last_started is not None:  # save(N) returned => step N - 1 was committed
+        assert latest >= last_started - 1, (latest, last_started)
+    for step in steps:
+        assert_tree_equal(mgr.restore(step), fw.host_state(step))
+    assert [n for n in os.listdir(d) if n.startswith(".")] == []
+    return latest, leftovers
+
+
+def _phase(leftovers: list[str]) -> str:
+    if any(n.endswith("-deleted") for n in leftovers):
+        return "deleting"
+    if any(".tmp-" in n for n in leftovers):
+        return "saving"
+    return "between"
+
+
+def test_sigkill_at_a_spread_of_moments(ctx, tmp_path, fast_dir):
+    d = fast_dir / "ckpt"
+    phases = []
+    for i, delay in enumerate(DELAYS):
+        progress = tmp_path / f"progress{i}"
+        proc = ctx.Process(target=fw.save_loop, args=(str(d), str(progress), None), daemon=True)
+        proc.start()
+        lines = _wait_for(progress, proc, "first ")
+        first = int(lines[0].split()[1])
+        _wait_for(progress, proc, f"started {first + 1}")  # this worker has committed a step
+        time.sleep(delay)
+        proc.kill()
+        proc.join(30)
+        assert proc.exitcode == -signal.SIGKILL, _lines(progress)
+        latest, leftovers = _check_after_crash(d, _last_started(_lines(progress)))
+        assert latest >= first
+        phases.append(_phase(leftovers))
+    print("phase at each kill:", phases)
+    assert "saving" in phases  # the kills did land inside saves
+    mgr = jaxckpt.CheckpointManager(d, max_to_keep=2)  # and the next save succeeds
+    step = mgr.latest_step() + 1
+    mgr.save(step, fw.device_state(step))
+    mgr.wait()
+    assert_tree_equal(mgr.restore(step), fw.host_state(step))
+
+
+@pytest.mark.parametrize("trap", TRAPS)
+def test_sigkill_at_a_chosen_moment(ctx, tmp_path, fast_dir, trap):
+    d = fast_dir / "ckpt"
+    progress = tmp_path / "progress"
+    proc = ctx.Process(target=fw.save_loop, args=(str(d), str(progress), trap), daemon=True)
+    proc.start()
+    proc.join(60)
+    if proc.exitcode is None:
+        proc.kill()
+        pytest.fail(f"the {trap} tripwire never fired: {_lines(progress)}")
+    lines = _lines(progress)
+    assert proc.exitcode == -signal.SIGKILL, lines
+    assert f"armed {trap}" in lines
+    latest, leftovers = _check_after_crash(d, _last_started(lines))
+    if trap in ("before_commit_rename", "after_delete_rename", "mid_delete"):
+        assert leftovers, f"{trap}: expected a temporary to clean up"
+    mgr = jaxckpt.CheckpointManager(d, max_to_keep=2)
+    mgr.save(latest + 1, fw.device_state(latest + 1))
+    mgr.wait()
+    assert mgr.latest_step() == latest + 1
+    assert_tree_equal(mgr.restore(), fw.host_state(latest + 1))
+
+
+def test_sigterm_saves_the_current_step_and_stops(ctx, tmp_path, fast_dir):
+    d = fast_dir / "ckpt"
+    progress = tmp_path / "progress"
+    proc = ctx.Process(target=fw.train_until_preempted, args=(str(d), str(progress)), daemon=True)
+    proc.start()
+    _wait_for(progress, proc, "step 3")
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(60)
+    lines = _lines(progress)
+    assert proc.exitcode == 0, lines
+    preempted = [int(x.split()[1]) for x in lines if x.startswith("preempted ")]
+    assert len(preempted) == 1 and preempted[0] >= 3, lines
+    mgr = jaxckpt.CheckpointManager(d)
+    assert mgr.all_steps() == preempted  # nothing else was due (interval 10000)
+    assert_tree_equal(mgr.restore(), fw.host_state(preempted[0]))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs, or skip where mounting is not allowed (the rlimit test still runs)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_disk_full_raises_and_keeps_the_last_checkpoint(small_disk):
+    d = small_disk / "ckpt"
+    mgr = jaxckpt.CheckpointManager(d)
+    mgr.save(1, fw.device_state(1))
+    big = {"big": np.ones((4 << 20,), np.float32)}  # 16 MiB on an 8 MiB disk
+    assert mgr.save(2, big)  # staged; the write fails in the background
+    with pytest.raises(jaxckpt.CheckpointError, match=r"step 2 .*disk is full.*latest: 1"):
+        mgr.wait()
+    mgr.wait()  # raised once
+    assert mgr.all_steps() == [1]
+    assert sorted(os.listdir(d)) == ["00000001"]  # the failed save's temporary is gone
+    assert_tree_equal(mgr.restore(1), fw.host_state(1))
+    h = jaxckpt.save_async(d / "plain", big)  # the plain API re-raises from wait()
+    with pytest.raises((ValueError, jaxckpt.CheckpointError), match="No space left on device"):
+        h.wait()
+    mgr.save(3, fw.device_state(3))  # space is back: the next save succeeds
+    mgr.wait()
+    assert mgr.all_steps() == [1, 3]
+
+
+def test_file_size_limit_raises_and_keeps_the_last_checkpoint(ctx, tmp_path):
+    d = tmp_path / "ckpt"
+    progress = tmp_path / "progress"
+    proc = ctx.Process(target=fw.fill_disk, args=(str(d), str(progress), 1 << 20), daemon=True)
+    proc.start()
+    proc.join(60)
+    lines = _lines(progress)
+    assert proc.exitcode == 0, lines
+    assert lines[0].startswith("error Saving step 2 "), lines
+    assert "File too large" in lines[0] and "latest: 1" in lines[0], lines
+    assert lines[1] == "steps [1, 3]"
+    assert sorted(os.listdir(d)) == ["00000001", "00000003"]
+    assert_tree_equal(jaxckpt.restore(d / "00000001"), fw.host_state(1))
