@@ -192,7 +192,8 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
             finally:
                 _staging.POOL.give_back(arena)
 
-        handle._thread = threading.Thread(target=run_then_release, name="jaxckpt-save", daemon=True)
+        # Not a daemon: a program that ends right after save_async still commits its checkpoint.
+        handle._thread = threading.Thread(target=run_then_release, name="jaxckpt-save")
         handle._thread.start()
     else:
         run()

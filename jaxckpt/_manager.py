@@ -164,8 +164,9 @@ class CheckpointManager:
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
         if self.async_save and not preempted:
+            # Not a daemon: at exit Python waits for it, so the last step is still committed.
             self._pending = threading.Thread(target=self._finish, args=(step, handle, record),
-                                             name="jaxckpt-manager", daemon=True)  # fmt: skip
+                                             name="jaxckpt-manager")  # fmt: skip
             self._pending.start()
         else:
             self._finish(step, handle, record)

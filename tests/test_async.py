@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +112,21 @@ def test_handle_reports_timings_bytes_and_throughput(tmp_path, caplog):
         mgr.save(7, {"x": jnp.ones(1024)})
     assert any("step 7 committed" in r.getMessage() and "GB/s" in r.getMessage()
                for r in caplog.records)  # fmt: skip
+
+
+def test_a_program_that_exits_right_after_saving_still_commits(tmp_path):
+    script = """
+import sys, numpy as np, jaxckpt
+mgr = jaxckpt.CheckpointManager(sys.argv[1])
+mgr.save(1, {"w": np.arange(1 << 20, dtype=np.float32)})
+h = jaxckpt.save_async(sys.argv[1] + "/plain", {"w": np.ones(1 << 20, np.float32)})
+"""  # and returns at once: no wait(), no close()
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=120)
+    assert jaxckpt.CheckpointManager(tmp_path).all_steps() == [1]
+    assert jaxckpt.restore(tmp_path / "00000001")["w"][-1] == (1 << 20) - 1
+    assert jaxckpt.restore(tmp_path / "plain")["w"].sum() == 1 << 20
