@@ -199,10 +199,14 @@ class CheckpointManager:
             return e
         full = any(w in str(e) for w in ("No space left", "File too large", "quota exceeded"))
         hint = "The disk is full: free space or keep fewer steps (max_to_keep). " if full else ""
+        try:
+            latest: int | str | None = self.latest_step()
+        except Exception:  # the directory itself may be what failed
+            latest = "unknown"
         err = CheckpointError(
             f"Saving step {step} to {handle.path} failed: {type(e).__name__}: {e}. {hint}Nothing "
             f"of step {step} was committed; the steps already in {self.directory} are intact "
-            f"(latest: {self.latest_step()}). Fix the cause and call save() again."
+            f"(latest: {latest}). Fix the cause and call save() again."
         )
         err.__cause__ = e
         return err
