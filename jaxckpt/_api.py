@@ -12,11 +12,9 @@ import threading
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxckpt import _distributed, _staging, _storage
-from jaxckpt._errors import CheckpointError
 from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._manifest import ArrayEntry, Manifest
 from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner
@@ -136,13 +134,18 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     t0 = time.perf_counter()
     loc = _storage.Location(path)
     planner = planner if planner is not None else DefaultSavePlanner()
-    proc = _distributed.process_index()
-    planner.set_up_planner(tree, process_index=proc, process_count=_distributed.process_count())
-    global_plan = planner.create_global_plan()
-    local = planner.finish_plan(global_plan)
     handle = SaveHandle(str(loc))
+    # Made first, so that a failure on any process from here on reaches all of them.
+    sync = _distributed.SaveSync(str(loc))
+
+    def plan() -> tuple[Any, Any]:
+        planner.set_up_planner(tree, process_index=sync.process, process_count=sync.count)
+        global_plan = planner.create_global_plan()
+        return global_plan, planner.finish_plan(global_plan)
+
+    global_plan, local = sync.run("plan", plan)
+    sync.agree(global_plan.digest)
     handle.timings["plan"] = time.perf_counter() - t0
-    sync = _distributed.SaveSync(str(loc), global_plan.digest)
     writer = sync.run("open", lambda: _storage.Writer(loc, overwrite=overwrite,
                       is_coordinator=sync.is_coordinator, broadcast=sync.broadcast))  # fmt: skip
     entries = {k: e for k, e in global_plan.manifest.entries.items() if isinstance(e, ArrayEntry)}
@@ -152,10 +155,13 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
         arena = _staging.POOL.take(nbytes, reuse=loc.local is not None)  # see _staging
         try:
             data = [(item, _host_copy(planner.resolve_data(item), arena)) for item in local.items]
-        except BaseException:
-            _staging.POOL.give_back(arena)
+        except BaseException as e:
+            err = sync.failed(e)  # the others stop too; returns once they stopped writing
             writer.abort()
-            raise
+            _staging.POOL.give_back(arena)
+            if err is e:
+                raise
+            raise err from e
     else:
         data = ((item, planner.resolve_data(item)) for item in local.items)
     handle.timings["stage"] = time.perf_counter() - t1
@@ -176,7 +182,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
                 writer.commit(global_plan.manifest.to_json())
             sync.barrier("committed", wait_for_all=False)
             handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
-            logger.info("saved %s: %.1f MB in %s", loc, handle.nbytes / 1e6,
+            logger.info("saved %s: %.1f MB at %.2f GB/s, %s", loc, handle.nbytes / 1e6, handle.gbps,
                         {k: round(v, 3) for k, v in handle.timings.items()})  # fmt: skip
         except BaseException as e:  # re-raised by wait()
             handle._error = sync.failed(e)  # first: returns once the others stopped writing
@@ -261,5 +267,3 @@ def metadata(path: PathLike) -> Manifest:
 
 def _read_manifest(loc: _storage.Location) -> Manifest:
     return Manifest.from_json(_storage.read_manifest(loc), where=f"{loc}/manifest.json")
-
-

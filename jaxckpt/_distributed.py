@@ -84,19 +84,16 @@ class SaveSync:
 
     Single-process: every call is immediate and touches no distributed state.
 
+    Made before planning, so that a failure anywhere (planning included) reaches every
+    process; then :meth:`agree` on the plan's digest.
+
     Args:
       path: the checkpoint path as the user passed it; every process must pass the same.
-      digest: ``GlobalSavePlan.digest``; every process must have computed the same plan.
       timeout: seconds to wait at each step; default :func:`sync_timeout`.
-
-    Raises:
-      DistributedError: the processes planned different checkpoints (names them), or some
-        did not arrive in time (names them).
     """
 
-    def __init__(self, path: str, digest: str, *, timeout: float | None = None) -> None:
+    def __init__(self, path: str, *, timeout: float | None = None) -> None:
         self.path = path
-        self.digest = digest
         self.process = process_index()
         self.count = process_count()
         self.is_coordinator = self.process == 0
@@ -111,9 +108,18 @@ class SaveSync:
             self.id = f"{_PREFIX}/{next(_saves)}"
         self._peer_errors: set[int] = set()  # errors that report another process's failure
         self._missing: set[int] = set()  # processes this one timed out waiting for
-        plans = self._arrive("plan", f"{digest} {path}")
+
+    def agree(self, digest: str) -> None:
+        """Check every process planned the same checkpoint (``GlobalSavePlan.digest``).
+
+        Raises:
+          DistributedError: naming the processes whose plans differ.
+        """
+        if self.count == 1:
+            return
+        plans = self._arrive("plan", f"{digest} {self.path}")
         if plans is not None:  # the coordinator judges and tells the others
-            verdict = _compare_plans(plans, path)
+            verdict = _compare_plans(plans, self.path)
             self._release("plan", verdict or "ok")
         else:
             verdict = self._released("plan")

@@ -21,6 +21,7 @@ from jaxckpt._manifest import ArrayEntry, Manifest
 from jaxckpt._plan import LoadPlan, ReadItem, index_to_box
 
 _HOST = "host"
+_UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return one like it
 
 
 class LoadPlanner(abc.ABC):
@@ -105,6 +106,8 @@ class DefaultLoadPlanner(LoadPlanner):
             return dtype, leaf
         shape, tdtype = tuple(leaf.shape), leaf.dtype
         sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, np.ndarray) else None
+        if isinstance(leaf, jax.Array) and not leaf.committed:  # e.g. optax's jnp.zeros count
+            sharding = _UNCOMMITTED
         if entry.prng_impl:
             if not jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
                 raise DtypeMismatchError(
@@ -133,7 +136,7 @@ class DefaultLoadPlanner(LoadPlanner):
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
                 continue
-            if where is _HOST or entry.prng_impl:
+            if where is _HOST or where is _UNCOMMITTED or entry.prng_impl:
                 items.append(ReadItem(key, (0,) * len(entry.shape), entry.shape))
                 continue
             by_box = collections.defaultdict(list)
@@ -167,9 +170,12 @@ class DefaultLoadPlanner(LoadPlanner):
             parts = self.results.get(key, [])
             if entry.prng_impl:
                 keys_ = jax.random.wrap_key_data(parts[0][1], impl=entry.prng_impl)
-                values[key] = keys_ if where is _HOST else jax.device_put(keys_, where)
+                placed = where is _HOST or where is _UNCOMMITTED
+                values[key] = keys_ if placed else jax.device_put(keys_, where)
             elif where is _HOST:
                 values[key] = parts[0][1]
+            elif where is _UNCOMMITTED:
+                values[key] = jax.device_put(parts[0][1])
             else:
                 start = len(arrays)
                 for item, array in parts:

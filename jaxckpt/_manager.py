@@ -195,10 +195,15 @@ class CheckpointManager:
                            exc_info=True)  # fmt: skip
 
     def _explain(self, step: int, handle: SaveHandle, e: BaseException) -> BaseException:
-        if isinstance(e, (CheckpointError, KeyboardInterrupt, SystemExit)):
+        # Specific errors (exists, distributed, ...) pass as they are; plain failures get the
+        # step and the state of the directory.
+        specific = isinstance(e, CheckpointError) and type(e) is not CheckpointError
+        if specific or not isinstance(e, Exception):
             return e
         full = any(w in str(e) for w in ("No space left", "File too large", "quota exceeded"))
         hint = "The disk is full: free space or keep fewer steps (max_to_keep). " if full else ""
+        if "disk is full" in str(e):
+            hint = "Keep fewer steps (max_to_keep) if space is short. "
         try:
             latest: int | str | None = self.latest_step()
         except Exception:  # the directory itself may be what failed

@@ -196,7 +196,9 @@ class Writer:
             if broadcast is not None:
                 name = broadcast("staging", name)
             elif not is_coordinator:
-                raise ValueError("a non-coordinator Writer needs broadcast= to find the staging dir")
+                raise ValueError(
+                    "a non-coordinator Writer needs broadcast= to find the staging dir"
+                )
             self.root = {"driver": "file", "path": str(loc.local.parent / name) + "/"}
         else:  # object store: no rename, the manifest written last is the commit
             self.staging = None
@@ -207,8 +209,12 @@ class Writer:
         """Create (coordinator) or open (others, after it) the zarr arrays, all at once."""
         entries = list(entries)
         futures = [
-            ts.open({**_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True},
-                    create=create, open=not create, context=_CONTEXT)  # fmt: skip
+            ts.open(
+                {**_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True},
+                create=create,
+                open=not create,
+                context=_CONTEXT,
+            )  # fmt: skip
             for e in entries
         ]
         self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
@@ -233,16 +239,22 @@ class Writer:
             # Blocking saves hold the caller's arrays and async saves their own staged copies until
             # the write completes, so tensorstore may reference the bytes instead of copying.
             fut = store[box].write(data, can_reference_source_data_indefinitely=True)
-            pending.append((fut, data.nbytes))
+            pending.append((fut, data.nbytes, entry))
             inflight += data.nbytes
             total += data.nbytes
             while inflight > max_inflight_bytes and pending:
-                fut, n = pending.popleft()
-                fut.result()
+                fut, n, e = pending.popleft()
+                self._finish(fut, e)
                 inflight -= n
-        for fut, _ in pending:
-            fut.result()
+        for fut, _, e in pending:
+            self._finish(fut, e)
         return total
+
+    def _finish(self, fut: Any, entry: ArrayEntry) -> None:
+        try:
+            fut.result()
+        except (ValueError, OSError) as e:
+            raise _write_error(self.loc, f"writing key {entry.key!r} ({entry.path})", e) from e
 
     def flush(self) -> None:
         """Make this process's writes durable; every process calls it before reporting done,
@@ -261,15 +273,20 @@ class Writer:
                 _delete_all_but(kv, self.generation)  # the replaced arrays go only now
             return
         target = self.loc.local
-        with open(self.staging / MANIFEST, "wb") as f:
-            f.write(manifest)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.staging / MANIFEST, "wb") as f:
+                f.write(manifest)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise _write_error(self.loc, f"writing {MANIFEST}", e) from e
         if target.exists():
             if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
                 os.rename(target, self.staging.with_name(self.staging.name + "-old"))
                 os.rename(self.staging, target)
-                shutil.rmtree(self.staging.with_name(self.staging.name + "-old"), ignore_errors=True)
+                shutil.rmtree(
+                    self.staging.with_name(self.staging.name + "-old"), ignore_errors=True
+                )
             else:
                 shutil.rmtree(self.staging, ignore_errors=True)  # now holds the old checkpoint
         else:
@@ -279,6 +296,15 @@ class Writer:
     def abort(self) -> None:
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _write_error(loc: Location, what: str, e: Exception) -> CheckpointError:
+    full = "No space left" in str(e) or "RESOURCE_EXHAUSTED" in str(e) or "too large" in str(e)
+    hint = "The disk is full: free space, lower max_to_keep, or save elsewhere. " if full else ""
+    return CheckpointError(
+        f"Save to {loc} failed {what}: {e}. {hint}Nothing was committed; the last committed "
+        f"checkpoint is intact."
+    )
 
 
 def _exists_error(loc: Location) -> CheckpointExistsError:
@@ -313,7 +339,10 @@ def _exchange(a: Path, b: Path) -> bool:
         if _libc is None:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         at_fdcwd, rename_exchange = -100, 2
-        return _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+        return (
+            _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+            == 0
+        )
     except (OSError, AttributeError):
         return False
 
@@ -418,7 +447,13 @@ def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunk
     msg = str(e)
     where = re.search(r'"([^"]*/c/[0-9/]+)"', msg)
     chunk = where.group(1).rsplit("/c/", 1)[1].replace("/", ",") if where else "?"
-    what = "is missing" if "NOT_FOUND" in msg else "fails its checksum" if "igest" in msg else "cannot be read"
+    what = (
+        "is missing"
+        if "NOT_FOUND" in msg
+        else "fails its checksum"
+        if "igest" in msg
+        else "cannot be read"
+    )
     return CorruptChunkError(
         f"Key {entry.key!r}: chunk ({chunk}) of {entry.path} in {loc} {what} ({msg}). The "
         f"checkpoint is damaged: restore an earlier one; `jaxckpt verify PATH` lists every bad chunk."

@@ -3,7 +3,7 @@
 import jaxckpt
 
 PUBLIC = {
-    "ArrayEntry", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
+    "ArrayEntry", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
     "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
     "DtypeMismatchError", "GlobalSavePlan", "KeyMismatchError", "LoadPlan", "LoadPlanner",
     "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",

@@ -153,3 +153,17 @@ def test_restore_reads_each_distinct_region_once_per_host(tmp_path):
     planner.set_up_planner({"x": NamedSharding(M42, P())}, jaxckpt.metadata(tmp_path / "c"))
     plan = planner.create_local_plan()
     assert len(plan.items) == 1 and len(plan.items[0].devices) == 8
+
+
+def test_uncommitted_target_leaves_come_back_uncommitted(tmp_path):
+    # optax's step count starts as an uncommitted jnp.zeros: restoring it committed to one
+    # device would make jit refuse to mix it with arrays on the mesh.
+    count = jnp.zeros((), jnp.int32) + 5
+    assert not count.committed
+    w = put(np.ones((8, 4), np.float32), M42, "data")
+    jaxckpt.save(tmp_path / "c", {"count": count, "w": w})
+    back = jaxckpt.restore(tmp_path / "c", {"count": count, "w": w})
+    assert not back["count"].committed and int(back["count"]) == 5
+    assert back["w"].committed
+    out = jax.jit(lambda c, x: x * c)(back["count"], back["w"])  # mixes fine with the mesh
+    np.testing.assert_array_equal(out, np.full((8, 4), 5.0))
