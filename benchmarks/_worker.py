@@ -1,0 +1,185 @@
+"""One measurement in a fresh process: ``python compare.py --worker JSON`` runs ``run(spec)``.
+
+Every task times the first call in the process separately ("cold": imports, tensorstore
+contexts, plan-cache misses, first compilations) from the ``runs`` calls after it ("warm").
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import shutil
+import time
+
+import _libs
+import _state
+import jax
+import numpy as np
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _file_bytes_read() -> int:
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(v.get("value", 0) for m in found for v in m["values"])
+
+
+def _needed_bytes(target) -> int:
+    """Bytes of the distinct target shards this process holds (what it must read at least)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(target):
+        boxes = {
+            tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(idx, leaf.shape))
+            for idx in leaf.sharding.addressable_devices_indices_map(leaf.shape).values()
+        }
+        for box in boxes:
+            size = leaf.dtype.itemsize
+            for a, b in box:
+                size *= b - a
+            total += size
+    return total
+
+
+def _calls(spec: dict, cold: bool = True):
+    """Call numbers: 0 (the cold one) if ``cold``, then up to ``runs`` warm ones; warm calls
+    stop early (after at least one) once they took ``budget_s`` together."""
+    start = None
+    for r in range(int(not cold), spec["runs"] + 1):
+        if start is None and r >= 1:
+            start = time.perf_counter()
+        elif start is not None and time.perf_counter() - start > spec.get("budget_s", 1e9):
+            return
+        yield r
+
+
+def _save(spec: dict) -> dict:
+    lib = _libs.LIBS[spec["lib"]]()
+    state = _state.build(spec["workload"])
+    times = []
+    for r in _calls(spec):
+        path = spec["keep"] if r == 0 else f"{spec['keep']}.run{r}"
+        t = time.perf_counter()
+        lib.save(path, state)
+        times.append(time.perf_counter() - t)
+        if path != spec["keep"]:
+            shutil.rmtree(path)
+    return {"cold": times[0], "warm": times[1:], "disk_bytes": _du(spec["keep"]),
+            "state_bytes": _state.nbytes(state)}  # fmt: skip
+
+
+def _check_shardings(out, target) -> None:
+    for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(target)):
+        if not got.sharding.is_equivalent_to(want.sharding, len(want.shape)):
+            raise AssertionError(f"restored sharding {got.sharding}, wanted {want.sharding}")
+
+
+def _restore_onto(lib, spec: dict, mesh: list[int], cold: bool) -> dict:
+    target = _state.abstract(spec["workload"], tuple(mesh))
+    times, reads = [], []
+    for r, _ in enumerate(_calls(spec, cold)):
+        before, lib.bytes_read = _file_bytes_read(), 0
+        t = time.perf_counter()
+        out = jax.block_until_ready(lib.restore(spec["path"], target))
+        times.append(time.perf_counter() - t)
+        reads.append(_file_bytes_read() - before + lib.bytes_read)
+        if r == 0:  # the bytes and the layout are right (not timed)
+            _state.check(spec["workload"], out)
+            _check_shardings(out, target)
+        del out
+    return {"times": times, "bytes_read": reads, "bytes_needed": _needed_bytes(target)}
+
+
+def _restore(spec: dict) -> dict:
+    """Restore onto the saving mesh (first call: cold), then, if asked, onto another mesh."""
+    lib = _libs.LIBS[spec["lib"]]()
+    same = _restore_onto(lib, spec, [4, 2], cold=True)
+    out = {"cold": same["times"][0], "warm": same["times"][1:], "bytes_read": same["bytes_read"],
+           "bytes_needed": same["bytes_needed"]}  # fmt: skip
+    if spec.get("reshard"):  # after the cold call above: only warm calls here
+        at_least_one = {**spec, "runs": max(spec["runs"], 1)}
+        out["reshard"] = _restore_onto(lib, at_least_one, list(spec["reshard"]), cold=False)
+    return out
+
+
+def _async(spec: dict) -> dict:
+    """Time until ``save_async`` returns and until the save is done; then ``jax.device_get``."""
+    state = _state.build("big")
+    lib = _libs.LIBS[spec["lib"]]()
+    os.makedirs(spec["root"], exist_ok=True)
+    blocking, total = [], []
+    for r in _calls(spec):
+        path = f"{spec['root']}/async-{r}"
+        t = time.perf_counter()
+        wait = lib.save_async(path, state)
+        blocking.append(time.perf_counter() - t)
+        wait()
+        total.append(time.perf_counter() - t)
+        shutil.rmtree(path)
+    out = {"cold": blocking[0], "warm": blocking[1:], "total_warm": total[1:]}
+    if spec.get("device_get"):  # the floor for any copy to the host, warm only
+        times = []
+        for _ in range(spec["runs"] + 1):
+            # A fresh copy each time: an Array caches its host value after one device_get.
+            fresh = jax.block_until_ready(jax.tree_util.tree_map(lambda a: a.copy(), state))
+            t = time.perf_counter()
+            jax.device_get(fresh)
+            times.append(time.perf_counter() - t)
+            del fresh
+        out["device_get"] = times[1:]
+    return out
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _memory(spec: dict) -> dict:
+    """Peak RSS growth of one save of ``big`` per mode, after a tiny warm-up save per mode."""
+    lib = _libs.LIBS[spec["lib"]]()
+    os.makedirs(spec["root"], exist_ok=True)
+    ways = {"blocking": lib.save, "async": lambda p, s: lib.save_async(p, s)()}
+    tiny = {"w": jax.device_put(np.ones((64, 64), np.float32))}
+    for mode in spec["modes"]:  # imports, contexts and caches: not measured
+        ways[mode](f"{spec['root']}/warmup-{mode}", tiny)
+    state = _state.build("big")
+    growth = {}
+    for mode in spec["modes"]:
+        gc.collect()
+        base = _vm("VmRSS")
+        if not _reset_peak():  # fall back to the peak since start, which may hide the growth
+            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        ways[mode](f"{spec['root']}/mem-{mode}", state)
+        growth[mode] = max(_vm("VmHWM") - base, 0)
+    return {"growth": growth, "state_bytes": _state.nbytes(state)}
+
+
+def _plan(spec: dict) -> dict:
+    import _plan_bench
+
+    return {"points": [_plan_bench.run(p, 8, spec["arrays"]) for p in spec["processes"]]}
+
+
+TASKS = {"save": _save, "restore": _restore, "async": _async, "memory": _memory, "plan": _plan}
+
+
+def run(spec: dict) -> dict:
+    return TASKS[spec["task"]](spec)

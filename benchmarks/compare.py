@@ -1,0 +1,314 @@
+"""Compare jaxckpt with orbax-checkpoint, jax.experimental.array_serialization and raw numpy.
+
+Run from the repository root (``pip install -e '.[bench]'`` first)::
+
+    .venv/bin/python benchmarks/compare.py --runs 3 --out bench-results.md
+
+Every measurement runs in a fresh subprocess on 8 simulated CPU devices, so the first call of
+each library ("cold") is timed apart from the ``--runs`` calls after it ("warm", median).
+Workloads: ``big`` (~400 MiB transformer-like state, FSDP x TP on a (4,2) mesh), ``small``
+(2,000 replicated 1 KiB leaves), ``reshard`` (``big`` restored onto a (2,4) mesh, with bytes
+read), ``async`` (time until an async save returns), ``memory`` (peak RSS growth of a save),
+``plan`` (the save planner on a simulated job of up to 4,096 processes x 8 devices).
+See docs/benchmarks.md for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+WORKLOADS = ("big", "small", "reshard", "async", "memory", "plan")
+LIBS = ("jaxckpt", "orbax", "jax.array_serialization", "raw numpy")
+# One process per library; jaxckpt measures its blocking save, then its async one.
+MEMORY_MODES = {"jaxckpt": ["blocking", "async"], "orbax": ["async"],
+                "jax.array_serialization": ["blocking"], "raw numpy": ["blocking"]}  # fmt: skip
+
+
+def _spawn(spec: dict, log: list[str]) -> dict | None:
+    """Run one measurement in a fresh interpreter; ``None`` (and a log line) if it fails."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(cmd[1]))
+    what = " ".join(
+        f"{k}={v}" for k, v in spec.items() if k in ("task", "lib", "workload", "mode", "processes")
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            print(f"  {what}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    log.append(f"{what}: failed: {' | '.join(tail)}")
+    print(f"  {log[-1]}", file=sys.stderr)
+    return None
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None or x != x else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _ratio(other: float | None, ours: float | None) -> str:
+    return "—" if not other or not ours else f"{other / ours:.2f}×"
+
+
+def measure(args: argparse.Namespace) -> dict:
+    root, runs, log = args.dir, args.runs, []
+
+    def spawn(spec: dict, log: list[str]) -> dict | None:
+        return _spawn({**spec, "budget_s": args.budget_s}, log)
+
+    res: dict = {"log": log, "runs": runs, "save": {}, "restore": {}, "reshard": {},
+                 "async": {}, "memory": {}, "plan": []}  # fmt: skip
+    for w in ("big", "small"):
+        reshard = w == "big" and "reshard" in args.workload
+        if w not in args.workload and not reshard:
+            continue
+        for lib in args.libs:
+            keep = f"{root}/{lib.replace(' ', '_')}-{w}"
+            spec = {"task": "save", "lib": lib, "workload": w, "keep": keep}
+            r = spawn({**spec, "runs": runs if w in args.workload else 0}, log)
+            if r is not None and w in args.workload:
+                res["save"][(lib, w)] = r
+            if r is not None:  # a fresh process restores what the last save wrote
+                spec = {"task": "restore", "lib": lib, "workload": w, "path": keep}
+                rr = spawn({**spec, "runs": runs, "reshard": [2, 4] if reshard else None}, log)
+                if rr and w in args.workload:
+                    res["restore"][(lib, w)] = rr
+                if rr and reshard:
+                    res["reshard"][lib] = rr["reshard"]
+            shutil.rmtree(keep, ignore_errors=True)
+    if "async" in args.workload:
+        for lib in [x for x in args.libs if x != "raw numpy"]:
+            spec = {"task": "async", "lib": lib, "runs": runs, "root": f"{root}/async"}
+            r = spawn({**spec, "device_get": lib == "jaxckpt"}, log)
+            if r:
+                res["async"][lib] = r
+            shutil.rmtree(f"{root}/async", ignore_errors=True)
+    if "memory" in args.workload:
+        for lib in args.libs:
+            spec = {"task": "memory", "lib": lib, "modes": MEMORY_MODES[lib], "root": f"{root}/mem"}
+            r = spawn(spec, log)
+            for mode, growth in (r or {}).get("growth", {}).items():
+                res["memory"][(lib, mode)] = {"growth": growth, "state_bytes": r["state_bytes"]}
+            shutil.rmtree(f"{root}/mem", ignore_errors=True)
+    if "plan" in args.workload:
+        procs = sorted(args.plan_procs)  # one process, smallest first: peak RSS grows with it
+        r = spawn({"task": "plan", "processes": procs, "arrays": 1000}, log)
+        res["plan"] = r["points"] if r else []
+    return res
+
+
+def _read_ratio(r: dict | None, i: int) -> str:
+    if not r:
+        return "—"
+    x = r["bytes_read"][i] / r["bytes_needed"]
+    return "*cached*" if x < 0.05 else f"{x:.2f}"
+
+
+def _gbps(nbytes: int, secs: float) -> str:
+    return f" ({nbytes / secs / 1e9:.2f} GB/s)" if secs and nbytes else ""
+
+
+def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple]]:
+    """The markdown tables, and the issue's targets as (name, measured, goal, met)."""
+    out, targets = [], []
+    n = res["runs"]
+    add = out.append
+    add(f"Command: `{argv}`  \nMachine: {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}. Times in seconds: "
+        f"warm = median of {n} calls after the first; cold = first call in a fresh process.\n")  # fmt: skip
+    sv, rs = res["save"], res["restore"]
+    for w in ("big", "small"):
+        if not any(k[1] == w for k in sv):
+            continue
+        size = next(v["state_bytes"] for k, v in sv.items() if k[1] == w)
+        add(f"\n### `{w}` ({size / 2**20:.0f} MiB)\n")
+        add("| | " + " | ".join(libs) + " |")
+        add("|---" * (len(libs) + 1) + "|")
+        for op, d in (("save", sv), ("restore", rs)):
+            for kind in ("warm", "cold"):
+                cells = []
+                for lib in libs:
+                    r = d.get((lib, w))
+                    t = None if r is None else _med(r["warm"]) if kind == "warm" else r["cold"]
+                    cell = _s(t) + (_gbps(size, t) if t and w == "big" else "")
+                    if r and kind == "warm" and len(r["warm"]) < n:
+                        cell += f" (n={len(r['warm'])})"
+                    cells.append(cell)
+                add(f"| {op} {kind} | " + " | ".join(cells) + " |")
+        add("| on disk, MiB | " + " | ".join(
+            _s(sv[(lib, w)]["disk_bytes"] / 2**20) if (lib, w) in sv else "—" for lib in libs) + " |")  # fmt: skip
+        others = [x for x in libs if x != "jaxckpt"]
+        if not others or "jaxckpt" not in libs:
+            continue
+        add("\njaxckpt speed-up (their time ÷ jaxckpt's; > 1 means jaxckpt is faster):\n")
+        add("| | " + " | ".join(others) + " |")
+        add("|---" * (len(others) + 1) + "|")
+        for op, d in (("save", sv), ("restore", rs)):
+            for kind in ("warm", "cold"):
+                ours = d.get(("jaxckpt", w))
+                cells = []
+                for lib in others:
+                    r = d.get((lib, w))
+                    pick = (lambda x: _med(x["warm"])) if kind == "warm" else (lambda x: x["cold"])
+                    cells.append(_ratio(r and pick(r), ours and pick(ours)))
+                add(f"| {op} {kind} | " + " | ".join(cells) + " |")
+    t = lambda d, lib, w, kind="warm": (d.get((lib, w)) or {}).get(kind)  # noqa: E731
+    med = lambda x: _med(x) if isinstance(x, list) else x  # noqa: E731
+
+    def speed(d, lib, w, kind="warm"):
+        a, b = med(t(d, lib, w, kind)), med(t(d, "jaxckpt", w, kind))
+        return a / b if a and b else None
+
+    for name, d, lib, w, kind, goal in (
+        ("big save warm vs raw numpy", sv, "raw numpy", "big", "warm", 0.9),
+        ("big save cold vs orbax cold", sv, "orbax", "big", "cold", 3.0),
+        ("big restore warm vs orbax", rs, "orbax", "big", "warm", 3.0),
+        ("big restore cold vs orbax", rs, "orbax", "big", "cold", 3.0),
+        ("small save warm vs orbax", sv, "orbax", "small", "warm", 20.0),
+        ("small restore warm vs orbax", rs, "orbax", "small", "warm", 10.0),
+    ):
+        x = speed(d, lib, w, kind)
+        if x is not None:
+            targets.append((name, f"{x:.2f}×", f"≥ {goal}×", x >= goal))
+    if res["reshard"]:
+        rr, base = res["reshard"], res["restore"]
+        add("\n### `reshard`: `big` saved on a (4,2) mesh, restored onto (2,4)\n")
+        add("Warm calls only (they follow the cold same-mesh restores in the same process).\n")
+        add("| | " + " | ".join(libs) + " |")
+        add("|---" * (len(libs) + 1) + "|")
+        add("| restore warm | " + " | ".join(
+            _s(_med(rr[lib]["times"])) if lib in rr else "—" for lib in libs) + " |")  # fmt: skip
+        rows = [("bytes read ÷ needed, reshard (first call)", lambda lib: rr.get(lib), 0),
+                ("bytes read ÷ needed, same mesh, cold", lambda lib: base.get((lib, "big")), 0),
+                ("bytes read ÷ needed, same mesh, warm", lambda lib: base.get((lib, "big")), -1)]  # fmt: skip
+        for name, get, i in rows if base else rows[:1]:
+            add(f"| {name} | " + " | ".join(_read_ratio(get(lib), i) for lib in libs) + " |")
+        add("\nBytes read: tensorstore's `/tensorstore/kvstore/file/bytes_read` (raw numpy: bytes "
+            "returned by `fromfile`); needed: the distinct target shards' bytes. *cached*: under "
+            "5% of the bytes came from disk, the rest from the library's in-process cache; "
+            "orbax stores compressed chunks, so it can read less than it restores.")  # fmt: skip
+        if "jaxckpt" in rr:
+            x = rr["jaxckpt"]["bytes_read"][0] / rr["jaxckpt"]["bytes_needed"]
+            targets.append(("reshard bytes read ÷ needed", f"{x:.2f}", "≤ 1.25", x <= 1.25))
+            if "orbax" in rr:
+                x = _med(rr["orbax"]["times"]) / _med(rr["jaxckpt"]["times"])
+                targets.append(("reshard restore warm vs orbax", f"{x:.2f}×", "(no target)", None))
+    if res["async"]:
+        a = res["async"]
+        add("\n### `async`: time until the save call returns (`big`)\n")
+        add("| | returns after, warm | returns after, cold | whole save, warm |")
+        add("|---|---|---|---|")
+        for lib, r in a.items():
+            row = f"{_s(_med(r['warm']))} | {_s(r['cold'])} | {_s(_med(r['total_warm']))}"
+            add(f"| {lib} | {row} |")
+        if "device_get" in a.get("jaxckpt", {}):
+            add(f"| `jax.device_get` (floor) | {_s(_med(a['jaxckpt']['device_get']))} | — | — |")
+        if "jax.array_serialization" in a:
+            add("\n`jax.array_serialization.nonblocking_save` returns before copying anything: "
+                "the caller must not donate or delete the arrays until it finishes.")  # fmt: skip
+        if "jaxckpt" in a and "orbax" in a:
+            x, y = _med(a["jaxckpt"]["warm"]), _med(a["orbax"]["warm"])
+            targets.append(("async blocking: jaxckpt ÷ orbax", f"{x / y:.2f}×", "≤ 1×", x <= y))
+    if res["memory"]:
+        add("\n### `memory`: peak RSS growth during one save of `big`, ÷ state size\n")
+        add("| library | mode | growth MiB | ÷ state |")
+        add("|---|---|---|---|")
+        for (lib, mode), r in res["memory"].items():
+            g = r["growth"] / r["state_bytes"]
+            label = "save + wait (async)" if lib == "orbax" else mode
+            add(f"| {lib} | {label} | {r['growth'] / 2**20:.0f} | {g:.2f} |")
+            if lib == "jaxckpt":
+                goal = 0.25 if mode == "blocking" else 1.05
+                targets.append(
+                    (f"peak memory growth, {mode} save", f"{g:.2f}×", f"≤ {goal}×", g <= goal)
+                )
+    if res["plan"]:
+        add("\n### `plan`: save planning on a simulated job (process 0's view)\n")
+        add("| processes × 8 devices | arrays | shard boxes | this process's items | plan s | cached plan s | manifest KiB | peak RSS growth MiB |")  # fmt: skip
+        add("|---|---|---|---|---|---|---|---|")
+        for r in res["plan"]:
+            add(f"| {r['processes']:,} × 8 = {r['devices']:,} | {r['arrays']:,} | {r['boxes']:,} | "
+                f"{r['local_items']:,} | {_s(r['plan_s'])} | {_s(r['cached_s'])} | "
+                f"{r['manifest_bytes'] / 1024:.0f} | {r['peak_rss_growth_mb']:.0f} |")  # fmt: skip
+    if targets:
+        add("\n### Targets (issue 5)\n")
+        add("| target | measured | goal | met |")
+        add("|---|---|---|---|")
+        for name, x, goal, met in targets:
+            add(f"| {name} | {x} | {goal} | {'—' if met is None else 'yes' if met else '**no**'} |")
+    if res["log"]:
+        add("\nFailures:\n")
+        out.extend(f"- {line}" for line in res["log"])
+    return "\n".join(out) + "\n", targets
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--workload", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}"
+    )
+    p.add_argument("--libs", default=",".join(LIBS), help=f"comma list of {', '.join(LIBS)}")
+    p.add_argument("--runs", type=int, default=3, help="warm calls per measurement (median)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=15.0,
+        help="stop a measurement's warm calls early once they took this long (n shown)",
+    )
+    p.add_argument("--out", help="also write the markdown tables to this file")
+    p.add_argument("--dir", help="where checkpoints go (default: a new temporary folder)")
+    p.add_argument(
+        "--plan-procs", default="1,64,512,4096", help="simulated process counts, 1,000 arrays each"
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _worker
+
+        print("RESULT " + json.dumps(_worker.run(json.loads(args.worker))), flush=True)
+        return
+    args.workload = [w for w in args.workload.split(",") if w]
+    args.libs = tuple(x for x in args.libs.split(",") if x)
+    args.plan_procs = [int(x) for x in args.plan_procs.split(",") if x]
+    bad = [w for w in args.workload if w not in WORKLOADS] + [x for x in args.libs if x not in LIBS]
+    if bad:
+        p.error(f"unknown workload or library: {bad}")
+    made = args.dir is None
+    args.dir = args.dir or tempfile.mkdtemp(prefix="jaxckpt-bench-")
+    t = time.perf_counter()
+    try:
+        res = measure(args)
+    finally:
+        if made:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    cmd = "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text, _ = report(res, args.libs, cmd.strip())
+    text += f"\nTotal wall time: {time.perf_counter() - t:.0f} s.\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
