@@ -94,10 +94,24 @@ def _coords(mesh_shape: tuple[int, ...]) -> np.ndarray:
 
 
 def layout(shape: Sequence[int], sharding: Any) -> Layout:
-    """The layout of ``sharding`` for an array of ``shape`` (any JAX sharding)."""
+    """The layout of ``sharding`` for an array of ``shape`` (any JAX sharding).
+
+    Cached: the arrays of a model share a few (shape, sharding) pairs, and share one layout.
+    """
+    try:
+        return _cached_layout(tuple(shape), sharding)
+    except TypeError:  # an unhashable sharding
+        return _layout(tuple(shape), sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_layout(shape: tuple[int, ...], sharding: Any) -> Layout:
+    return _layout(shape, sharding)
+
+
+def _layout(shape: tuple[int, ...], sharding: Any) -> Layout:
     import jax
 
-    shape = tuple(shape)
     if isinstance(sharding, jax.sharding.NamedSharding) and _plain_spec(sharding.spec):
         ids, procs = _mesh_ids(sharding.mesh)
         return named_layout(shape, sharding.mesh.devices.shape, sharding.mesh.axis_names,
