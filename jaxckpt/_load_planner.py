@@ -162,6 +162,7 @@ class DefaultLoadPlanner(LoadPlanner):
         sharded: dict[str, tuple[int, int]] = {}  # key -> its slice of the batched transfer
         arrays: list[np.ndarray] = []
         targets: list[Any] = []
+        whole: list[tuple[str, np.ndarray, Any]] = []
         for key, (_, where) in self.wants.items():
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
@@ -176,6 +177,8 @@ class DefaultLoadPlanner(LoadPlanner):
                 values[key] = parts[0][1]
             elif where is _UNCOMMITTED:
                 values[key] = jax.device_put(parts[0][1])
+            elif len(parts) == 1 and parts[0][0].sizes == entry.shape:
+                whole.append((key, parts[0][1], where))  # replicated here: one batched put
             else:
                 start = len(arrays)
                 for item, array in parts:
@@ -183,6 +186,9 @@ class DefaultLoadPlanner(LoadPlanner):
                         arrays.append(array)
                         targets.append(devices[d])
                 sharded[key] = (start, len(arrays))
+        if whole:
+            placed = jax.device_put([a for _, a, _ in whole], [w for _, _, w in whole])
+            values.update((k, v) for (k, _, _), v in zip(whole, placed))
         shards = jax.device_put(arrays, targets) if arrays else []  # one batched transfer
         for key, (lo, hi) in sharded.items():
             entry = self.manifest.entries[key]
