@@ -165,6 +165,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     else:
         data = ((item, planner.resolve_data(item)) for item in local.items)
     handle.timings["stage"] = time.perf_counter() - t1
+    pending = [data]  # popped by the writer, so nothing holds the staged bytes once written
 
     def run() -> None:
         try:
@@ -174,7 +175,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
             sync.barrier("created", wait_for_all=False)
             if not sync.is_coordinator:
                 writer.open_arrays((entries[k] for k in {i.key for i in local.items}), create=False)
-            handle.nbytes = writer.write(entries, data)
+            handle.nbytes = writer.write(entries, pending.pop())  # staged copies freed after
             writer.flush()
             sync.barrier("written")
             t3 = time.perf_counter()
@@ -207,7 +208,8 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
 
 
 def _host_copy(data: Any, arena: _staging.Arena) -> np.ndarray:
-    # On CPU devices np.asarray aliases the device buffer, which the caller may donate.
+    # Always a copy: on CPU devices np.asarray aliases the device buffer, and holding such
+    # views while the caller donates the arrays is not something to build on.
     return arena.copy(np.asarray(data))
 
 
