@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _distributed, _staging, _storage
+from jaxckpt import _distributed, _location, _staging, _storage
 from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._manifest import ArrayEntry, Manifest
 from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner
@@ -132,7 +132,7 @@ class SaveHandle:
 def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlanner | None,
                 stage: bool) -> SaveHandle:  # fmt: skip
     t0 = time.perf_counter()
-    loc = _storage.Location(path)
+    loc = _location.Location(path)
     planner = planner if planner is not None else DefaultSavePlanner()
     handle = SaveHandle(str(loc))
     # Made first, so that a failure on any process from here on reaches all of them.
@@ -243,7 +243,7 @@ def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: boo
       >>> jaxckpt.restore(d, {"w": s})["w"].sharding == s
       True
     """
-    loc = _storage.Location(path)
+    loc = _location.Location(path)
     manifest = _read_manifest(loc)
     planner = planner if planner is not None else DefaultLoadPlanner()
     planner.set_up_planner(target, manifest, keys=keys, strict=strict)
@@ -264,8 +264,8 @@ def metadata(path: PathLike) -> Manifest:
       >>> jaxckpt.metadata(d).entries["w"].shape
       (4, 2)
     """
-    return _read_manifest(_storage.Location(path))
+    return _read_manifest(_location.Location(path))
 
 
-def _read_manifest(loc: _storage.Location) -> Manifest:
-    return Manifest.from_json(_storage.read_manifest(loc), where=f"{loc}/manifest.json")
+def _read_manifest(loc: _location.Location) -> Manifest:
+    return Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/manifest.json")

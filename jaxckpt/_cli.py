@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _storage, _tree
+from jaxckpt import _catalog, _location, _storage, _tree
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry, dtype_from_name
@@ -210,7 +210,7 @@ def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
 
 def _verify(args: argparse.Namespace) -> int:
     m = metadata(args.path)  # a damaged manifest raises ManifestError: exit 1
-    loc = _storage.Location(args.path)
+    loc = _location.Location(args.path)
     reader = _storage.Reader(loc)
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     jobs = [(e, idx, item) for e in arrays for idx, item in _chunk_items(e)]
@@ -255,10 +255,12 @@ def _verify(args: argparse.Namespace) -> int:
     return 1
 
 
-def _zarr_json_problem(loc: _storage.Location, e: ArrayEntry) -> str | None:
+def _zarr_json_problem(loc: _location.Location, e: ArrayEntry) -> str | None:
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
-        ts.open(_storage._spec(loc.child(e.path), e), open=True, context=_storage._CONTEXT).result()
+        ts.open(
+            _storage._spec(loc.child(e.path), e), open=True, context=_location._CONTEXT
+        ).result()
     except ValueError as err:
         msg = str(err)
         if "NOT_FOUND" in msg:
@@ -273,11 +275,11 @@ def _zarr_json_problem(loc: _storage.Location, e: ArrayEntry) -> str | None:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    loc = _storage.Location(args.path)
-    if _storage.exists(loc):
+    loc = _location.Location(args.path)
+    if _location.exists(loc):
         raise UsageError(f"{args.path} is itself a checkpoint, not a directory of them: "
                          f"`jaxckpt inspect {args.path}` shows what it holds.")  # fmt: skip
-    found = [(n, ok) for n, ok in _storage.children(loc) if args.all or not n.startswith(".")]
+    found = [(n, ok) for n, ok in _catalog.children(loc) if args.all or not n.startswith(".")]
     rows = []
     for name, committed in found:
         child = loc.join(name)
@@ -297,13 +299,13 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(loc: _storage.Location, committed: bool) -> int | None:
+def _size(loc: _location.Location, committed: bool) -> int | None:
     """Bytes on disk (local), or the arrays' bytes from the manifest (object stores)."""
     if loc.local is not None:
         return sum(f.stat().st_size for f in loc.local.rglob("*") if f.is_file())
     if not committed:
         return None
-    m = Manifest.from_json(_storage.read_manifest(loc), where=f"{loc}/{MANIFEST}")
+    m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
     return sum(e.nbytes for e in m.entries.values() if isinstance(e, ArrayEntry))
 
 
@@ -334,7 +336,7 @@ def _export(args: argparse.Namespace) -> int:
         hint = " (.safetensors holds bfloat16 and float8)" if kind == ".npz" else ""
         print(f"jaxckpt export: skipped {_plural(len(skipped), 'array')} {kind} cannot hold{hint}: "
               f"{', '.join(skipped)}", file=sys.stderr)  # fmt: skip
-    reader = _storage.Reader(_storage.Location(args.path))
+    reader = _storage.Reader(_location.Location(args.path))
     progress = _Progress("export", len(arrays), args.progress, sys.stderr)
 
     def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:

@@ -36,7 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from jaxckpt import _distributed, _staging, _storage
+from jaxckpt import _catalog, _distributed, _location, _staging
 from jaxckpt._api import SaveHandle, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._load_planner import LoadPlanner
@@ -47,7 +47,7 @@ from jaxckpt._retention import METRICS, MetricsFile, json_metrics, steps_to_dele
 logger = logging.getLogger("jaxckpt")
 DIGITS = 8
 _STEP = re.compile(r"[0-9]+")
-_LEFTOVER = re.compile(r"\.([0-9]+)" + re.escape(_storage._TMP) + r"[0-9a-f]+(-old|-[a-z]+)?")
+_LEFTOVER = re.compile(r"\.([0-9]+)" + re.escape(_catalog.TMP) + r"[0-9a-f]+(-old|-[a-z]+)?")
 _METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
 
 
@@ -107,7 +107,7 @@ class CheckpointManager:
         self.best_fn = best_fn
         self.best_mode = best_mode
         self.last_save: SaveHandle | None = None
-        self._loc = _storage.Location(self.directory)
+        self._loc = _location.Location(self.directory)
         self._metrics = MetricsFile(self._loc)
         self._primary = _distributed.process_index() == 0
         self._pending: threading.Thread | None = None
@@ -154,7 +154,7 @@ class CheckpointManager:
             float(self.best_fn(record))  # fail here, not in the background, if it cannot rank
         self.wait()
         loc = self._loc.join(_name(step))
-        if _storage.exists(loc):
+        if _location.exists(loc):
             raise CheckpointExistsError(
                 f"Step {step} is already saved in {self.directory} ({loc}). Save a later step, "
                 f"or restore it (CheckpointManager.restore({step})) and go on from there."
@@ -245,7 +245,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The committed steps, in ascending order (saves in flight are not listed yet)."""
-        return sorted(int(n) for n, ok in _storage.children(self._loc) if ok and _STEP.fullmatch(n))
+        return sorted(int(n) for n, ok in _catalog.children(self._loc) if ok and _STEP.fullmatch(n))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none."""
@@ -279,7 +279,7 @@ class CheckpointManager:
                     f"fresh state (check latest_step() is None first), or point at the right "
                     f"directory."
                 )
-        elif not _storage.exists(self._loc.join(_name(step))):
+        elif not _location.exists(self._loc.join(_name(step))):
             raise CheckpointNotFoundError(
                 f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
                 f"Pick one of those (or None for the latest)."
@@ -334,7 +334,7 @@ class CheckpointManager:
                                  score=None if self.best_fn is None else
                                  lambda s: self._score(metrics.get(str(s))))  # fmt: skip
         for step in doomed:
-            _storage.delete(self._loc.join(_name(step)))
+            _catalog.delete(self._loc.join(_name(step)))
             logger.info("deleted step %d from %s (retention)", step, self.directory)
         gone = {str(s) for s in doomed} & set(metrics)
         if gone:
@@ -352,9 +352,9 @@ class CheckpointManager:
     def _clean_up(self) -> None:
         """Remove what interrupted saves and deletes left behind."""
         if self._loc.local is None:
-            for name, committed in _storage.children(self._loc):
+            for name, committed in _catalog.children(self._loc):
                 if _STEP.fullmatch(name) and not committed:
-                    _storage.delete(self._loc.join(name))
+                    _catalog.delete(self._loc.join(name))
             return
         root: Path = self._loc.local
         for p in root.iterdir():

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _storage
+from jaxckpt import _location
 from jaxckpt._errors import UnsupportedLeafError
 
 logger = logging.getLogger("jaxckpt")
@@ -83,7 +83,7 @@ def json_metrics(step: int, metrics: Mapping[str, Any] | None) -> dict[str, Any]
 class MetricsFile:
     """``metrics.json`` of a checkpoint directory: ``{step: {name: value}}``."""
 
-    def __init__(self, loc: _storage.Location) -> None:
+    def __init__(self, loc: _location.Location) -> None:
         self.loc = loc
 
     def read(self) -> dict[str, Any]:
@@ -92,7 +92,7 @@ class MetricsFile:
             path = self.loc.local / METRICS
             raw = path.read_bytes() if path.is_file() else None
         else:
-            got = _storage._kv(self.loc.kvstore).read(METRICS).result()
+            got = _location.kvstore(self.loc.kvstore).read(METRICS).result()
             raw = got.value if got.state == "value" else None
         if raw is None:
             return {}
@@ -109,7 +109,7 @@ class MetricsFile:
         """Replace the file with ``steps`` (atomically on a local disk)."""
         raw = json.dumps({"format": 1, "steps": dict(steps)}, indent=1, sort_keys=True).encode()
         if self.loc.local is None:
-            _storage._kv(self.loc.kvstore).write(METRICS, raw).result()
+            _location.kvstore(self.loc.kvstore).write(METRICS, raw).result()
             return
         tmp = self.loc.local / f".{METRICS}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.write_bytes(raw)

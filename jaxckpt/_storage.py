@@ -32,126 +32,18 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt._catalog import OWN_KEY, TMP, fsync_dir, list_keys
 from jaxckpt._errors import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointNotFoundError,
     CorruptChunkError,
     ManifestError,
 )
+from jaxckpt._location import _CONTEXT, Location, kvstore
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._plan import ReadItem, WriteItem
 
 MAX_INFLIGHT_BYTES = 1 << 30
-_TMP = ".tmp-"
-# One context for the process: memory:// stores live in it, and no chunk cache is kept.
-# Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs
-# the staging dir's file system once before writing the manifest.
-_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
-
-
-class Location:
-    """Where a checkpoint lives: a local directory or a tensorstore kvstore URL."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        text = os.fspath(path)
-        self.url = text
-        if text.startswith("file://"):
-            text = text[len("file://") :]
-        if "://" in text:
-            self.local: Path | None = None
-            self.kvstore = _kvstore_for_url(text)
-        else:
-            self.local = Path(text).absolute()
-            self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
-
-    def __str__(self) -> str:
-        return self.url
-
-    def child(self, name: str) -> dict:
-        """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
-        return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
-
-    def join(self, name: str) -> Location:
-        """The location ``name`` below this one (e.g. a step of a checkpoint directory)."""
-        if self.local is not None:
-            return Location(self.local / name)
-        return Location(self.url.rstrip("/") + "/" + name)
-
-
-def _kvstore_for_url(url: str) -> dict:
-    scheme, rest = url.split("://", 1)
-    if scheme == "memory":
-        rest = rest.strip("/")
-        return {"driver": "memory", "path": rest + "/" if rest else ""}
-    if scheme in ("gs", "s3"):
-        bucket, _, prefix = rest.rstrip("/").partition("/")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}", bucket):
-            raise CheckpointError(
-                f"{url!r} names no valid bucket ({bucket!r}): write {scheme}://BUCKET/PREFIX with "
-                f"a bucket name of 3 or more letters, digits, '.', '-' or '_'."
-            )
-        spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
-                                "path": prefix.strip("/") + "/" if prefix else ""}  # fmt: skip
-        if scheme == "s3":
-            spec.update(_s3_options())
-        return spec
-    raise CheckpointError(
-        f"Unsupported path scheme {scheme!r} in {url!r}: use a local path, file://, memory://, "
-        f"gs:// or s3://."
-    )
-
-
-def _s3_options() -> dict:
-    """Endpoint, region and credentials for ``s3://`` from the standard AWS variables.
-
-    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` select an S3-compatible server (MinIO,
-    moto, ...; addressed path-style, ``ENDPOINT/BUCKET/KEY``); ``AWS_REGION`` or
-    ``AWS_DEFAULT_REGION`` the region (otherwise tensorstore asks the bucket). With
-    ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` set, those keys (and
-    ``AWS_SESSION_TOKEN``) are used; otherwise tensorstore's default chain (profile, instance
-    metadata).
-    """
-    env = os.environ
-    opts: dict[str, Any] = {}
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        opts["endpoint"] = endpoint.rstrip("/")
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-    if region:
-        opts["aws_region"] = region
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        opts["aws_credentials"] = {"type": "environment"}
-    return opts
-
-
-def _kv(spec: dict) -> ts.KvStore:
-    return ts.KvStore.open(spec, context=_CONTEXT).result()
-
-
-def read_manifest(loc: Location) -> bytes:
-    """The bytes of ``manifest.json``, or :class:`CheckpointNotFoundError`."""
-    if loc.local is not None:
-        try:
-            return (loc.local / MANIFEST).read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-    else:
-        got = _kv(loc.kvstore).read(MANIFEST).result()
-        if got.state == "value":
-            return got.value
-    raise CheckpointNotFoundError(
-        f"No checkpoint at {loc}: {MANIFEST} is missing. A directory without a manifest is an "
-        f"unfinished or failed save; pick a committed one (e.g. CheckpointManager.latest_step())."
-    )
-
-
-def exists(loc: Location) -> bool:
-    try:
-        read_manifest(loc)
-        return True
-    except CheckpointNotFoundError:
-        return False
 
 
 def _spec(kvstore: dict, entry: ArrayEntry) -> dict:
@@ -190,7 +82,7 @@ class Writer:
             name = ""
             if is_coordinator:
                 _check_target_dir(loc.local, overwrite)
-                name = f".{loc.local.name}{_TMP}{uuid.uuid4().hex[:8]}"
+                name = f".{loc.local.name}{TMP}{uuid.uuid4().hex[:8]}"
                 self.staging = loc.local.parent / name
                 self.staging.mkdir(parents=True)
             if broadcast is not None:
@@ -265,7 +157,7 @@ class Writer:
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, then make the checkpoint visible."""
         if self.loc.local is None:
-            kv = _kv(self.loc.kvstore)
+            kv = kvstore(self.loc.kvstore)
             if self.generation:
                 manifest = _in_generation(manifest, self.generation)
             kv.write(MANIFEST, manifest).result()  # the commit
@@ -291,7 +183,7 @@ class Writer:
                 shutil.rmtree(self.staging, ignore_errors=True)  # now holds the old checkpoint
         else:
             os.rename(self.staging, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def abort(self) -> None:
         if self.staging is not None:
@@ -362,17 +254,6 @@ def _syncfs(path: Path) -> None:
     except (OSError, AttributeError):
         pass
     os.sync()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Reader:
@@ -466,12 +347,9 @@ def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunk
 # ``gXXXXXXXX/arrays/...`` beside the old ones, writes the new manifest (the commit), and only
 # then deletes everything else under the checkpoint's prefix. The generation is derived from
 # the old manifest, so every process of a save computes the same one without talking.
-_OWN_KEY = re.compile(r"^(manifest\.json$|(g[0-9a-f]{8}/)?arrays/)")
-
-
 def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) -> str:
     """Check the target prefix; return the generation prefix (``""`` or ``"gXXXXXXXX/"``)."""
-    kv = _kv(loc.kvstore)
+    kv = kvstore(loc.kvstore)
     old = kv.read(MANIFEST).result()
     if old.state == "value":
         if not overwrite:
@@ -481,8 +359,8 @@ def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) 
             kv.delete_range(_prefix_range(generation)).result()
         return generation
     if is_coordinator:
-        keys = _list(loc)
-        foreign = [k for k in keys if not _OWN_KEY.match(k)]
+        keys = list_keys(loc)
+        foreign = [k for k in keys if not OWN_KEY.match(k)]
         if foreign and not overwrite:
             raise CheckpointExistsError(
                 f"{loc} holds no checkpoint but other objects (e.g. {foreign[0]!r}). jaxckpt "
@@ -492,18 +370,6 @@ def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) 
         if keys:  # an unfinished save's arrays, never committed
             kv.delete_range(ts.KvStore.KeyRange()).result()
     return ""
-
-
-def _list(loc: Location) -> list[str]:
-    """Every key under an object-store location (relative to it)."""
-    try:
-        return [k.decode() for k in _kv(loc.kvstore).list().result()]
-    except ValueError as e:
-        raise CheckpointError(
-            f"Cannot list {loc}: {' '.join(str(e).split('[', 1)[0].split())}. Check that the "
-            f"bucket exists and that the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            f"AWS_ENDPOINT_URL for an S3-compatible server) may list and write it."
-        ) from e
 
 
 def _generation(old_manifest: bytes) -> str:
@@ -538,70 +404,3 @@ def _delete_all_but(kv: ts.KvStore, generation: str) -> None:
     gaps.append(ts.KvStore.KeyRange(low, b""))
     for fut in [kv.delete_range(g) for g in gaps if not g.empty]:
         fut.result()
-
-
-def delete(loc: Location) -> None:
-    """Delete the checkpoint, or an unfinished save's leftovers, at ``loc`` on any store.
-
-    The checkpoint stops being one first (the local directory is renamed away, the manifest
-    object is deleted before the arrays), so an interrupted delete never leaves a damaged
-    checkpoint. Nothing at ``loc`` is not an error.
-
-    Raises:
-      CheckpointError: ``loc`` holds files or objects jaxckpt did not write (e.g. it is the
-        parent directory of several checkpoints); nothing is deleted.
-    """
-    if loc.local is not None:
-        if not loc.local.exists():
-            return
-        names = [p.name for p in loc.local.iterdir()] if loc.local.is_dir() else [loc.local.name]
-        foreign = [n for n in names if not _OWN_KEY.match(n + "/") and n != MANIFEST]
-        if foreign:
-            raise _foreign_error(loc, foreign[0])
-        doomed = loc.local.parent / f".{loc.local.name}{_TMP}{uuid.uuid4().hex[:8]}-deleted"
-        os.rename(loc.local, doomed)
-        _fsync_dir(loc.local.parent)
-        shutil.rmtree(doomed, ignore_errors=True)
-        return
-    kv = _kv(loc.kvstore)
-    foreign = [k for k in _list(loc) if not _OWN_KEY.match(k)]
-    if foreign:
-        raise _foreign_error(loc, foreign[0])
-    kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
-
-
-def _foreign_error(loc: Location, name: str) -> CheckpointError:
-    return CheckpointError(
-        f"Refusing to delete {loc}: it holds {name!r}, which jaxckpt did not write, so it is "
-        f"not a single checkpoint. Pass the checkpoint's own path (e.g. DIR/000100), or delete "
-        f"it by hand."
-    )
-
-
-def children(loc: Location) -> list[tuple[str, bool]]:
-    """The sub-directories (or sub-prefixes) of ``loc`` and whether each holds a checkpoint.
-
-    Names are sorted, numbers (step directories such as ``000100``) by value. Local hidden
-    directories (e.g. the ``.NAME.tmp-XXXX`` of a save in progress) are included.
-
-    Raises:
-      CheckpointNotFoundError: ``loc`` is a local path that is not a directory.
-    """
-    if loc.local is not None:
-        if not loc.local.is_dir():
-            raise CheckpointNotFoundError(
-                f"{loc} is not a directory. Check the path (a checkpoint directory such as the "
-                f"one given to CheckpointManager)."
-            )
-        found = [(p.name, (p / MANIFEST).is_file()) for p in loc.local.iterdir() if p.is_dir()]
-    else:
-        keys = set(_list(loc))
-        names = {k.split("/", 1)[0] for k in keys if "/" in k}
-        found = [(n, f"{n}/{MANIFEST}" in keys) for n in names]
-    return sorted(found, key=_name_order)
-
-
-def _name_order(child: tuple[str, bool]) -> tuple:
-    name = child[0]
-    return (not name.isdigit(), int(name) if name.isdigit() else 0, name)

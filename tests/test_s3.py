@@ -20,7 +20,7 @@ import pytest
 from helpers import assert_tree_equal, mesh, put
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt import _catalog, _location
 from jaxckpt._cli import main
 
 BUCKET = "ckpts"
@@ -121,7 +121,7 @@ def test_failed_save_leaves_no_checkpoint_and_a_retry_works(s3, prefix):
     assert left and "manifest.json" not in left  # arrays were written, no commit
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match=f"No checkpoint at {url}"):
         jaxckpt.restore(url)
-    assert not _storage.exists(_storage.Location(url))
+    assert not _location.exists(_location.Location(url))
     jaxckpt.save(url, state())  # its own leftovers do not block a plain retry
     assert jaxckpt.restore(url)["step"] == 1
 
@@ -199,11 +199,11 @@ def test_delete_removes_a_checkpoint_and_refuses_a_parent(s3, prefix):
     jaxckpt.save(f"{run}/000001", state())
     jaxckpt.save(f"{run}/000002", state())
     with pytest.raises(jaxckpt.CheckpointError, match=f"Refusing to delete {run}: .*'000001/"):
-        _storage.delete(_storage.Location(run))
-    _storage.delete(_storage.Location(f"{run}/000001"))
+        _catalog.delete(_location.Location(run))
+    _catalog.delete(_location.Location(f"{run}/000001"))
     assert [k.split("/")[0] for k in keys(s3, prefix)] == ["000002"] * len(keys(s3, prefix))
-    assert _storage.children(_storage.Location(run)) == [("000002", True)]
-    _storage.delete(_storage.Location(f"{run}/000001"))  # nothing there: not an error
+    assert _catalog.children(_location.Location(run)) == [("000002", True)]
+    _catalog.delete(_location.Location(f"{run}/000001"))  # nothing there: not an error
 
 
 def test_missing_bucket_and_bad_urls(s3):
@@ -226,14 +226,14 @@ def test_s3_options_come_from_the_aws_variables(monkeypatch):
     for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
               "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # fmt: skip
         monkeypatch.delenv(k, raising=False)
-    spec = _storage.Location("s3://bkt/p/q/").kvstore
+    spec = _location.Location("s3://bkt/p/q/").kvstore
     assert spec == {"driver": "s3", "bucket": "bkt", "path": "p/q/"}
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9/")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:10")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    spec = _storage.Location("s3://bkt").kvstore
+    spec = _location.Location("s3://bkt").kvstore
     assert spec == {"driver": "s3", "bucket": "bkt", "path": "", "endpoint": "http://127.0.0.1:10",
                     "aws_region": "eu-west-1", "aws_credentials": {"type": "environment"}}  # fmt: skip
 
@@ -247,8 +247,8 @@ def test_memory_roundtrip_overwrite_list_delete():
     assert_tree_equal(jaxckpt.restore(f"{run}/000001"), jax_to_numpy(state()))
     with pytest.raises(RuntimeError):
         jaxckpt.save(f"{run}/000002", state(), planner=FailingPlanner("w"))
-    assert _storage.children(_storage.Location(run)) == [("000001", True), ("000002", False)]
-    _storage.delete(_storage.Location(f"{run}/000002"))
-    assert _storage.children(_storage.Location(run)) == [("000001", True)]
+    assert _catalog.children(_location.Location(run)) == [("000001", True), ("000002", False)]
+    _catalog.delete(_location.Location(f"{run}/000002"))
+    assert _catalog.children(_location.Location(run)) == [("000001", True)]
     jaxckpt.save(f"{run}/000001", state(5.0), overwrite=True)
     assert_tree_equal(jaxckpt.restore(f"{run}/000001"), jax_to_numpy(state(5.0)))

@@ -1,0 +1,127 @@
+"""Where checkpoints live: local paths and tensorstore kvstore URLs, and the manifest's bytes.
+
+``Location`` turns what a user passes as ``path`` (a local path, ``file://``, ``memory://``,
+``s3://``, ``gs://``) into a tensorstore kvstore spec; one tensorstore context serves the
+process, so ``memory://`` checkpoints live as long as it does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._manifest import MANIFEST
+
+# One context for the process: memory:// stores live in it, and no chunk cache is kept.
+# Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs
+# the staging dir's file system once before writing the manifest.
+_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
+
+
+class Location:
+    """Where a checkpoint lives: a local directory or a tensorstore kvstore URL."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        text = os.fspath(path)
+        self.url = text
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+        if "://" in text:
+            self.local: Path | None = None
+            self.kvstore = _kvstore_for_url(text)
+        else:
+            self.local = Path(text).absolute()
+            self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
+
+    def __str__(self) -> str:
+        return self.url
+
+    def child(self, name: str) -> dict:
+        """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
+        return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
+
+    def join(self, name: str) -> Location:
+        """The location ``name`` below this one (e.g. a step of a checkpoint directory)."""
+        if self.local is not None:
+            return Location(self.local / name)
+        return Location(self.url.rstrip("/") + "/" + name)
+
+
+def _kvstore_for_url(url: str) -> dict:
+    scheme, rest = url.split("://", 1)
+    if scheme == "memory":
+        rest = rest.strip("/")
+        return {"driver": "memory", "path": rest + "/" if rest else ""}
+    if scheme in ("gs", "s3"):
+        bucket, _, prefix = rest.rstrip("/").partition("/")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}", bucket):
+            raise CheckpointError(
+                f"{url!r} names no valid bucket ({bucket!r}): write {scheme}://BUCKET/PREFIX with "
+                f"a bucket name of 3 or more letters, digits, '.', '-' or '_'."
+            )
+        spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
+                                "path": prefix.strip("/") + "/" if prefix else ""}  # fmt: skip
+        if scheme == "s3":
+            spec.update(_s3_options())
+        return spec
+    raise CheckpointError(
+        f"Unsupported path scheme {scheme!r} in {url!r}: use a local path, file://, memory://, "
+        f"gs:// or s3://."
+    )
+
+
+def _s3_options() -> dict:
+    """Endpoint, region and credentials for ``s3://`` from the standard AWS variables.
+
+    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` select an S3-compatible server (MinIO,
+    moto, ...; addressed path-style, ``ENDPOINT/BUCKET/KEY``); ``AWS_REGION`` or
+    ``AWS_DEFAULT_REGION`` the region (otherwise tensorstore asks the bucket). With
+    ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` set, those keys (and
+    ``AWS_SESSION_TOKEN``) are used; otherwise tensorstore's default chain (profile, instance
+    metadata).
+    """
+    env = os.environ
+    opts: dict[str, Any] = {}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["endpoint"] = endpoint.rstrip("/")
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        opts["aws_region"] = region
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        opts["aws_credentials"] = {"type": "environment"}
+    return opts
+
+
+def kvstore(spec: dict) -> ts.KvStore:
+    return ts.KvStore.open(spec, context=_CONTEXT).result()
+
+
+def read_manifest(loc: Location) -> bytes:
+    """The bytes of ``manifest.json``, or :class:`CheckpointNotFoundError`."""
+    if loc.local is not None:
+        try:
+            return (loc.local / MANIFEST).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    else:
+        got = kvstore(loc.kvstore).read(MANIFEST).result()
+        if got.state == "value":
+            return got.value
+    raise CheckpointNotFoundError(
+        f"No checkpoint at {loc}: {MANIFEST} is missing. A directory without a manifest is an "
+        f"unfinished or failed save; pick a committed one (e.g. CheckpointManager.latest_step())."
+    )
+
+
+def exists(loc: Location) -> bool:
+    try:
+        read_manifest(loc)
+        return True
+    except CheckpointNotFoundError:
+        return False
