@@ -17,23 +17,41 @@ store other than a local file system) take an arena of their own that is never r
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
 
 _ALIGN = 64  # bytes; every item starts on a cache line
 _GRANULE = 1 << 16  # arenas are sized in 64 KiB steps so small changes of state reuse one
+_HUGE = 4 << 20  # arenas from this size on are mapped on huge pages
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _allocate(nbytes: int) -> np.ndarray:
+    """A host buffer; large ones on transparent huge pages where Linux allows.
+
+    The first save of a run copies the whole state into a fresh arena: with 4 KiB pages that
+    is one page fault per 4 KiB (~0.9 s for 400 MiB here), with 2 MiB pages ~0.1 s.
+    """
+    if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            mm.madvise(mmap.MADV_HUGEPAGE)
+            return np.frombuffer(mm, dtype=np.uint8)
+        except (OSError, ValueError):
+            pass
+    return np.empty(nbytes, dtype=np.uint8)
+
+
 class Arena:
     """A flat host buffer that items are copied into, one after the other."""
 
     def __init__(self, nbytes: int, *, reusable: bool = True) -> None:
-        self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.buf = _allocate(nbytes)
         self.used = 0
         self.reusable = reusable
 
