@@ -17,7 +17,7 @@ import numpy as np
 from jaxckpt import _distributed, _location, _staging, _storage
 from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._manifest import ArrayEntry, Manifest
-from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner
+from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner, validate_global_plan
 
 logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike
@@ -141,6 +141,8 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     def plan() -> tuple[Any, Any]:
         planner.set_up_planner(tree, process_index=sync.process, process_count=sync.count)
         global_plan = planner.create_global_plan()
+        if type(planner).create_global_plan is not DefaultSavePlanner.create_global_plan:
+            validate_global_plan(global_plan)  # the default validates (and caches) its own
         return global_plan, planner.finish_plan(global_plan)
 
     global_plan, local = sync.run("plan", plan)

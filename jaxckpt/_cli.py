@@ -356,7 +356,7 @@ def _export(args: argparse.Namespace) -> int:
     finally:
         tmp.unlink(missing_ok=True)
         progress.close()
-    print(f"wrote {out}: {len(arrays)} arrays, {_bytes(sum(e.nbytes for e in arrays))}")
+    print(f"wrote {out}: {_plural(len(arrays), 'array')}, {_bytes(sum(e.nbytes for e in arrays))}")
     return 0
 
 

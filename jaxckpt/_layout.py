@@ -185,8 +185,9 @@ class Balancer:
         host = bool(lay.device_ids[0] == -1) if len(lay.device_ids) else False
         ids = lay.processes if host else lay.device_ids
         holder = ids[groups]  # [n_boxes, n_rep]: who holds each replica
-        if self.lowest or n_rep == 1:
+        if self.lowest:
             return groups[np.arange(n_boxes), np.argmin(holder, axis=1)]
+        # Unreplicated boxes have one choice, but their bytes still count towards the loads.
         table = self.loads[host]
         if len(table) <= ids.max():
             table = self.loads[host] = np.concatenate(

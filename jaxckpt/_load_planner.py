@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import collections
-import math
 from typing import Any
 
 import jax
@@ -40,19 +39,28 @@ class LoadPlanner(abc.ABC):
 
     @abc.abstractmethod
     def set_up_planner(self, target: Any, manifest: Manifest, *, keys: Any = None,
-                       strict: bool = True) -> None: ...  # fmt: skip
+                       strict: bool = True) -> None:  # fmt: skip
+        """1. Match ``target`` (or the whole checkpoint, for ``None``) to ``manifest``.
+
+        Raises:
+          KeyMismatchError, ShapeMismatchError, DtypeMismatchError: naming the key.
+        """
 
     @abc.abstractmethod
-    def create_local_plan(self) -> LoadPlan: ...
+    def create_local_plan(self) -> LoadPlan:
+        """2. The boxes this host reads, each distinct box once."""
 
     def transform_tensor(self, item: ReadItem, array: np.ndarray) -> np.ndarray:
+        """3a. Change a box read from storage (cast, quantise) before it is committed."""
         return array
 
     @abc.abstractmethod
-    def commit_tensor(self, item: ReadItem, array: np.ndarray) -> None: ...
+    def commit_tensor(self, item: ReadItem, array: np.ndarray) -> None:
+        """3b. Keep a (transformed) box until :meth:`finish`."""
 
     @abc.abstractmethod
-    def finish(self) -> Any: ...
+    def finish(self) -> Any:
+        """4. Place the boxes on their devices and return the restored tree."""
 
 
 class DefaultLoadPlanner(LoadPlanner):
@@ -79,7 +87,7 @@ class DefaultLoadPlanner(LoadPlanner):
             tkeys, tleaves, self.treedef = _tree.flatten_with_treedef(target)
             self.targets = dict(zip(tkeys, tleaves))
             wanted = _tree.select(saved, keys) if keys is not None else saved
-            in_target = set(tkeys) if keys is None else set(_tree.select(tkeys, keys))
+            in_target = set(tkeys) if keys is None else {k for k in tkeys if _tree.matches(k, keys)}
             missing = sorted(in_target - set(saved))
             unexpected = sorted(set(wanted) - set(tkeys))
             if strict and (missing or unexpected):
@@ -224,7 +232,3 @@ def _key_message(missing: list[str], unexpected: list[str]) -> str:
         + ". Pass strict=False to restore the keys both have (others keep the target's leaf), "
         "or keys=[...] to pick a subset."
     )
-
-
-def region_bytes(item: ReadItem, entry: ArrayEntry) -> int:
-    return math.prod(item.sizes) * _manifest.dtype_from_name(entry.storage_dtype).itemsize

@@ -61,8 +61,9 @@ class CheckpointManager:
 
     Args:
       directory: where the steps go (a local directory, created if missing, or a URL).
-      max_to_keep: keep at most this many steps (the newest, or the best with ``best_fn``);
-        ``None`` keeps all. The newest committed step is never deleted.
+      max_to_keep: keep this many steps (the newest, or the best with ``best_fn``);
+        ``None`` keeps all. The newest committed step is never deleted, so with ``best_fn``
+        it is kept on top of the best ones when it is not among them.
       keep_every_n_steps: also keep, forever, every step that is a multiple of this.
       save_interval_steps: ``save()`` saves only steps that are multiples of this (unless
         ``force=True``, or at a preemption).

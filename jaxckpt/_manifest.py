@@ -93,6 +93,7 @@ class ArrayEntry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole array in its logical dtype."""
         return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
 
     @property
@@ -122,6 +123,7 @@ class Manifest:
     version: int = VERSION
 
     def to_json(self) -> bytes:
+        """``manifest.json``'s bytes: one line per top-level field and per entry."""
         # One line per top-level field and per entry: readable with `less`, diffable, and
         # encoded by json's C encoder (indent= would switch to the ~10x slower Python one).
         dump = functools.partial(json.dumps, allow_nan=False)

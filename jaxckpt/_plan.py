@@ -36,6 +36,7 @@ class WriteItem:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this box."""
         return math.prod(self.sizes) * np.dtype(_np_dtype(self.dtype)).itemsize
 
 
@@ -47,6 +48,7 @@ class SavePlan:
 
     @property
     def nbytes(self) -> int:
+        """Bytes this process writes."""
         return sum(i.nbytes for i in self.items)
 
 

@@ -90,6 +90,7 @@ class GlobalSavePlan:
         return tuple(i for a in self.arrays for i in a.items())
 
     def for_process(self, process: int) -> SavePlan:
+        """The write items of ``process``, one per chunk."""
         return SavePlan(tuple(i for a in self.arrays for i in a.items(process)))
 
 
@@ -131,16 +132,28 @@ class SavePlanner(abc.ABC):
     """
 
     @abc.abstractmethod
-    def set_up_planner(self, tree: Any, *, process_index: int, process_count: int) -> None: ...
+    def set_up_planner(self, tree: Any, *, process_index: int, process_count: int) -> None:
+        """1. Take the tree to save (flatten it) and this process's place in the job.
+
+        Raises:
+          UnsupportedLeafError: a leaf cannot be stored (names its key path).
+        """
 
     @abc.abstractmethod
-    def create_global_plan(self) -> GlobalSavePlan: ...
+    def create_global_plan(self) -> GlobalSavePlan:
+        """2. Every process's writes and the manifest; identical on every process.
+
+        Returns:
+          The plan; ``save`` checks that its boxes tile every array (``PlanValidationError``).
+        """
 
     @abc.abstractmethod
-    def finish_plan(self, global_plan: GlobalSavePlan) -> SavePlan: ...
+    def finish_plan(self, global_plan: GlobalSavePlan) -> SavePlan:
+        """3. This process's share of ``global_plan`` (the items it writes)."""
 
     @abc.abstractmethod
-    def resolve_data(self, item: WriteItem) -> np.ndarray: ...
+    def resolve_data(self, item: WriteItem) -> np.ndarray:
+        """4. The bytes of ``item`` as a numpy array of its box's shape and logical dtype."""
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -204,8 +217,11 @@ class DefaultSavePlanner(SavePlanner):
             if not _manifest.is_supported_dtype(leaf.dtype):
                 raise _unsupported(key, leaf, f"dtype {leaf.dtype}")
             return np.asarray(leaf)
-        if leaf is None or isinstance(leaf, (bool, int, float, str)):
+        if leaf is None or type(leaf) in (bool, int, float, str):
             return leaf
+        for base in (bool, int, float, str):  # IntEnum, str-Enum, ...: stored as the base value
+            if isinstance(leaf, base):
+                return base.__str__(leaf) if base is str else base(leaf)
         raise _unsupported(key, leaf, f"type {type(leaf).__name__}")
 
     def _signature(self) -> tuple:

@@ -20,6 +20,7 @@ import collections
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -122,6 +123,7 @@ class Writer:
         """
         pending: collections.deque = collections.deque()
         inflight = total = 0
+        self._reference = self.loc.local is not None
         for item, data in items:
             entry = entries[item.key]
             store = self.arrays[item.key]
@@ -129,8 +131,9 @@ class Writer:
                 data = data.view(entry.storage_dtype)
             box = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
             # Blocking saves hold the caller's arrays and async saves their own staged copies until
-            # the write completes, so tensorstore may reference the bytes instead of copying.
-            fut = store[box].write(data, can_reference_source_data_indefinitely=True)
+            # the write completes, so on files tensorstore may reference the bytes instead of
+            # copying; memory:// would keep the reference as the stored value, so it copies.
+            fut = store[box].write(data, can_reference_source_data_indefinitely=self._reference)
             pending.append((fut, data.nbytes, entry))
             inflight += data.nbytes
             total += data.nbytes
@@ -221,18 +224,17 @@ def _check_target_dir(path: Path, overwrite: bool) -> None:
         )
 
 
-_libc = None
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with renameat2(RENAME_EXCHANGE) where Linux allows."""
-    global _libc
+    at_fdcwd, rename_exchange = -100, 2
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        at_fdcwd, rename_exchange = -100, 2
         return (
-            _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+            _libc().renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
             == 0
         )
     except (OSError, AttributeError):
@@ -241,13 +243,10 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _syncfs(path: Path) -> None:
     """Flush the file system holding ``path`` (Linux ``syncfs``; ``os.sync`` elsewhere)."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fd = os.open(path, os.O_RDONLY)
         try:
-            if _libc.syncfs(fd) == 0:
+            if _libc().syncfs(fd) == 0:
                 return
         finally:
             os.close(fd)

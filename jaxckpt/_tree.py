@@ -163,6 +163,13 @@ def select(keys: list[str], wanted: list[str] | None) -> list[str]:
     return [k for k in keys if k in chosen]
 
 
+def matches(key: str, wanted: str | list[str]) -> bool:
+    """Whether ``key`` is one of ``wanted`` (key paths or ``/``-prefixes)."""
+    if isinstance(wanted, str):
+        wanted = [wanted]
+    return any(_matches(key, w) for w in wanted)
+
+
 def _matches(key: str, wanted: str) -> bool:
     prefix = wanted.rstrip(SEP)
     return key == wanted or not prefix or key.startswith(prefix + SEP)

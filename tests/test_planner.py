@@ -10,7 +10,6 @@ from helpers import mesh, put
 import jaxckpt
 from jaxckpt import _plan
 from jaxckpt._plan import WriteItem
-from jaxckpt._save_planner import validate_global_plan
 
 M42 = mesh((4, 2), ("data", "model"))
 
@@ -65,9 +64,12 @@ def test_partially_replicated_boxes_go_to_distinct_replicas():
     tree = {"a": put(np.zeros((8, 4), np.float32), M42, "data", None)}
     plan = _plan_for(tree)
     assert len(plan.items) == 4
-    holders = {d.id: d for d in M42.devices.flat}
-    for it in plan.items:
-        assert it.device in holders
+    # Each row is held by the 2 devices of one "data" index; the 4 rows go to 4 distinct
+    # devices, 2 from each "model" column (balanced, not all to the first replica).
+    writers = [it.device for it in plan.items]
+    assert len(set(writers)) == 4
+    columns = {int(d.id): c for c in range(2) for d in M42.devices[:, c]}
+    assert sorted(columns[w] for w in writers) == [0, 0, 1, 1]
 
 
 def _arrays(shape=(4, 4), chunks=(2, 2)):
@@ -126,9 +128,7 @@ def test_custom_planner_with_bad_global_plan_is_rejected_before_writing(tmp_path
             short = dataclasses.replace(
                 a, offsets=a.offsets[1:], process=a.process[1:], device=a.device[1:]
             )
-            plan = dataclasses.replace(plan, arrays=(short,))
-            validate_global_plan(plan)
-            return plan
+            return dataclasses.replace(plan, arrays=(short,))  # save() must catch it
 
     with pytest.raises(jaxckpt.PlanValidationError, match="key 'grid'.*gap"):
         jaxckpt.save(tmp_path / "c", {"grid": put(np.zeros((8, 4)), M42, "data", "model")},
@@ -168,3 +168,19 @@ def test_chunk_shape_is_the_shard_halved_to_the_limit():
     assert _plan.chunk_shape((64, 1024), 4, 16 * 1024) == (4, 1024)
     assert _plan.chunk_shape((0, 5), 4, 1 << 20) == (1, 5)
     assert _plan.chunk_boxes((4, 0), (4, 5), (2, 5)) == [((4, 0), (2, 5)), ((6, 0), (2, 5))]
+
+
+def test_unreplicated_bytes_count_towards_the_balance():
+    # A big array on device 0 alone: replicated arrays should then avoid device 0.
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    tree = {
+        "big": jax.device_put(
+            np.zeros((1024, 1024), np.float32), SingleDeviceSharding(jax.devices()[0])
+        )
+    }
+    tree.update({f"r{i}": put(np.zeros((16, 16), np.float32), M42) for i in range(7)})
+    plan = _plan_for(tree)
+    replicated_writers = {it.device for it in plan.items if it.key != "big"}
+    assert replicated_writers == {1, 2, 3, 4, 5, 6, 7}

@@ -167,3 +167,14 @@ def test_uncommitted_target_leaves_come_back_uncommitted(tmp_path):
     assert back["w"].committed
     out = jax.jit(lambda c, x: x * c)(back["count"], back["w"])  # mixes fine with the mesh
     np.testing.assert_array_equal(out, np.full((8, 4), 5.0))
+
+
+def test_keys_with_a_target_lacking_them_reports_missing_not_a_bad_checkpoint(saved):
+    path, state = saved
+    target = {"opt": [None, None]}
+    with pytest.raises(
+        jaxckpt.KeyMismatchError, match=r"not in `target`: \['params/b', 'params/w'\]"
+    ):
+        jaxckpt.restore(path, target, keys=["params"])
+    back = jaxckpt.restore(path, target, keys=["params"], strict=False)
+    assert back == target  # nothing selected in the target: returned unchanged

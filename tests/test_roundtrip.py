@@ -165,3 +165,26 @@ def test_memory_and_file_urls(tmp_path):
     assert_tree_equal(jaxckpt.restore("memory://ckpt/a", tree), tree)
     jaxckpt.save(f"file://{tmp_path}/c", tree)
     assert_tree_equal(jaxckpt.restore(tmp_path / "c", tree), tree)
+
+
+def test_blocking_save_to_memory_does_not_alias_the_callers_arrays():
+    # memory:// keeps what it is given; a later change to the caller's array must not reach it.
+    x = np.arange(4.0)
+    jaxckpt.save("memory://alias/c", {"x": x})
+    x[:] = -1
+    np.testing.assert_array_equal(jaxckpt.restore("memory://alias/c")["x"], np.arange(4.0))
+
+
+def test_enum_values_are_stored_as_their_base_type(tmp_path):
+    import enum
+
+    class Mode(enum.IntEnum):
+        TRAIN = 2
+
+    class Name(str, enum.Enum):
+        A = "alpha"
+
+    jaxckpt.save(tmp_path / "c", {"mode": Mode.TRAIN, "name": Name.A})
+    back = jaxckpt.restore(tmp_path / "c")
+    assert back == {"mode": 2, "name": "alpha"}
+    assert type(back["mode"]) is int and type(back["name"]) is str
