@@ -201,19 +201,23 @@ class CheckpointManager:
         specific = isinstance(e, CheckpointError) and type(e) is not CheckpointError
         if specific or not isinstance(e, Exception):
             return e
-        full = any(w in str(e) for w in ("No space left", "File too large", "quota exceeded"))
-        hint = "The disk is full: free space or keep fewer steps (max_to_keep). " if full else ""
-        if "disk is full" in str(e):
-            hint = "Keep fewer steps (max_to_keep) if space is short. "
         try:
             latest: int | str | None = self.latest_step()
         except Exception:  # the directory itself may be what failed
             latest = "unknown"
-        err = CheckpointError(
-            f"Saving step {step} to {handle.path} failed: {type(e).__name__}: {e}. {hint}Nothing "
-            f"of step {step} was committed; the steps already in {self.directory} are intact "
-            f"(latest: {latest}). Fix the cause and call save() again."
-        )
+        where = f"the steps already in {self.directory} are intact (latest: {latest})"
+        if type(e) is CheckpointError:  # storage's own error already says what and why
+            err = CheckpointError(f"Saving step {step} failed. {e} For this manager: {where}.")
+        else:
+            full = any(w in str(e) for w in ("No space left", "File too large", "quota exceeded"))
+            hint = (
+                "The disk is full: free space or keep fewer steps (max_to_keep). " if full else ""
+            )
+            err = CheckpointError(
+                f"Saving step {step} to {handle.path} failed: {type(e).__name__}: {e}. {hint}"
+                f"Nothing of step {step} was committed; {where}. Fix the cause and call save() "
+                f"again."
+            )
         err.__cause__ = e
         return err
 
