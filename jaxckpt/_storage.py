@@ -261,6 +261,7 @@ class Reader:
     def __init__(self, loc: Location) -> None:
         self.loc = loc
         self._open: dict[str, Any] = {}
+        self._link_cache: dict[str, set[str]] = {}
 
     def _store(self, entry: ArrayEntry) -> Any:
         store = self._open.get(entry.path)
@@ -284,16 +285,30 @@ class Reader:
         # Manifest paths are confined to arrays/ already; a symlink could still point out.
         if self.loc.local is None:
             return
-        path, links = self.loc.local, False
-        for part in entry.path.split("/"):  # one lstat per component, no full realpath
-            path = path / part
-            links = links or path.is_symlink()
+        parent, links = "", False
+        for part in entry.path.split("/"):
+            links = links or part in self._links(parent)
+            parent = f"{parent}/{part}" if parent else part
+        if not links:
+            return
         root = os.path.realpath(self.loc.local)
-        if links and not os.path.realpath(path).startswith(root + os.sep):
+        if not os.path.realpath(self.loc.local / entry.path).startswith(root + os.sep):
             raise ManifestError(
                 f"Key {entry.key!r}: {entry.path} in {self.loc} is a link outside the checkpoint; "
                 f"refusing to read it. Copy the checkpoint without links, or restore another."
             )
+
+    def _links(self, folder: str) -> set[str]:
+        """Names in ``folder`` (relative to the checkpoint) that are symlinks: one scandir."""
+        found = self._link_cache.get(folder)
+        if found is None:
+            try:
+                with os.scandir(self.loc.local / folder) as it:
+                    found = {e.name for e in it if e.is_symlink()}
+            except OSError:  # missing: the read reports it
+                found = set()
+            self._link_cache[folder] = found
+        return found
 
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip

@@ -181,3 +181,17 @@ def test_manifest_never_unpickles(ckpt):
     _edit_manifest(ckpt, lambda m: m["entries"]["s"].update(type="object", value={"__reduce__": 1}))
     with pytest.raises(jaxckpt.ManifestError, match="entry 's' has an invalid value"):
         jaxckpt.restore(ckpt)
+
+
+def test_symlinked_arrays_folder_outside_checkpoint_is_refused(ckpt, tmp_path):
+    outside = tmp_path / "elsewhere"
+    os.rename(ckpt / "arrays", outside)
+    os.symlink(outside, ckpt / "arrays")
+    with pytest.raises(jaxckpt.ManifestError, match=r"'w'.*outside the checkpoint"):
+        jaxckpt.restore(ckpt)
+
+
+def test_symlink_that_stays_inside_the_checkpoint_is_read(ckpt):
+    os.rename(ckpt / "arrays" / "w", ckpt / "arrays" / "w_real")
+    os.symlink("w_real", ckpt / "arrays" / "w")
+    np.testing.assert_array_equal(jaxckpt.restore(ckpt)["w"], np.arange(64.0).reshape(8, 8))
