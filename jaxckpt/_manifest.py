@@ -47,6 +47,7 @@ _MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corrupt
 _PATH_RE = re.compile(r"^(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 
+@functools.cache
 def dtype_from_name(name: str) -> np.dtype:
     """The numpy dtype for a manifest dtype name, refusing anything not on the list."""
     if name not in _NATIVE and name not in _CARRIED:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from jaxckpt._errors import PlanValidationError
+from jaxckpt._manifest import dtype_from_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -37,7 +38,7 @@ class WriteItem:
     @property
     def nbytes(self) -> int:
         """Bytes of this box."""
-        return math.prod(self.sizes) * np.dtype(_np_dtype(self.dtype)).itemsize
+        return math.prod(self.sizes) * dtype_from_name(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +72,6 @@ class LoadPlan:
     """What this process reads."""
 
     items: tuple[ReadItem, ...]
-
-
-def _np_dtype(name: str):
-    import ml_dtypes
-
-    return getattr(ml_dtypes, name, None) or name
 
 
 def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:

@@ -162,6 +162,21 @@ _stats = {"hits": 0, "misses": 0}
 CacheInfo = collections.namedtuple("CacheInfo", "hits misses size")
 
 
+class _Key:
+    """A cache key that hashes its (large) signature once, not on every dict operation."""
+
+    __slots__ = ("sig", "h")
+
+    def __init__(self, sig: tuple) -> None:
+        self.sig, self.h = sig, hash(sig)
+
+    def __hash__(self) -> int:
+        return self.h
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.h == other.h and self.sig == other.sig
+
+
 def plan_cache_info() -> CacheInfo:
     """Hits and misses of the save-plan cache (a miss is a full planning pass)."""
     return CacheInfo(_stats["hits"], _stats["misses"], len(_CACHE))
@@ -241,14 +256,13 @@ class DefaultSavePlanner(SavePlanner):
         cache_key = None
         if self.enable_plan_caching:
             try:
-                cache_key = self._signature()
-                hash(cache_key)
+                cache_key = _Key(self._signature())
             except TypeError:  # an unhashable sharding or tree node: plan without the cache
                 cache_key = None
-        if cache_key is not None and cache_key in _CACHE:
+        plan = _CACHE.get(cache_key) if cache_key is not None else None
+        if plan is not None:
             _CACHE.move_to_end(cache_key)
             _stats["hits"] += 1
-            plan = _CACHE[cache_key]
             return dataclasses.replace(plan, manifest=self._with_values(plan.manifest))
         _stats["misses"] += 1
         plan = create_global_save_plan(
