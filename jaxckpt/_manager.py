@@ -188,9 +188,10 @@ class CheckpointManager:
         if not self._primary:
             return
         try:
+            metrics = self._metrics.read()
             if record is not None:
-                self._metrics.write({**self._metrics.read(), str(step): record})
-            self._apply_retention()
+                metrics[str(step)] = record
+            self._apply_retention(metrics, changed=record is not None)
         except Exception:  # the step is committed; a failed cleanup must not stop training
             logger.warning("retention after step %d in %s failed", step, self.directory,
                            exc_info=True)  # fmt: skip
@@ -331,19 +332,23 @@ class CheckpointManager:
 
     # -- housekeeping (primary process only) ----------------------------------------------------
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, metrics: dict[str, Any], *, changed: bool) -> None:
+        """Write ``metrics`` (without the steps about to go) once, then delete those steps.
+
+        Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
+        rank last and go at the next save; never a kept step without its metrics.
+        """
         steps = self.all_steps()
-        metrics = self._metrics.read()
         doomed = steps_to_delete(steps, max_to_keep=self.max_to_keep,
                                  keep_every_n_steps=self.keep_every_n_steps,
                                  score=None if self.best_fn is None else
                                  lambda s: self._score(metrics.get(str(s))))  # fmt: skip
+        gone = {str(s) for s in doomed} & set(metrics)
+        if gone or changed:
+            self._metrics.write({k: v for k, v in metrics.items() if k not in gone})
         for step in doomed:
             _catalog.delete(self._loc.join(_name(step)))
             logger.info("deleted step %d from %s (retention)", step, self.directory)
-        gone = {str(s) for s in doomed} & set(metrics)
-        if gone:
-            self._metrics.write({k: v for k, v in metrics.items() if k not in gone})
 
     def _score(self, record: Mapping[str, Any] | None) -> float | None:
         if record is None or self.best_fn is None:
