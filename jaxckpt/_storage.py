@@ -22,6 +22,7 @@ import ctypes.util
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -129,11 +130,14 @@ class Writer:
             store = self.arrays[item.key]
             if entry.storage_dtype != entry.dtype:
                 data = data.view(entry.storage_dtype)
-            box = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
+            if item.sizes == entry.shape:  # the whole array: skip building an indexed view
+                target = store
+            else:
+                target = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
             # Blocking saves hold the caller's arrays and async saves their own staged copies until
             # the write completes, so on files tensorstore may reference the bytes instead of
             # copying; memory:// would keep the reference as the stored value, so it copies.
-            fut = store[box].write(data, can_reference_source_data_indefinitely=self._reference)
+            fut = target.write(data, can_reference_source_data_indefinitely=self._reference)
             pending.append((fut, data.nbytes, entry))
             inflight += data.nbytes
             total += data.nbytes
@@ -317,9 +321,11 @@ class Reader:
         inflight = 0
         for item in items:
             entry = entries[item.key]
-            box = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
-            fut = self._store(entry)[box].read()
-            n = int(np.prod(item.sizes)) * dtype_from_name(entry.storage_dtype).itemsize
+            store = self._store(entry)
+            if item.sizes != entry.shape:
+                store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+            fut = store.read()
+            n = math.prod(item.sizes) * dtype_from_name(entry.storage_dtype).itemsize
             pending.append((item, entry, fut, n))
             inflight += n
             while inflight > max_inflight_bytes and pending:
