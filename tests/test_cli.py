@@ -320,3 +320,19 @@ def test_python_dash_m_runs_the_cli(runs):
                        capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "float32[8,8]" in r.stdout
+
+
+def test_cli_never_initialises_a_jax_backend(runs):
+    # docs/cli.md promises the CLI is safe beside a job that holds the accelerators.
+    code = (
+        "import sys\n"
+        "from jaxckpt._cli import main\n"
+        "for cmd in ('inspect', 'verify'):\n"
+        "    assert main([cmd, sys.argv[1]]) == 0\n"
+        "assert main(['ls', sys.argv[2]]) == 0\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge._backends, xla_bridge._backends\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(runs / "000100"), str(runs)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr

@@ -176,7 +176,7 @@ def test_zarr_metadata_cannot_change_how_bytes_decode(ckpt):
     np.testing.assert_array_equal(back, np.arange(64, dtype=np.float32).reshape(8, 8))
 
 
-def test_manifest_never_unpickles(ckpt):
+def test_value_entries_accept_only_json_scalar_types(ckpt):
     # A manifest is JSON; a value entry cannot smuggle in an object.
     _edit_manifest(ckpt, lambda m: m["entries"]["s"].update(type="object", value={"__reduce__": 1}))
     with pytest.raises(jaxckpt.ManifestError, match="entry 's' has an invalid value"):
