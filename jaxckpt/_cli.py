@@ -30,7 +30,7 @@ from jaxckpt import _catalog, _location, _storage, _tree
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry, dtype_from_name
-from jaxckpt._plan import ReadItem
+from jaxckpt._plan import ReadItem, chunk_boxes
 
 # safetensors dtype names; other dtypes are skipped with a message.
 _SAFETENSORS = {
@@ -202,10 +202,10 @@ def _describe(e: ArrayEntry | ValueEntry) -> str:
 
 
 def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
-    for idx in np.ndindex(*e.grid):
-        offsets = tuple(i * c for i, c in zip(idx, e.chunks))
-        sizes = tuple(min(c, s - o) for c, s, o in zip(e.chunks, e.shape, offsets))
-        yield idx, ReadItem(e.key, offsets, sizes)
+    if 0 in e.shape:  # a zero-size array has no chunks
+        return
+    for offsets, sizes in chunk_boxes((0,) * len(e.shape), e.shape, e.chunks):
+        yield tuple(o // c for o, c in zip(offsets, e.chunks)), ReadItem(e.key, offsets, sizes)
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -57,11 +57,6 @@ class PreemptionWatcher:
         del signum, frame
         self._flag.set()  # nothing else: the loop saves at its next step
 
-    @property
-    def signalled(self) -> bool:
-        """Whether a preemption notice arrived on this process."""
-        return self._flag.is_set()
-
     def reached(self, step: int) -> bool:
         """Whether ``step`` is the step to save at before the process is stopped.
 

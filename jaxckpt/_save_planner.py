@@ -83,6 +83,9 @@ class GlobalSavePlan:
     manifest: Manifest
     arrays: tuple[ArrayPlan, ...]
     digest: str
+    # Per-process items, built once per plan; a replace()d plan starts afresh (its arrays may
+    # differ), except the plan cache's own copy, which shares them explicitly.
+    _local: dict[int, SavePlan] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     @property
     def items(self) -> tuple[WriteItem, ...]:
@@ -91,7 +94,12 @@ class GlobalSavePlan:
 
     def for_process(self, process: int) -> SavePlan:
         """The write items of ``process``, one per chunk."""
-        return SavePlan(tuple(i for a in self.arrays for i in a.items(process)))
+        found = self._local.get(process)
+        if found is None:
+            found = self._local[process] = SavePlan(
+                tuple(i for a in self.arrays for i in a.items(process))
+            )
+        return found
 
 
 def validate_global_plan(plan: GlobalSavePlan) -> None:
@@ -263,7 +271,9 @@ class DefaultSavePlanner(SavePlanner):
         if plan is not None:
             _CACHE.move_to_end(cache_key)
             _stats["hits"] += 1
-            return dataclasses.replace(plan, manifest=self._with_values(plan.manifest))
+            fresh = dataclasses.replace(plan, manifest=self._with_values(plan.manifest))
+            object.__setattr__(fresh, "_local", plan._local)  # same arrays: same items
+            return fresh
         _stats["misses"] += 1
         plan = create_global_save_plan(
             self.leaves, _tree.structure(self.tree), prng=self.prng,

@@ -187,15 +187,20 @@ def _planner(**kw):
     return jaxckpt.DefaultSavePlanner(max_chunk_bytes=MAX_CHUNK_BYTES, **kw)
 
 
+def restore_measured(data: dict, path: Path, stage: str, name: str) -> None:
+    """Restore ``path`` onto ``stage``'s layout, check it, record bytes read and needed."""
+    before = file_bytes("bytes_read")
+    check_state(jaxckpt.restore(path, target(stage)))
+    data[f"read_{name}"] = file_bytes("bytes_read") - before
+    data[f"needed_{name}"] = bytes_needed(str(path), stage)
+
+
 def stage_two(checks: _Checks, work: Path, pid: int) -> None:
     """2 processes: restore the single-process checkpoint (1 -> 2), save ckpt2 for stage four."""
     data = checks.result["data"]
 
     def restore_1():
-        before = file_bytes("bytes_read")
-        check_state(jaxckpt.restore(work / "ckpt1", target("two")))
-        data["read_1"] = file_bytes("bytes_read") - before
-        data["needed_1"] = bytes_needed(str(work / "ckpt1"), "two")
+        restore_measured(data, work / "ckpt1", "two", "1")
 
     def save_2():
         jaxckpt.save(work / "ckpt2", make_state("two"), planner=_planner())
@@ -228,10 +233,7 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
     state = make_state("four")
 
     def restore_2():
-        before = file_bytes("bytes_read")
-        check_state(jaxckpt.restore(work / "ckpt2", target("four")))
-        data["read_2"] = file_bytes("bytes_read") - before
-        data["needed_2"] = bytes_needed(str(work / "ckpt2"), "four")
+        restore_measured(data, work / "ckpt2", "four", "2")
 
     def save_4():
         before = file_bytes("bytes_written")
