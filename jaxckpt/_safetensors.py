@@ -11,7 +11,8 @@ its leading dimension when those rows hold at most 10% more than the box (a row-
 target: one read per box), else one level down, row by row (a column-sharded target: one
 read per row of the box, exactly the bytes it needs). ``Reader.bytes_read`` counts them.
 
-Tensor names are the keys, as in the file (``model.layers.0.self_attn.q_proj.weight``);
+On object stores (``s3://``, ``gs://``) name the ``.safetensors`` file or the index: a
+folder there is not listed. Tensor names are the keys, as in the file (``model.layers.0.self_attn.q_proj.weight``);
 they contain no ``/``, so a safetensors source is one flat level of keys.
 """
 
@@ -80,8 +81,7 @@ def _list(loc: _location.Location, kv: ts.KvStore) -> list[str]:
             return sorted(n for n in os.listdir(loc.local) if _FILE_RE.match(n))
         except OSError:
             return []
-    keys = kv.list().result()
-    return sorted(k.decode() for k in keys if _FILE_RE.match(k.decode(errors="replace")))
+    return []  # object stores: no (recursive, costly) listing; name the file or the index
 
 
 def _read(kv: ts.KvStore, name: str, begin: int, end: int | None) -> bytes | None:

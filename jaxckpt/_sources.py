@@ -41,7 +41,10 @@ def open_source(loc: _location.Location) -> tuple[Manifest, Any]:
         raw = _location.read_manifest(loc)
     except CheckpointNotFoundError as missing:
         for module in (_orbax, _safetensors):
-            found = module.open_source(loc)
+            try:
+                found = module.open_source(loc)
+            except ValueError:  # the store itself cannot be read (e.g. no such bucket)
+                break
             if found is not None:
                 return found
         raise missing from None
