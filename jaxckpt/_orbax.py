@@ -46,7 +46,8 @@ _MAX_JSON = 1 << 30
 _MAX_BYTES = 1 << 50
 _ARRAYS = ("jax.Array", "np.ndarray")
 _EMPTY = {"Dict": "dict", "List": "list", "Tuple": "list", "NamedTuple": "dict"}
-# OCDBT's b-tree nodes are re-read for every array without a cache; chunks are cached too.
+# For the OCDBT database only: without a cache its b-tree nodes would be re-read per array.
+# Arrays open in jaxckpt's own context (no chunk cache).
 _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}}, _location._CONTEXT)
 
 
@@ -176,6 +177,7 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
              if vm.get("value_type") in _EMPTY}  # fmt: skip
     tree = _tree(loc, leaves, empty)
     strings: dict | None = None
+    database = None
     opening: dict[str, tuple[str, str, Any]] = {}  # key -> (param name, value type, future)
     values: dict[str, Any] = {}
     for parts, _, vm in leaves:
@@ -191,9 +193,15 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
                 raise _bad(loc, f"string leaf {key!r} has no string in {STRINGS}")
             values[key] = v
         elif vtype in _ARRAYS or vtype == "scalar":
-            spec = {"driver": "zarr3" if zarr3 else "zarr", "kvstore": _kvstore(loc, name, ocdbt),
-                    "fill_missing_data_reads": fill_ok}  # fmt: skip
-            opening[key] = (name, vtype, ts.open(spec, open=True, read=True, context=_CONTEXT))
+            spec = {"driver": "zarr3" if zarr3 else "zarr", "fill_missing_data_reads": fill_ok}
+            if ocdbt:  # keys live inside the database: none can name a path outside it
+                database = _database(loc) if database is None else database
+                fut = ts.open(spec, kvstore=database / (name + "/"), open=True, read=True,
+                              context=_location._CONTEXT)  # fmt: skip
+            else:
+                spec["kvstore"] = _kvstore(loc, name)
+                fut = ts.open(spec, open=True, read=True, context=_location._CONTEXT)
+            opening[key] = (name, vtype, fut)
         else:
             raise ManifestError(
                 f"{loc}: leaf {key!r} has Orbax value type {vtype!r} (a custom TypeHandler or "
@@ -233,9 +241,18 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
     return Manifest(tree=tree, entries=entries, created=created), Reader(loc, stores)
 
 
-def _kvstore(loc: _location.Location, name: str, ocdbt: bool) -> dict:
-    if ocdbt:  # keys live inside the database: nothing there can name a path outside it
-        return {"driver": "ocdbt", "base": loc.kvstore, "path": name + "/"}
+def _database(loc: _location.Location) -> ts.KvStore:
+    """The item's OCDBT key-value store, opened once (its b-tree nodes cached, not chunks)."""
+    try:
+        return ts.KvStore.open({"driver": "ocdbt", "base": loc.kvstore}, context=_CONTEXT).result()
+    except ValueError as e:
+        raise CorruptChunkError(
+            f"{loc}: the OCDBT database (manifest.ocdbt) cannot be opened ({e}). The Orbax "
+            f"checkpoint is damaged: restore another step."
+        ) from e
+
+
+def _kvstore(loc: _location.Location, name: str) -> dict:
     if loc.local is not None:
         root = os.path.realpath(loc.local)
         if not os.path.realpath(loc.local / name).startswith(root + os.sep):

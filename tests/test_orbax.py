@@ -162,3 +162,11 @@ def test_link_outside_the_checkpoint_is_refused(tmp_path):
     (tmp_path / "o" / "a").symlink_to(tmp_path / "other" / "a")
     with pytest.raises(jaxckpt.ManifestError, match=r"parameter a is a link outside"):
         jaxckpt.restore(tmp_path / "o")
+
+
+def test_damaged_ocdbt_database_is_a_typed_error(tmp_path):
+    path = tmp_path / "o"
+    _save(path, {"a": np.arange(4.0)}, ocdbt=True, zarr3=True)
+    (path / "manifest.ocdbt").write_bytes(b"\0" * 10)
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"leaf 'a'|OCDBT database"):
+        jaxckpt.restore(path)
