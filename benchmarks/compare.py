@@ -9,7 +9,9 @@ each library ("cold") is timed apart from the ``--runs`` calls after it ("warm",
 Workloads: ``big`` (~400 MiB transformer-like state, FSDP x TP on a (4,2) mesh), ``small``
 (2,000 replicated 1 KiB leaves), ``reshard`` (``big`` restored onto a (2,4) mesh, with bytes
 read), ``async`` (time until an async save returns), ``memory`` (peak RSS growth of a save),
-``plan`` (the save planner on a simulated job of up to 4,096 processes x 8 devices).
+``plan`` (the save planner on a simulated job of up to 4,096 processes x 8 devices),
+``orbax-read`` (a checkpoint orbax wrote, of ``big`` when that is asked for too, else of
+``small``, restored by jaxckpt and by orbax, both onto the saving mesh).
 See docs/benchmarks.md for what each number means.
 """
 
@@ -30,7 +32,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-WORKLOADS = ("big", "small", "reshard", "async", "memory", "plan")
+WORKLOADS = ("big", "small", "reshard", "async", "memory", "plan", "orbax-read")
 LIBS = ("jaxckpt", "orbax", "jax.array_serialization", "raw numpy")
 # One process per library; jaxckpt measures its blocking save, then its async one.
 MEMORY_MODES = {"jaxckpt": ["blocking", "async"], "orbax": ["async"],
@@ -74,7 +76,7 @@ def measure(args: argparse.Namespace) -> dict:
         return _spawn({**spec, "budget_s": args.budget_s}, log)
 
     res: dict = {"log": log, "runs": runs, "save": {}, "restore": {}, "reshard": {},
-                 "async": {}, "memory": {}, "plan": []}  # fmt: skip
+                 "async": {}, "memory": {}, "plan": [], "orbax_read": {}}  # fmt: skip
     for w in ("big", "small"):
         reshard = w == "big" and "reshard" in args.workload
         if w not in args.workload and not reshard:
@@ -93,6 +95,16 @@ def measure(args: argparse.Namespace) -> dict:
                 if rr and reshard:
                     res["reshard"][lib] = rr["reshard"]
             shutil.rmtree(keep, ignore_errors=True)
+    if "orbax-read" in args.workload:  # jaxckpt reads Orbax's own checkpoint (issue 11)
+        w = "big" if "big" in args.workload else "small"
+        keep = f"{root}/orbax-read-{w}"
+        if spawn({"task": "save", "lib": "orbax", "workload": w, "keep": keep, "runs": 0}, log):
+            for lib in ("orbax", "jaxckpt"):
+                spec = {"task": "restore", "lib": lib, "workload": w, "path": keep, "runs": runs}
+                rr = spawn(spec, log)
+                if rr:
+                    res["orbax_read"][lib] = {**rr, "workload": w}
+        shutil.rmtree(keep, ignore_errors=True)
     if "async" in args.workload:
         for lib in [x for x in args.libs if x != "raw numpy"]:
             spec = {"task": "async", "lib": lib, "runs": runs, "root": f"{root}/async"}
@@ -210,6 +222,19 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
             if "orbax" in rr:
                 x = _med(rr["orbax"]["times"]) / _med(rr["jaxckpt"]["times"])
                 targets.append(("reshard restore warm vs orbax", f"{x:.2f}×", "(no target)", None))
+    if res["orbax_read"]:
+        o = res["orbax_read"]
+        w = next(iter(o.values()))["workload"]
+        add(f"\n### `orbax-read`: a checkpoint orbax wrote (`{w}`), restored onto the same mesh\n")
+        add("| restoring with | warm | cold |")
+        add("|---|---|---|")
+        for lib, r in o.items():
+            add(f"| {lib} | {_s(_med(r['warm']))} | {_s(r['cold'])} |")
+        if "orbax" in o and "jaxckpt" in o:
+            for kind in ("warm", "cold"):
+                x = med(o["orbax"][kind]) / med(o["jaxckpt"][kind])
+                targets.append((f"orbax checkpoint restore {kind}: orbax ÷ jaxckpt", f"{x:.2f}×",
+                                "≥ 1×", x >= 1.0))  # fmt: skip
     if res["async"]:
         a = res["async"]
         add("\n### `async`: time until the save call returns (`big`)\n")

@@ -8,6 +8,9 @@ Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exp
     jaxckpt verify PATH                    read every chunk, check every checksum
     jaxckpt ls DIR [--all] [--json]        the checkpoints (steps) in a directory
     jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
+    jaxckpt convert SRC DST                Orbax / safetensors / jaxckpt -> a jaxckpt checkpoint
+
+PATH and SRC may also be an Orbax checkpoint or safetensors weights (see docs/migration.md).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any, TextIO
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _catalog, _location, _storage, _tree
+from jaxckpt import _catalog, _location, _sources, _storage, _tree
+from jaxckpt import _convert as _convert_mod
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry, dtype_from_name
@@ -101,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
     c.set_defaults(run=_export)
+    c = sub.add_parser("convert", help="write an Orbax / safetensors / jaxckpt source as jaxckpt")
+    c.add_argument("src", metavar="SRC")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr from the start")
+    c.set_defaults(run=_convert)
     return p
 
 
@@ -209,9 +219,9 @@ def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    m = metadata(args.path)  # a damaged manifest raises ManifestError: exit 1
     loc = _location.Location(args.path)
-    reader = _storage.Reader(loc)
+    m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
+    foreign = _sources.source_kind(reader) != "jaxckpt"  # no checksums: every byte is read
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     jobs = [(e, idx, item) for e in arrays for idx, item in _chunk_items(e)]
     progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
@@ -228,7 +238,8 @@ def _verify(args: argparse.Namespace) -> int:
     damaged: dict[str, list[str]] = {}
     bad_chunks = 0
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
-        for e, problem in zip(arrays, pool.map(lambda e: _zarr_json_problem(loc, e), arrays)):
+        checks = [] if foreign else arrays
+        for e, problem in zip(checks, pool.map(lambda e: _zarr_json_problem(loc, e), checks)):
             if problem is not None:
                 print(f"DAMAGED {e.key} metadata at {e.path}/zarr.json: {problem}")
                 damaged.setdefault(e.key, []).append("zarr.json")
@@ -236,15 +247,16 @@ def _verify(args: argparse.Namespace) -> int:
             progress.step(e.key)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
-                where = "/".join(["c", *map(str, idx)])
-                print(f"DAMAGED {e.key} chunk ({chunk}) at {e.path}/{where}: {problem}")
+                where = e.path if foreign else f"{e.path}/" + "/".join(["c", *map(str, idx)])
+                print(f"DAMAGED {e.key} chunk ({chunk}) at {where}: {problem}")
                 damaged.setdefault(e.key, []).append(f"({chunk})")
                 bad_chunks += 1
     progress.close()
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
         print(f"OK: {args.path}: {_plural(len(arrays), 'array')}, {_plural(len(jobs), 'chunk')}, "
-              f"{_bytes(nbytes)} read, every checksum matches")  # fmt: skip
+              f"{_bytes(nbytes)} read, " + (f"every chunk readable ({_sources.source_kind(reader)} "
+              f"stores no checksums)" if foreign else "every checksum matches"))  # fmt: skip
         return 0
     bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
                     for k, v in damaged.items())  # fmt: skip
@@ -321,7 +333,7 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError(f"{out} exists: pass --force to replace it, or choose another name.")
     if not out.parent.is_dir():
         raise UsageError(f"{out}: directory {out.parent} does not exist; create it first.")
-    m = metadata(args.path)
+    m, reader = _sources.open_source(_location.Location(args.path))
     keys = _tree.select(list(m.entries), args.keys)
     arrays, values, skipped = [], {}, []
     for k in keys:
@@ -336,7 +348,6 @@ def _export(args: argparse.Namespace) -> int:
         hint = " (.safetensors holds bfloat16 and float8)" if kind == ".npz" else ""
         print(f"jaxckpt export: skipped {_plural(len(skipped), 'array')} {kind} cannot hold{hint}: "
               f"{', '.join(skipped)}", file=sys.stderr)  # fmt: skip
-    reader = _storage.Reader(_location.Location(args.path))
     progress = _Progress("export", len(arrays), args.progress, sys.stderr)
 
     def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:
@@ -406,6 +417,19 @@ def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values
                 continue
             with z.open(k + ".npy", "w") as f:
                 np.lib.format.write_array(f, np.asarray(v), allow_pickle=False)
+
+
+# convert ------------------------------------------------------------------------------------
+
+
+def _convert(args: argparse.Namespace) -> int:
+    m = _convert_mod._convert(args.src, args.dst, overwrite=args.overwrite, stream=sys.stderr,
+                              progress=True if args.progress else None)  # fmt: skip
+    arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
+    print(f"wrote {args.dst}: {_plural(len(arrays), 'array')}, "
+          f"{_plural(len(m.entries) - len(arrays), 'value')}, "
+          f"{_bytes(sum(e.nbytes for e in arrays))} (from {m.created.get('converted_from')})")  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
