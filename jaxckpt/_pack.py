@@ -31,6 +31,10 @@ from jaxckpt._plan import ReadItem
 DEFAULT_PACK_BYTES = 256 << 10
 
 
+# A planned pack before its writer is chosen: its record, its members, the processes that may write it.
+Candidate = tuple[PackEntry, tuple[str, ...], tuple[int, ...]]
+
+
 @dataclasses.dataclass(frozen=True)
 class PackPlan:
     """One pack: its manifest record, its members (key paths, in offset order), its writer."""
@@ -53,9 +57,14 @@ def holders(lay: Layout) -> tuple[int, ...]:
     return tuple(int(p) for p in common)
 
 
-def plan_packs(entries: dict[str, ArrayEntry], layouts: dict[str, Layout], *, pack_bytes: int,
-               max_chunk_bytes: int, taken: set[str]) -> tuple[dict[str, ArrayEntry],
-                                                              list[tuple[PackEntry, tuple[str, ...], tuple[int, ...]]]]:  # fmt: skip
+def plan_packs(
+    entries: dict[str, ArrayEntry],
+    layouts: dict[str, Layout],
+    *,
+    pack_bytes: int,
+    max_chunk_bytes: int,
+    taken: set[str],
+) -> tuple[dict[str, ArrayEntry], list[Candidate]]:
     """Which arrays share which pack, at which offsets.
 
     Arrays of at most ``min(pack_bytes, max_chunk_bytes)`` bytes that some process holds whole
@@ -120,7 +129,7 @@ def _pack_path(sdtype: str, taken: set[str]) -> str:
     return f"{ARRAYS}/pack.{sdtype}.{n}"
 
 
-def assign(packs: list, proc_loads: np.ndarray, *, lowest: bool) -> list[PackPlan]:
+def assign(packs: list[Candidate], proc_loads: np.ndarray, *, lowest: bool) -> list[PackPlan]:
     """Give each pack to the least-loaded process that holds its members (largest first)."""
     loads = {p: int(v) for p, v in enumerate(proc_loads)}
     out: dict[int, PackPlan] = {}
