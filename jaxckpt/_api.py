@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _distributed, _location, _sources, _staging, _storage
+from jaxckpt import _distributed, _location, _pack, _sources, _staging, _storage
 from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
-from jaxckpt._manifest import ArrayEntry, Manifest
+from jaxckpt._manifest import Manifest
 from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner, validate_global_plan
 
 logger = logging.getLogger("jaxckpt")
@@ -150,7 +150,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     handle.timings["plan"] = time.perf_counter() - t0
     writer = sync.run("open", lambda: _storage.Writer(loc, overwrite=overwrite,
                       is_coordinator=sync.is_coordinator, broadcast=sync.broadcast))  # fmt: skip
-    entries = {k: e for k, e in global_plan.manifest.entries.items() if isinstance(e, ArrayEntry)}
+    entries = _pack.storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     t1 = time.perf_counter()
     if stage:  # copy every item into a reused host arena; the caller may reuse its buffers after
         nbytes = _staging.staged_bytes([i.nbytes for i in local.items])

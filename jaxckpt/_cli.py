@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _catalog, _location, _sources, _storage, _tree
+from jaxckpt import _catalog, _location, _pack, _sources, _storage, _tree
 from jaxckpt import _convert as _convert_mod
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
@@ -157,7 +157,8 @@ def _entry_json(e: ArrayEntry | ValueEntry) -> dict:
     return {"key": e.key, "kind": "array", "shape": list(e.shape), "dtype": e.dtype,
             "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "grid": list(e.grid),
             "nbytes": e.nbytes, "path": e.path, "checksum": e.checksum,
-            "prng_impl": e.prng_impl, "sharding": e.sharding}  # fmt: skip
+            "prng_impl": e.prng_impl, "sharding": e.sharding,
+            **({"offset": e.offset} if e.pack else {})}  # fmt: skip
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -202,7 +203,8 @@ def _describe(e: ArrayEntry | ValueEntry) -> str:
     grid = "x".join(map(str, e.grid)) or "1"
     chunk = ",".join(map(str, e.chunks))
     dtype = f"key<{e.prng_impl}>:{e.dtype}" if e.prng_impl else e.dtype
-    cols = [f"{dtype}[{shape}]", f"chunks {grid} of [{chunk}]", _bytes(e.nbytes)]
+    where = f"packed in {e.path} at {e.offset}" if e.pack else f"chunks {grid} of [{chunk}]"
+    cols = [f"{dtype}[{shape}]", where, _bytes(e.nbytes)]
     if e.sharding:  # drop what is the same for nearly every array
         cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))
     return "  ".join(cols)
@@ -223,12 +225,17 @@ def _verify(args: argparse.Namespace) -> int:
     m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
     foreign = _sources.source_kind(reader) != "jaxckpt"  # no checksums: every byte is read
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
-    jobs = [(e, idx, item) for e in arrays for idx, item in _chunk_items(e)]
+    stored = _pack.storage_entries(m)  # what has files: unpacked arrays and packs
+    members: dict[str, list[str]] = {}  # pack key -> the keys packed in it
+    for e in arrays:
+        if e.pack is not None:
+            members.setdefault(e.pack.key, []).append(e.key)
+    jobs = [(e, idx, item) for e in stored.values() for idx, item in _chunk_items(e)]
     progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
         try:
-            for _ in reader.read(m.entries, [job[2]]):
+            for _ in reader.read(stored, [job[2]]):
                 pass
         except CorruptChunkError as err:
             msg = _one_line(err)
@@ -238,18 +245,20 @@ def _verify(args: argparse.Namespace) -> int:
     damaged: dict[str, list[str]] = {}
     bad_chunks = 0
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
-        checks = [] if foreign else arrays
-        for e, problem in zip(checks, pool.map(lambda e: _zarr_json_problem(loc, e), checks)):
+        files = [] if foreign else list(stored.values())
+        for e, problem in zip(files, pool.map(lambda e: _zarr_json_problem(loc, e), files)):
             if problem is not None:
-                print(f"DAMAGED {e.key} metadata at {e.path}/zarr.json: {problem}")
-                damaged.setdefault(e.key, []).append("zarr.json")
+                print(f"DAMAGED {_who(e, members)} metadata at {e.path}/zarr.json: {problem}")
+                for k in members.get(e.key, [e.key]):
+                    damaged.setdefault(k, []).append("zarr.json")
         for (e, idx, _), problem in zip(jobs, pool.map(check, jobs)):
             progress.step(e.key)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
                 where = e.path if foreign else f"{e.path}/" + "/".join(["c", *map(str, idx)])
-                print(f"DAMAGED {e.key} chunk ({chunk}) at {where}: {problem}")
-                damaged.setdefault(e.key, []).append(f"({chunk})")
+                print(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
+                for k in members.get(e.key, [e.key]):
+                    damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
                 bad_chunks += 1
     progress.close()
     nbytes = sum(e.nbytes for e in arrays)
@@ -265,6 +274,14 @@ def _verify(args: argparse.Namespace) -> int:
           f"earlier checkpoint, or restore the undamaged keys with "
           f"jaxckpt.restore(..., keys=[...]).")  # fmt: skip
     return 1
+
+
+def _who(e: ArrayEntry, members: dict[str, list[str]]) -> str:
+    keys = members.get(e.key)
+    if keys is None:
+        return e.key
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return f"{', '.join(keys[:5])}{more} (packed in {e.path})"
 
 
 def _zarr_json_problem(loc: _location.Location, e: ArrayEntry) -> str | None:
@@ -351,9 +368,15 @@ def _export(args: argparse.Namespace) -> int:
     progress = _Progress("export", len(arrays), args.progress, sys.stderr)
 
     def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:
+        whole = {e.key: ReadItem(e.key, (0,) * len(e.shape), e.shape) for e in arrays}
+        small = [whole[e.key] for e in arrays if e.pack is not None]  # each pack read once
+        packed = {i.key: a for i, a in reader.read(m.entries, small)}
         for e in arrays:
-            item = ReadItem(e.key, (0,) * len(e.shape), e.shape)
-            for _, a in reader.read(m.entries, [item]):
+            if e.key in packed:
+                progress.step(e.key)
+                yield e, packed.pop(e.key)
+                continue
+            for _, a in reader.read(m.entries, [whole[e.key]]):
                 progress.step(e.key)
                 yield e, a
 

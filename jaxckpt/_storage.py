@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt import _pack
 from jaxckpt._catalog import OWN_KEY, TMP, fsync_dir, list_keys
 from jaxckpt._errors import (
     CheckpointError,
@@ -316,7 +317,12 @@ class Reader:
 
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
-        """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead."""
+        """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
+
+        Packed items come first, each needed pack read once (``jaxckpt._pack``).
+        """
+        items, packed = _pack.split(entries, items)
+        yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
         pending: collections.deque = collections.deque()
         inflight = 0
         for item in items:
@@ -407,11 +413,15 @@ def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
 
 def _in_generation(manifest: bytes, generation: str) -> bytes:
     m = Manifest.from_json(manifest)
-    entries = {
-        k: dataclasses.replace(e, path=generation + e.path) if isinstance(e, ArrayEntry) else e
-        for k, e in m.entries.items()
+    packs = {
+        generation + p: dataclasses.replace(e, path=generation + p) for p, e in m.packs.items()
     }
-    return dataclasses.replace(m, entries=entries).to_json()
+    entries = {
+        k: dataclasses.replace(e, path=generation + e.path, pack=e.pack and packs[generation + e.path])
+        if isinstance(e, ArrayEntry) else e
+        for k, e in m.entries.items()
+    }  # fmt: skip
+    return dataclasses.replace(m, entries=entries, packs=packs).to_json()
 
 
 def _delete_all_but(kv: ts.KvStore, generation: str) -> None:
