@@ -18,11 +18,11 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._names import is_storage_path
 
 FORMAT = "jaxckpt"
 VERSION = 1
 MANIFEST = "manifest.json"
-ARRAYS = "arrays"
 
 # zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
 _NATIVE = {
@@ -43,8 +43,6 @@ _CARRIED = {
 }
 _MAX_NDIM = 64
 _MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
-# arrays/NAME, or gXXXXXXXX/arrays/NAME for a generation written by an object-store overwrite
-_PATH_RE = re.compile(r"^(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 
 @functools.cache
@@ -210,7 +208,7 @@ def _entry_from_json(key: str, d: Any, where: str) -> Entry:
         raise _bad(where, key, f"has an invalid shape {shape!r}")
     if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
         raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
-    if not isinstance(path, str) or not _PATH_RE.match(path) or ".." in path:
+    if not is_storage_path(path):
         raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
     dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
     try:
