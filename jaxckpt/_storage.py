@@ -113,7 +113,13 @@ class Writer:
             )  # fmt: skip
             for e in entries
         ]
-        self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
+        try:
+            self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
+        except ValueError as e:
+            if create and not self.overwrite and "ALREADY_EXISTS" in str(e):
+                # Object stores: another save to the same prefix created its arrays first.
+                raise _lost_error(self.loc, False, writing=True) from e
+            raise
 
     def _child(self, name: str) -> dict:
         return {**self.root, "path": self.root["path"] + name + "/"}
@@ -241,15 +247,16 @@ def _exists_error(loc: Location) -> CheckpointExistsError:
     )
 
 
-def _lost_error(loc: Location, committed: bool) -> CheckpointExistsError:
-    what = (
-        "another save committed a checkpoint"
-        if committed
-        else "files jaxckpt did not write appeared"
-    )
+def _lost_error(loc: Location, committed: bool, writing: bool = False) -> CheckpointExistsError:
+    if writing:
+        what = "another save is writing its arrays"
+    elif committed:
+        what = "another save committed a checkpoint"
+    else:
+        what = "files jaxckpt did not write appeared"
     return CheckpointExistsError(
-        f"Save to {loc} lost the race at the commit: {what} there while this one was writing "
-        f"(overwrite=False). This save's data was removed; what is at {loc} is untouched. Give "
+        f"Save to {loc} lost the race to one path: {what} there while this one was writing "
+        f"(overwrite=False). This save's own data was removed; the other's is untouched. Give "
         f"each concurrent save its own path, or pass overwrite=True to replace it."
     )
 
