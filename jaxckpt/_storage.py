@@ -8,10 +8,12 @@ Commit protocol:
 
 * local paths (and ``file://``): everything is written into a hidden temporary sibling
   ``.NAME.tmp-XXXX``, ``manifest.json`` last, then the sibling is renamed into place (swapped
-  atomically with an existing checkpoint under ``overwrite=True``, where the kernel allows).
-  A crash leaves at most a temporary sibling, never a damaged checkpoint.
+  atomically with an existing checkpoint under ``overwrite=True``, where the kernel allows;
+  under ``overwrite=False`` renamed with ``RENAME_NOREPLACE``, so a racing save never replaces
+  another's commit). A crash leaves at most a temporary sibling, never a damaged checkpoint.
 * other kvstores (``memory://``, ``s3://``, ``gs://``): there is no rename, so the manifest is
-  written last and is the commit; a directory without ``manifest.json`` is not a checkpoint.
+  written last and is the commit (conditionally under ``overwrite=False``: only if none
+  exists); a directory without ``manifest.json`` is not a checkpoint.
 """
 
 from __future__ import annotations
