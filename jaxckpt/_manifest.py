@@ -18,12 +18,12 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._names import is_storage_path
 
 FORMAT = "jaxckpt"
 VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
 VERSIONS = (1, 2)  # the versions this jaxckpt reads
 MANIFEST = "manifest.json"
-ARRAYS = "arrays"
 
 # zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
 _NATIVE = {
@@ -44,8 +44,6 @@ _CARRIED = {
 }
 _MAX_NDIM = 64
 _MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
-# arrays/NAME, or gXXXXXXXX/arrays/NAME for a generation written by an object-store overwrite
-_PATH_RE = re.compile(r"^(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 
 @functools.cache
@@ -254,7 +252,7 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         raise _bad(where, key, f"has an invalid shape {shape!r}")
     if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
         raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
-    if not isinstance(path, str) or not _PATH_RE.match(path) or ".." in path:
+    if not is_storage_path(path):
         raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
     dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
     try:
@@ -304,7 +302,7 @@ def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
             raise ManifestError(f"{where}: pack {path!r} is not an object.")
         shape, chunks, sdtype = d.get("shape"), d.get("chunks"), d.get("storage_dtype")
         what = None
-        if not _PATH_RE.match(path) or ".." in path:
+        if not is_storage_path(path):
             what = "has a storage path outside the checkpoint's arrays/"
         elif not _ints(shape) or len(shape) != 1 or not _ints(chunks) or len(chunks) != 1:
             what = f"has an invalid shape {shape!r} or chunk shape {chunks!r} (1-D expected)"

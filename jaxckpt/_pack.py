@@ -22,7 +22,8 @@ import numpy as np
 
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._layout import Layout
-from jaxckpt._manifest import ARRAYS, ArrayEntry, PackEntry, dtype_from_name
+from jaxckpt._manifest import ArrayEntry, PackEntry, dtype_from_name
+from jaxckpt._names import ARRAYS
 from jaxckpt._plan import ReadItem
 
 # Measured on the 2,000 x 1 KiB and a mixed workload (docs/benchmarks.md): leaves up to

@@ -21,6 +21,7 @@ import numpy as np
 from jaxckpt import _layout, _manifest, _pack, _tree
 from jaxckpt._errors import UnsupportedLeafError
 from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry
+from jaxckpt._names import storage_name
 from jaxckpt._plan import (
     SavePlan,
     WriteItem,
@@ -379,17 +380,6 @@ def _unsupported(key: str, leaf: Any, what: str) -> UnsupportedLeafError:
         f"numpy arrays of numeric/bool/PRNG-key dtypes, and Python int, float, bool, str, None. "
         f"Convert the leaf (e.g. to a numpy array or a string) or drop it from the tree."
     )
-
-
-def storage_name(key: str, taken: set[str]) -> str:
-    """A file-system-safe, unique storage path under ``arrays/`` for a key path."""
-    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in key.replace("/", "."))
-    safe = safe.lstrip(".-")[:200] or "_"
-    name, n = f"{_manifest.ARRAYS}/{safe}", 1
-    while name in taken:
-        name, n = f"{_manifest.ARRAYS}/{safe}-{n}", n + 1
-    taken.add(name)
-    return name
 
 
 def create_global_save_plan(
