@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import collections
 import functools
+import math
 from typing import Any
 
 import jax
@@ -99,7 +100,8 @@ class DefaultLoadPlanner(LoadPlanner):
     """
 
     def __init__(self, *, allow_dtype_cast: bool = False,
-                 max_host_bytes: int = DEFAULT_MAX_HOST_BYTES) -> None:  # fmt: skip
+                 max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
+                 share_reads: bool = True) -> None:  # fmt: skip
         if max_host_bytes < 1:
             raise ValueError(
                 f"max_host_bytes must be a positive number of bytes, not {max_host_bytes}"
@@ -107,6 +109,7 @@ class DefaultLoadPlanner(LoadPlanner):
         self.allow_dtype_cast = allow_dtype_cast
         self.max_host_bytes = int(max_host_bytes)
         self.read_ahead_bytes = self.max_host_bytes // 2
+        self.share_reads = share_reads
 
     @property
     def host_bytes(self) -> int:
@@ -137,6 +140,13 @@ class DefaultLoadPlanner(LoadPlanner):
         order = {k: i for i, k in enumerate(saved)}
         for key in self.targets if target is None else sorted(self.selected, key=order.get):
             self.wants[key] = self._want(key, manifest.entries[key], self.targets[key])
+        self._via = {}  # key -> the sharding it is read under, when reads are shared
+        if self.share_reads and jax.process_count() > 1:
+            for key, (_, where) in self.wants.items():
+                if isinstance(where, jax.sharding.Sharding):
+                    via = _shared_read_sharding(manifest.entries[key].shape, where)
+                    if via is not None:
+                        self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
         self.placement = _placement.Placement(self.max_host_bytes - self.read_ahead_bytes)
 
@@ -190,6 +200,7 @@ class DefaultLoadPlanner(LoadPlanner):
                 items.append(ReadItem(key, (0,) * len(entry.shape), entry.shape))
                 continue
             by_box = collections.defaultdict(list)
+            where = self._via.get(key, where)
             for dev, index in where.addressable_devices_indices_map(entry.shape).items():
                 by_box[index_to_box(index, entry.shape)].append(dev.id)
             for (offsets, sizes), devs in by_box.items():
@@ -241,13 +252,41 @@ class DefaultLoadPlanner(LoadPlanner):
                 values[key] = placed[(key, _WHOLE)][0]  # put with the target sharding itself
             else:
                 shards = placed.get(key, [])
-                values[key] = jax.make_array_from_single_device_arrays(entry.shape, where, shards)
+                via = self._via.get(key, where)
+                values[key] = jax.make_array_from_single_device_arrays(entry.shape, via, shards)
+        if self._via:  # read split across processes: JAX's collectives bring every part home
+            keys = list(self._via)
+            out = jax.jit(_identity, out_shardings=[self.wants[k][1] for k in keys])(
+                [values[k] for k in keys]
+            )
+            values.update(zip(keys, out))
         self.results, self.placement.placed = {}, {}
         if self.treedef is None:
             tree = _tree.unflatten(self.manifest.tree, values)
             return None if tree is _tree._MISSING else tree
         leaves = [values.get(k, self.targets[k]) for k in self.targets]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _shared_read_sharding(shape: tuple[int, ...], where: Any) -> Any:
+    """A sharding that splits dim 0 over all of ``where``'s devices, if ``where`` puts one box
+    on devices of several processes (else ``None``): read under it, each byte is read once."""
+    devices = sorted(where.device_set, key=lambda d: d.id)
+    if not shape or shape[0] % len(devices) or math.prod(shape) == 0:
+        return None
+    if where.memory_kind not in (None, devices[0].default_memory().kind):
+        return None  # the reshard runs a computation: keep host memory kinds out of it
+    holders = collections.defaultdict(set)
+    for d, index in where.devices_indices_map(shape).items():
+        holders[index_to_box(index, shape)].add(d.process_index)
+    if all(len(p) == 1 for p in holders.values()):
+        return None
+    mesh = jax.sharding.Mesh(np.array(devices), ("jaxckpt_read",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("jaxckpt_read"))
 
 
 @functools.cache
