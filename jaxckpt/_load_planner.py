@@ -88,6 +88,10 @@ class DefaultLoadPlanner(LoadPlanner):
         :class:`DtypeMismatchError` (e.g. restore float32 weights into a bfloat16 model).
       max_host_bytes: the host-memory budget of a restore, in bytes (default 256 MiB). Lower it
         on hosts short of memory; a larger one lets more reads and transfers overlap.
+      share_reads: in a multi-process job, read a box that the target puts on devices of
+        several processes once in all (each process reads a part, JAX's collectives gather
+        them; every process must then call ``restore``). ``False``: each process reads every
+        box its own devices need and nothing is exchanged.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxckpt, tempfile
