@@ -79,8 +79,9 @@ class DefaultLoadPlanner(LoadPlanner):
     """Restores onto any sharding, onto the host as numpy, or as the saved Python values.
 
     Boxes stream onto their devices as they are read: at most ``max_host_bytes`` of boxes are
-    on the host at once (half read ahead by storage, half queued for or in transfer to their
-    devices), or the largest single box where that is larger. Host (numpy) results are the
+    on the host at once (a quarter read ahead by storage, with tensorstore's decode buffers for
+    those reads, and a quarter queued for or in transfer to their devices), or the largest
+    single box where that is larger. Host (numpy) results are the
     restored values themselves and are not counted.
 
     Args:
@@ -112,7 +113,9 @@ class DefaultLoadPlanner(LoadPlanner):
             )
         self.allow_dtype_cast = allow_dtype_cast
         self.max_host_bytes = int(max_host_bytes)
-        self.read_ahead_bytes = self.max_host_bytes // 2
+        # A read in flight holds its box and, inside tensorstore, up to two decode buffers of
+        # its chunks: a quarter of the budget read ahead costs up to three quarters.
+        self.read_ahead_bytes = max(self.max_host_bytes // 4, 1)
         self.share_reads = share_reads
 
     @property
@@ -152,7 +155,7 @@ class DefaultLoadPlanner(LoadPlanner):
                     if via is not None:
                         self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
-        self.placement = _placement.Placement(self.max_host_bytes - self.read_ahead_bytes)
+        self.placement = _placement.Placement(self.max_host_bytes - 3 * self.read_ahead_bytes)
 
     def _want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
         if not isinstance(entry, ArrayEntry):

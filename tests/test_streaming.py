@@ -42,8 +42,9 @@ def test_restore_holds_at_most_its_budget_and_places_as_it_reads(big):
     back = jaxckpt.restore(path, target, planner=planner)
     assert_tree_equal(jax.device_get(back), jax.device_get(state))
     assert len(planner.held) == 64
-    assert max(planner.held) <= budget - planner.read_ahead_bytes
-    assert planner.placement.peak_bytes <= budget - planner.read_ahead_bytes
+    assert planner.read_ahead_bytes == budget // 4  # storage's share (its reads in flight)
+    assert max(planner.held) <= budget // 4  # boxes queued for or in transfer to devices
+    assert planner.placement.peak_bytes <= budget // 4
     assert planner.placement.groups >= 8  # placed along the way, not all at the end
     assert all(b.sharding == target[k] for k, b in back.items())
 
