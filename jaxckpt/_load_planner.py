@@ -151,7 +151,7 @@ class DefaultLoadPlanner(LoadPlanner):
         if self.share_reads and jax.process_count() > 1:
             for key, (_, where) in self.wants.items():
                 if isinstance(where, jax.sharding.Sharding):
-                    via = _shared_read_sharding(manifest.entries[key].shape, where)
+                    via = _shared_read_sharding(tuple(manifest.entries[key].shape), where)
                     if via is not None:
                         self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
@@ -279,6 +279,7 @@ def _identity(x: Any) -> Any:
     return x
 
 
+@functools.lru_cache(maxsize=1024)  # O(devices) per call: once per distinct layout
 def _shared_read_sharding(shape: tuple[int, ...], where: Any) -> Any:
     """A sharding that splits dim 0 over all of ``where``'s devices, if ``where`` puts one box
     on devices of several processes (else ``None``): read under it, each byte is read once."""
