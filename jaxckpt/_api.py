@@ -251,8 +251,10 @@ def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: boo
     planner = planner if planner is not None else DefaultLoadPlanner()
     planner.set_up_planner(target, manifest, keys=keys, strict=strict)
     plan = planner.create_local_plan()
-    for item, data in reader.read(manifest.entries, plan.items):
+    ahead = planner.read_ahead_bytes
+    for item, data in reader.read(manifest.entries, plan.items, max_inflight_bytes=ahead):
         planner.commit_tensor(item, planner.transform_tensor(item, data))
+        del data  # the planner owns the box now: dropping it frees it once placed
     return planner.finish()
 
 

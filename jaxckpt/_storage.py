@@ -415,7 +415,9 @@ class Reader:
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
         """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
 
-        Packed items come first, each needed pack read once (``jaxckpt._pack``).
+        Packed items come first, each needed pack read once (``jaxckpt._pack``). At most
+        ``max_inflight_bytes`` of reads are in flight (at least one item); the caller owns each
+        yielded array (storage keeps no reference to it).
         """
         items, packed = _pack.split(entries, items)
         yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
@@ -426,24 +428,42 @@ class Reader:
             store = self._store(entry)
             if item.sizes != entry.shape:
                 store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
-            fut = store.read()
             n = math.prod(item.sizes) * dtype_from_name(entry.storage_dtype).itemsize
-            pending.append((item, entry, fut, n))
-            inflight += n
-            while inflight > max_inflight_bytes and pending:
+            while pending and inflight + n > max_inflight_bytes:
                 inflight -= pending[0][3]
-                yield self._result(*pending.popleft()[:3])
+                yield self._result(*pending.popleft())
+            if n >= _ALIGNED_MIN_BYTES:  # into an aligned buffer: CPU devices alias it, no copy
+                out = _aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
+                fut = ts.array(out, copy=False, write=True).write(store)
+            else:
+                out, fut = None, store.read()
+            pending.append((item, entry, fut, n, out))
+            inflight += n
         while pending:
-            yield self._result(*pending.popleft()[:3])
+            yield self._result(*pending.popleft())
 
-    def _result(self, item: ReadItem, entry: ArrayEntry, fut: Any) -> tuple[ReadItem, np.ndarray]:
+    def _result(self, item: ReadItem, entry: ArrayEntry, fut: Any, n: int,
+                out: np.ndarray | None) -> tuple[ReadItem, np.ndarray]:  # fmt: skip
         try:
             data = fut.result()
         except ValueError as e:
             raise _chunk_error(entry, self.loc, e) from e
+        if out is not None:
+            data = out
         if entry.storage_dtype != entry.dtype:
             data = data.view(dtype_from_name(entry.dtype))
         return item, data
+
+
+_ALIGNED_MIN_BYTES = 1 << 20
+_ALIGN = 64  # what XLA's CPU client needs to alias a host buffer instead of copying it
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunkError:

@@ -189,9 +189,13 @@ def _planner(**kw):
 
 
 def restore_measured(data: dict, path: Path, stage: str, name: str) -> None:
-    """Restore ``path`` onto ``stage``'s layout, check it, record bytes read and needed."""
+    """Restore ``path`` onto ``stage``'s layout, check it, record bytes read and needed.
+
+    Reads are not shared across processes here: each reads every box its devices need.
+    """
     before = file_bytes("bytes_read")
-    check_state(jaxckpt.restore(path, target(stage)))
+    planner = jaxckpt.DefaultLoadPlanner(share_reads=False)
+    check_state(jaxckpt.restore(path, target(stage), planner=planner))
     data[f"read_{name}"] = file_bytes("bytes_read") - before
     data[f"needed_{name}"] = bytes_needed(str(path), stage)
 
@@ -298,7 +302,42 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         data["kill_raised_after_s"] = time.monotonic() - t0
         assert not (work / "kill" / "ckpt").exists()
 
+    def restore_2_shared():  # 2 -> 4 processes, replicated boxes read once across processes
+        check_state(jaxckpt.restore(work / "ckpt2", target("four")))
+
+    def shared_replicated():
+        # 256 MiB fully replicated over 4 processes x 4 devices: each process reads a quarter.
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        mesh = Mesh(np.array(jax.devices()).reshape(4, 4), ("a", "b"))
+        rep = NamedSharding(mesh, PartitionSpec())
+        fsdp = NamedSharding(mesh, PartitionSpec("a"))  # across hosts, replicated within
+        vals = {
+            f"r{i}": np.random.default_rng(i).random((2048, 4096), np.float32) for i in range(8)
+        }
+        state = {
+            k: jax.make_array_from_callback(v.shape, rep, v.__getitem__) for k, v in vals.items()
+        }
+        jaxckpt.save(
+            work / "rep", state, planner=jaxckpt.DefaultSavePlanner(max_chunk_bytes=2 << 20)
+        )
+        del state
+        for name, sharding, planner in (("shared", rep, None), ("mixed", fsdp, None),
+                ("unshared", rep, jaxckpt.DefaultLoadPlanner(share_reads=False))):  # fmt: skip
+            before = file_bytes("bytes_read")
+            out = jaxckpt.restore(work / "rep", {k: sharding for k in vals}, planner=planner)
+            data[f"rep_read_{name}"] = file_bytes("bytes_read") - before
+            for k, arr in out.items():
+                assert arr.sharding == sharding, (k, arr.sharding)
+                for shard in arr.addressable_shards:
+                    got = np.asarray(shard.data)
+                    assert got.tobytes() == vals[k][shard.index].tobytes(), (name, k, shard.index)
+            del out
+        data["rep_bytes"] = sum(v.nbytes for v in vals.values())
+
     checks.run("restore_2", restore_2)
+    checks.run("restore_2_shared", restore_2_shared)
+    checks.run("shared_replicated", shared_replicated)
     checks.run("save_4", save_4)
     checks.run("save_lowest", save_lowest)
     checks.run("save_async_overwrite", save_async_overwrite)

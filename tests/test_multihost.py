@@ -203,6 +203,21 @@ def test_packs_are_split_across_writers_and_restore_on_one_process(groups):
     mh_worker.check_state(jaxckpt.restore(ckpt, mh_worker.target("two", jax.devices())))
 
 
+def test_replicated_boxes_are_read_once_across_processes(groups):
+    four = groups["four"]
+    _ok(four, "restore_2_shared")  # 2 -> 4 processes, shared reads, bit-exact
+    _ok(four, "shared_replicated")
+    whole = four[0]["data"]["rep_bytes"]
+    shared = [r["data"]["rep_read_shared"] for r in four]
+    assert all(r <= 0.3 * whole for r in shared), (shared, whole)
+    assert sum(shared) <= 1.1 * whole, (shared, whole)
+    # FSDP across hosts x replicated within: each host reads its own quarter, once.
+    mixed = [r["data"]["rep_read_mixed"] for r in four]
+    assert all(r <= 0.3 * whole for r in mixed) and sum(mixed) <= 1.1 * whole, mixed
+    # Turned off, every process reads the whole state.
+    assert all(r["data"]["rep_read_unshared"] >= whole for r in four)
+
+
 def test_failure_on_one_process_raises_on_every_process(groups):
     _ok(groups["four"], "failure")
     assert os.listdir(groups["work"] / "fail") == []  # no checkpoint, no staging dir
