@@ -23,7 +23,7 @@ from jaxckpt._plan import LoadPlan, ReadItem, index_to_box
 
 _HOST = "host"
 _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return one like it
-DEFAULT_MAX_HOST_BYTES = 256 << 20
+DEFAULT_MAX_HOST_BYTES = 128 << 20
 _WHOLE = "whole"  # placement slot of an array put whole with its target sharding
 
 
@@ -87,7 +87,7 @@ class DefaultLoadPlanner(LoadPlanner):
     Args:
       allow_dtype_cast: cast saved arrays to the target's dtype instead of raising
         :class:`DtypeMismatchError` (e.g. restore float32 weights into a bfloat16 model).
-      max_host_bytes: the host-memory budget of a restore, in bytes (default 256 MiB). Lower it
+      max_host_bytes: the host-memory budget of a restore, in bytes (default 128 MiB). Lower it
         on hosts short of memory; a larger one lets more reads and transfers overlap.
       share_reads: in a multi-process job, read a box that the target puts on devices of
         several processes once in all (each process reads a part, JAX's collectives gather
