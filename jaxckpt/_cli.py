@@ -208,12 +208,21 @@ def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
         yield tuple(o // c for o, c in zip(offsets, e.chunks)), ReadItem(e.key, offsets, sizes)
 
 
+_VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array is summarised
+
+
 def _verify(args: argparse.Namespace) -> int:
     m = metadata(args.path)  # a damaged manifest raises ManifestError: exit 1
     loc = _location.Location(args.path)
     reader = _storage.Reader(loc)
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
-    jobs = [(e, idx, item) for e in arrays for idx, item in _chunk_items(e)]
+    missing: dict[str, str] = {}  # found by listing, before any read: also bounds the jobs
+    for e in arrays:
+        try:
+            reader.check_chunks(e, slack=_VERIFY_SLACK)
+        except CorruptChunkError as err:
+            missing[e.key] = _one_line(err)
+    jobs = [(e, idx, item) for e in arrays if e.key not in missing for idx, item in _chunk_items(e)]
     progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
@@ -227,6 +236,10 @@ def _verify(args: argparse.Namespace) -> int:
 
     damaged: dict[str, list[str]] = {}
     bad_chunks = 0
+    for key, msg in missing.items():
+        print(f"DAMAGED {key}: {msg}")
+        damaged[key] = ["missing chunks"]
+        bad_chunks += 1
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
         for e, problem in zip(arrays, pool.map(lambda e: _zarr_json_problem(loc, e), arrays)):
             if problem is not None:
