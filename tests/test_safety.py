@@ -117,6 +117,17 @@ def test_links_below_an_array_folder_are_refused(tmp_path, capsys, what):
     assert not (tmp_path / "out.npz").exists()
 
 
+def test_a_linked_manifest_is_refused_by_metadata_and_restore(tmp_path, capsys):
+    mine, other = _two(tmp_path)
+    (mine / "manifest.json").unlink()
+    (mine / "manifest.json").symlink_to(other / "manifest.json")
+    for read in (jaxckpt.metadata, jaxckpt.restore):
+        with pytest.raises(jaxckpt.ManifestError, match=r"manifest.json is a link.*refusing"):
+            read(mine)
+    code, out = _cli(capsys, "inspect", mine)
+    assert code != 0 and "is a link" in out
+
+
 # 3. a hostile manifest cannot exhaust memory ----------------------------------------------------
 
 _LIMITED = textwrap.dedent(
