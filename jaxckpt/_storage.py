@@ -214,6 +214,9 @@ def _exists_error(loc: Location) -> CheckpointExistsError:
     )
 
 
+_OWN_TMP = re.compile(rf"^\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?$")  # see Writer
+
+
 def _check_target_dir(path: Path, overwrite: bool) -> None:
     """Refuse a target holding anything jaxckpt did not write, with or without ``overwrite``.
 
@@ -225,7 +228,7 @@ def _check_target_dir(path: Path, overwrite: bool) -> None:
     if not path.is_dir():
         raise CheckpointExistsError(f"{path} exists and is not a directory; choose another path.")
     names = sorted(p.name for p in path.iterdir())
-    foreign = [n for n in names if n not in (MANIFEST, "arrays") and TMP not in n]
+    foreign = [n for n in names if n not in (MANIFEST, "arrays") and not _OWN_TMP.match(n)]
     if foreign:
         raise _foreign_error(Location(path), foreign[0], committed=MANIFEST in names)
     if names and not overwrite:
