@@ -288,6 +288,7 @@ class Reader:
         self._open: dict[str, Any] = {}
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
+        self._listing: dict[str, set[str]] | None = None
 
     def _store(self, entry: ArrayEntry) -> Any:
         store = self._open.get(entry.path)
@@ -385,11 +386,7 @@ class Reader:
         Local: a dict of each key's directory entry (for its size, stat'ed only if asked).
         """
         if self.loc.local is None:
-            prefix = entry.path + "/c"
-            rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + "d")
-            keys = [k.decode()[len(entry.path) + 1 :] for k in
-                    kvstore(self.loc.kvstore).list(rng).result()]  # fmt: skip
-            return {k for k in keys if k == "c" or k.startswith("c/")}
+            return self._object_chunks().get(entry.path, set())
         found: dict[str, os.DirEntry] = {}
         stack = [(self.loc.local / entry.path, "")]
         while stack:  # one scandir per folder; is_symlink() needs no stat (d_type)
@@ -412,6 +409,19 @@ class Reader:
                     elif name == "c" or name.startswith("c/"):
                         found[name] = e
         return found
+
+    def _object_chunks(self) -> dict[str, set[str]]:
+        """Object stores: chunk keys by array path, from one listing of the checkpoint (cached).
+
+        One paginated list for the whole checkpoint costs far less than a request per array.
+        """
+        if self._listing is None:
+            listing: dict[str, set[str]] = collections.defaultdict(set)
+            for k in list_keys(self.loc):
+                for m in re.finditer(r"/c(?=/|$)", k):  # every ``/c`` segment: an array's chunks?
+                    listing[k[: m.start()]].add(k[m.start() + 1 :])
+            self._listing = listing
+        return self._listing
 
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip

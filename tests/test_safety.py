@@ -174,6 +174,18 @@ def test_declared_but_absent_chunks_are_an_error_not_an_allocation(tmp_path, sha
     assert want in r.stdout and "restore an earlier one" in r.stdout, r.stdout
 
 
+def test_object_store_chunks_are_listed_before_reading():
+    url = "memory://safety-listing/c"
+    jaxckpt.save(url, {"w": np.ones(1, np.float32), "c": {"c": np.ones(2)}})
+    assert jaxckpt.restore(url)["c"]["c"].shape == (2,)  # an array named c: keys c/c/...
+    kv = kvstore(Location(url).kvstore)
+    m = json.loads(kv.read("manifest.json").result().value)
+    m["entries"]["w"].update(shape=[2**20], chunks=[1])  # one chunk on the store
+    kv.write("manifest.json", json.dumps(m).encode()).result()
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"Key 'w': chunk \(1\) .*1 of 1048576"):
+        jaxckpt.restore(url)
+
+
 def test_zero_size_arrays_and_scalars_have_no_missing_chunks(tmp_path):
     d = tmp_path / "c"
     tree = {"z": np.zeros((0, 3)), "s": np.float32(2), "m": np.ones((3, 5))}
