@@ -220,6 +220,9 @@ def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
         yield tuple(o // c for o, c in zip(offsets, e.chunks)), ReadItem(e.key, offsets, sizes)
 
 
+_VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array is summarised
+
+
 def _verify(args: argparse.Namespace) -> int:
     loc = _location.Location(args.path)
     m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
@@ -230,7 +233,18 @@ def _verify(args: argparse.Namespace) -> int:
     for e in arrays:
         if e.pack is not None:
             members.setdefault(e.pack.key, []).append(e.key)
-    jobs = [(e, idx, item) for e in stored.values() for idx, item in _chunk_items(e)]
+    missing: dict[str, str] = {}  # found by listing, before any read: also bounds the jobs
+    for e in [] if foreign else stored.values():
+        try:
+            reader.check_chunks(e, slack=_VERIFY_SLACK)
+        except CorruptChunkError as err:
+            missing[e.key] = _one_line(err)
+    jobs = [
+        (e, idx, item)
+        for e in stored.values()
+        if e.key not in missing
+        for idx, item in _chunk_items(e)
+    ]
     progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
@@ -244,6 +258,11 @@ def _verify(args: argparse.Namespace) -> int:
 
     damaged: dict[str, list[str]] = {}
     bad_chunks = 0
+    for key, msg in missing.items():
+        print(f"DAMAGED {key}: {msg}")
+        for k in members.get(key, [key]):
+            damaged[k] = ["missing chunks"]
+        bad_chunks += 1
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
         files = [] if foreign else list(stored.values())
         for e, problem in zip(files, pool.map(lambda e: _zarr_json_problem(loc, e), files)):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 import tensorstore as ts
 
-from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from jaxckpt._manifest import MANIFEST
 from jaxckpt._names import FILE_NAME_BYTES, LOCK_SUFFIX
 
@@ -151,8 +152,14 @@ def kvstore(spec: dict) -> ts.KvStore:
 def read_manifest(loc: Location) -> bytes:
     """The bytes of ``manifest.json``, or :class:`CheckpointNotFoundError`."""
     if loc.local is not None:
+        path = loc.local / MANIFEST
         try:
-            return (loc.local / MANIFEST).read_bytes()
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # a link could lead anywhere; a FIFO hangs
+                raise ManifestError(
+                    f"{path} is a link or not a regular file; refusing to read it (it could lead "
+                    f"outside the checkpoint). Copy the checkpoint without links (cp -rL)."
+                )
+            return path.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             pass
     else:

@@ -181,6 +181,11 @@ class Manifest:
         """Parse and validate ``manifest.json``; nothing in it can run code or escape."""
         try:
             doc = json.loads(data)
+        except RecursionError:  # nested deeper than the decoder allows: never a real tree
+            raise ManifestError(
+                f"{where}: nested too deeply to be a jaxckpt manifest. The checkpoint is "
+                f"damaged or was not written by jaxckpt: restore an earlier one, or re-save."
+            ) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(
                 f"{where} is not valid JSON ({e}). The checkpoint is damaged: restore an "
@@ -361,17 +366,21 @@ def _value_from_json(key: str, d: dict, where: str) -> Any:
             return float(v)
         except ValueError:
             pass
-    if (kind, type(v).__name__) in {("int", "int"), ("bool", "bool"), ("str", "str")}:
+    if isinstance(kind, str) and (kind, type(v).__name__) in {("int", "int"), ("bool", "bool"),
+                                                                ("str", "str")}:  # fmt: skip
         return v
     raise _bad(where, key, f"has an invalid value of type {kind!r}")
 
 
+_MAX_DEPTH = 400  # tree nesting; _check_tree and unflatten recurse once per level
+
+
 def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
-    if depth > 1000 or not isinstance(node, dict):
+    if depth > _MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
         raise ManifestError(f"{where}: the tree structure is malformed.")
     kind = node.get("type")
     if kind == "leaf":
-        if node.get("key") not in entries:
+        if not isinstance(node.get("key"), str) or node.get("key") not in entries:
             raise ManifestError(f"{where}: the tree names key {node.get('key')!r} with no entry.")
         return
     if kind not in ("dict", "list", "tuple", "namedtuple", "node"):
@@ -380,6 +389,9 @@ def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
     keys = node.get("keys", [])
     if not isinstance(kids, list) or not isinstance(keys, list):
         raise ManifestError(f"{where}: the tree structure is malformed.")
+    if not all(type(k) in (str, int) for k in keys):  # dict keys: what JSON and a tree allow
+        bad = next(k for k in keys if type(k) not in (str, int))
+        raise ManifestError(f"{where}: a {kind} node has key {bad!r}; keys must be str or int.")
     if kind != "list" and kind != "tuple" and len(keys) != len(kids):
         raise ManifestError(f"{where}: a {kind} node has {len(keys)} keys, {len(kids)} children.")
     for child in kids:

@@ -191,7 +191,10 @@ def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
         pack = entries[mine[0].key].pack
         lo = min(entries[i.key].offset for i in mine)
         hi = max(entries[i.key].offset + entries[i.key].size for i in mine)
-        fut = reader._store(pack.as_array())[lo:hi].read() if hi > lo else None
+        try:  # opening lists the pack's chunks first: a missing one is reported here
+            fut = reader._store(pack.as_array())[lo:hi].read() if hi > lo else None
+        except CorruptChunkError as e:
+            raise _corrupt(reader, pack, [i.key for i in mine], e) from e
         n = (hi - lo) * dtype_from_name(pack.storage_dtype).itemsize
         pending.append((n, (pack, mine, lo, fut)))
         inflight += n

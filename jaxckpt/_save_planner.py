@@ -241,6 +241,18 @@ class DefaultSavePlanner(SavePlanner):
         self._shards: dict[tuple[str, int], Any] = {}
 
     def _classify(self, key: str, leaf: Any) -> Any:
+        if isinstance(leaf, jax.core.Tracer):  # a jax.Array to isinstance, but has no data
+            raise UnsupportedLeafError(
+                f"Leaf {key!r} is a JAX tracer ({type(leaf).__name__}): jaxckpt.save was called "
+                f"inside a traced function (jax.jit, grad, vmap, scan). Save outside it, on the "
+                f"arrays the jitted function returns."
+            )
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise UnsupportedLeafError(
+                f"Leaf {key!r} is a deleted jax.Array (its buffer was donated, e.g. by "
+                f"jax.jit(..., donate_argnums=...), or freed with .delete()). Save the arrays "
+                f"the step returned instead of the ones it consumed."
+            )
         if isinstance(leaf, jax.Array):
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 self.prng[key] = str(jax.random.key_impl(leaf))

@@ -47,10 +47,11 @@ from jaxckpt._errors import (
 )
 from jaxckpt._location import _CONTEXT, Location, kvstore
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, dtype_from_name
-from jaxckpt._names import staging_name
+from jaxckpt._names import TMP, staging_name
 from jaxckpt._plan import ReadItem, WriteItem
 
 MAX_INFLIGHT_BYTES = 1 << 30
+_STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
 
 
 def _spec(kvstore: dict, entry: ArrayEntry) -> dict:
@@ -281,19 +282,39 @@ def _drop_unused(kv: ts.KvStore, ours: bytes) -> None:
         fut.result()
 
 
+_OWN_TMP = re.compile(rf"^\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?$")  # see Writer
+
+
 def _check_target_dir(path: Path, overwrite: bool) -> None:
+    """Refuse a target holding anything jaxckpt did not write, with or without ``overwrite``.
+
+    Overwrite swaps the whole directory and deletes the old one, so it may replace only what
+    jaxckpt wrote there: ``manifest.json``, ``arrays/`` and its own temporaries.
+    """
     if not path.exists():
         return
     if not path.is_dir():
         raise CheckpointExistsError(f"{path} exists and is not a directory; choose another path.")
-    if (path / MANIFEST).exists():
-        if not overwrite:
+    names = sorted(p.name for p in path.iterdir())
+    foreign = [n for n in names if n not in (MANIFEST, "arrays") and not _OWN_TMP.match(n)]
+    if foreign:
+        raise _foreign_error(Location(path), foreign[0], committed=MANIFEST in names)
+    if names and not overwrite:
+        if MANIFEST in names:
             raise _exists_error(Location(path))
-    elif any(path.iterdir()) and not overwrite:
         raise CheckpointExistsError(
-            f"{path} exists, is not empty and holds no checkpoint. jaxckpt will not replace "
-            f"files it did not write: pass overwrite=True, or choose an empty or new path."
+            f"{path} holds the arrays of an unfinished save (no {MANIFEST}). Pass "
+            f"overwrite=True to replace them, or choose an empty or new path."
         )
+
+
+def _foreign_error(loc: Location, name: str, *, committed: bool) -> CheckpointExistsError:
+    what = "a checkpoint and also" if committed else "no checkpoint but"
+    return CheckpointExistsError(
+        f"{loc} holds {what} {name!r}, which jaxckpt did not write; jaxckpt never replaces "
+        f"data it did not write, even with overwrite=True. Save to a new or empty path, or "
+        f"move {name!r} away first."
+    )
 
 
 @functools.cache
@@ -363,11 +384,14 @@ class Reader:
         self.loc = loc
         self._open: dict[str, Any] = {}
         self._link_cache: dict[str, set[str]] = {}
+        self._chunks_ok: set[str] = set()
+        self._listing: dict[str, set[str]] | None = None
 
     def _store(self, entry: ArrayEntry) -> Any:
         store = self._open.get(entry.path)
         if store is None:
             self._check_inside(entry)
+            self.check_chunks(entry)
             spec = _spec(self.loc.child(entry.path), entry)
             spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
             try:
@@ -410,6 +434,91 @@ class Reader:
                 found = set()
             self._link_cache[folder] = found
         return found
+
+    def check_chunks(self, entry: ArrayEntry, *, slack: int = 0) -> None:
+        """Check, from one listing of the array's folder, that every declared chunk is there.
+
+        Runs before anything is allocated for the array, so a manifest declaring more chunks
+        (or bigger ones) than the checkpoint holds cannot exhaust memory. Cost: one directory
+        walk (local) or one list of the ``c`` prefix (object stores) per array.
+
+        ``slack``: how many declared chunks may be missing before it raises (``jaxckpt verify``
+        reads the rest one by one to name each missing chunk); the array then counts as checked.
+
+        Raises:
+          ManifestError: a link below the array's folder (it could lead outside the checkpoint).
+          CorruptChunkError: a declared chunk is missing; names the key and the first one.
+        """
+        if entry.path in self._chunks_ok:
+            return
+        found = self._chunk_keys(entry)
+        grid = [-(-s // c) for s, c in zip(entry.shape, entry.chunks)]
+        if (
+            math.prod(grid) > len(found) + slack
+        ):  # only then can one be missing: find the first, lazily
+            for idx in _grid_indices(grid):
+                name = "/".join(["c", *map(str, idx)])
+                if name not in found:
+                    raise CorruptChunkError(
+                        f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in "
+                        f"{self.loc} is missing ({len(found)} of {math.prod(grid)} declared chunks "
+                        f"found). The checkpoint is damaged: restore an earlier one; "
+                        f"`jaxckpt verify PATH` reports every damaged array."
+                    )
+        if isinstance(found, dict) and entry.nbytes > _STAT_ABOVE:  # local: sizes, cheap here
+            per_chunk = math.prod(entry.chunks) * dtype_from_name(entry.storage_dtype).itemsize
+            want = math.prod(grid) * (per_chunk + (4 if entry.checksum == "crc32c" else 0))
+            have = sum(e.stat().st_size for e in found.values())
+            if have < want:  # uncompressed chunks: a file per chunk of exactly the chunk's bytes
+                raise CorruptChunkError(
+                    f"Key {entry.key!r}: {entry.path} in {self.loc} holds {have} bytes of chunks, "
+                    f"the manifest declares {want}. The checkpoint is damaged or hostile: restore "
+                    f"an earlier one; `jaxckpt verify PATH` reports every damaged array."
+                )
+        self._chunks_ok.add(entry.path)
+
+    def _chunk_keys(self, entry: ArrayEntry) -> set[str] | dict[str, os.DirEntry]:
+        """Chunk keys (``c/i/j``, ``c`` for a scalar) of ``entry``'s array, as stored.
+
+        Local: a dict of each key's directory entry (for its size, stat'ed only if asked).
+        """
+        if self.loc.local is None:
+            return self._object_chunks().get(entry.path, set())
+        found: dict[str, os.DirEntry] = {}
+        stack = [(self.loc.local / entry.path, "")]
+        while stack:  # one scandir per folder; is_symlink() needs no stat (d_type)
+            folder, rel = stack.pop()
+            try:
+                it = os.scandir(folder)
+            except OSError:  # missing: reported as missing chunks below, or by the read
+                continue
+            with it:
+                for e in it:
+                    name = f"{rel}/{e.name}" if rel else e.name
+                    if e.is_symlink():
+                        raise ManifestError(
+                            f"Key {entry.key!r}: {entry.path}/{name} in {self.loc} is a link; "
+                            f"refusing to follow it (it could lead outside the checkpoint). Copy "
+                            f"the checkpoint without links (cp -rL), or restore another."
+                        )
+                    if e.is_dir():
+                        stack.append((e.path, name))
+                    elif name == "c" or name.startswith("c/"):
+                        found[name] = e
+        return found
+
+    def _object_chunks(self) -> dict[str, set[str]]:
+        """Object stores: chunk keys by array path, from one listing of the checkpoint (cached).
+
+        One paginated list for the whole checkpoint costs far less than a request per array.
+        """
+        if self._listing is None:
+            listing: dict[str, set[str]] = collections.defaultdict(set)
+            for k in list_keys(self.loc):
+                for m in re.finditer(r"/c(?=/|$)", k):  # every ``/c`` segment: an array's chunks?
+                    listing[k[: m.start()]].add(k[m.start() + 1 :])
+            self._listing = listing
+        return self._listing
 
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
@@ -466,6 +575,22 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
+def _grid_indices(grid: list[int]) -> Iterator[tuple[int, ...]]:
+    """Chunk indices in row-major order, lazily (itertools.product would materialise ranges)."""
+    if 0 in grid:
+        return
+    idx = [0] * len(grid)
+    while True:
+        yield tuple(idx)
+        d = len(grid) - 1
+        while d >= 0 and idx[d] == grid[d] - 1:
+            idx[d] = 0
+            d -= 1
+        if d < 0:
+            return
+        idx[d] += 1
+
+
 def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunkError:
     msg = str(e)
     where = re.search(r'"([^"]*/c/[0-9/]+)"', msg)
@@ -493,24 +618,20 @@ def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) 
     """Check the target prefix; return the generation prefix (``""`` or ``"gXXXXXXXX/"``)."""
     kv = kvstore(loc.kvstore)
     old = kv.read(MANIFEST).result()
+    if old.state == "value" and not overwrite:
+        raise _exists_error(loc)
+    if is_coordinator:  # overwrite deletes every other key under the prefix: none may be foreign
+        keys = list_keys(loc)
+        foreign = [k for k in keys if not OWN_KEY.match(k)]
+        if foreign:
+            raise _foreign_error(loc, foreign[0], committed=old.state == "value")
     if old.state == "value":
-        if not overwrite:
-            raise _exists_error(loc)
         generation = _generation(old.value)
         if is_coordinator:  # leftovers of an earlier failed overwrite of the same checkpoint
             kv.delete_range(_prefix_range(generation)).result()
         return generation
-    if is_coordinator:
-        keys = list_keys(loc)
-        foreign = [k for k in keys if not OWN_KEY.match(k)]
-        if foreign and not overwrite:
-            raise CheckpointExistsError(
-                f"{loc} holds no checkpoint but other objects (e.g. {foreign[0]!r}). jaxckpt "
-                f"will not replace data it did not write: pass overwrite=True, or choose an "
-                f"empty or new prefix."
-            )
-        if keys:  # an unfinished save's arrays, never committed
-            kv.delete_range(ts.KvStore.KeyRange()).result()
+    if is_coordinator and keys:
+        kv.delete_range(ts.KvStore.KeyRange()).result()  # an unfinished save's, never committed
     return ""
 
 

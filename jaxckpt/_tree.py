@@ -46,9 +46,49 @@ def _is_none(x: Any) -> bool:
 
 def flatten_with_treedef(tree: Any) -> tuple[list[str], list[Any], Any]:
     """Flatten ``tree`` (``None`` kept as a leaf) into key paths, leaves and the treedef."""
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    try:
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    except (TypeError, ValueError) as e:  # JAX sorts dict keys: mixed int/str cannot sort
+        where = _unsortable(tree, "")
+        if where is None:
+            raise
+        raise UnsupportedLeafError(
+            f"The dict at {where or '(the root)'!r} has keys JAX cannot sort "
+            f"({sorted(map(repr, _dict_at(tree, where)))[:5]}, {e}). Use keys of one type "
+            f"(e.g. all str: {{str(k): v ...}})."
+        ) from e
     keys = _keys_for(treedef, with_path)
     return keys, [leaf for _, leaf in with_path], treedef
+
+
+def _unsortable(node: Any, path: str) -> str | None:
+    """The key path of the first dict (through dicts, lists, tuples) whose keys cannot sort."""
+    if isinstance(node, dict):
+        try:
+            sorted(node)
+        except TypeError:
+            return path
+        children = list(node.items())
+    elif isinstance(node, (list, tuple)):
+        children = list(enumerate(node))
+    else:
+        return None
+    for k, v in children:
+        found = _unsortable(v, f"{path}{SEP}{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _dict_at(tree: Any, path: str) -> Any:
+    node = tree
+    for part in path.split(SEP) if path else []:
+        node = node[int(part)] if isinstance(node, (list, tuple)) else _child(node, part)
+    return node
+
+
+def _child(d: dict, name: str) -> Any:
+    return next(v for k, v in d.items() if str(k) == name)
 
 
 def _keys_for(treedef: Any, with_path: list) -> list[str]:

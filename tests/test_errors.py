@@ -109,7 +109,7 @@ def test_colliding_key_paths_are_refused(tmp_path):
 def test_existing_non_checkpoint_directory_is_not_replaced(tmp_path):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "notes.txt").write_text("mine")
-    with pytest.raises(jaxckpt.CheckpointExistsError, match="holds no checkpoint.*overwrite=True"):
+    with pytest.raises(jaxckpt.CheckpointExistsError, match="holds no checkpoint.*'notes.txt'"):
         jaxckpt.save(tmp_path / "c", {"a": jnp.ones(2)})
     assert (tmp_path / "c" / "notes.txt").read_text() == "mine"
 

@@ -132,8 +132,9 @@ def test_foreign_objects_are_not_replaced_without_overwrite(s3, prefix):
     with pytest.raises(jaxckpt.CheckpointExistsError, match="holds no checkpoint.*'notes.txt'"):
         jaxckpt.save(url, state())
     assert keys(s3, prefix) == ["notes.txt"]
-    jaxckpt.save(url, state(), overwrite=True)
-    assert "notes.txt" not in keys(s3, prefix)
+    with pytest.raises(jaxckpt.CheckpointExistsError, match="even with overwrite=True"):
+        jaxckpt.save(url, state(), overwrite=True)  # overwrite never deletes foreign objects
+    assert keys(s3, prefix) == ["notes.txt"]
 
 
 def test_overwrite_commits_then_deletes_the_old_arrays(s3, prefix):
