@@ -15,7 +15,8 @@ Workloads: ``big`` (~400 MiB transformer-like state, FSDP x TP on a (4,2) mesh),
 read), ``async`` (time until an async save returns), ``memory`` (peak RSS growth of a save and
 of a restore), ``plan`` (the save planner on a simulated job of up to 4,096 processes x 8
 devices), ``orbax-read`` (a checkpoint orbax wrote, of ``big`` when that is asked for too, else
-of ``small``, restored by jaxckpt and by orbax, both onto the saving mesh).
+of ``small``, restored by jaxckpt and by orbax, both onto the saving mesh), ``scaling`` (save
+and restore against state size, 100 MiB-1.6 GiB, and leaf count, 100-10,000).
 See docs/benchmarks.md for what each number means.
 """
 
