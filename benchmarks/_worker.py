@@ -172,13 +172,42 @@ def _memory(spec: dict) -> dict:
     return {"growth": growth, "state_bytes": _state.nbytes(state)}
 
 
+def _memory_restore(spec: dict) -> dict:
+    """Peak RSS growth of one restore of ``spec["path"]`` (``big``) in a fresh process.
+
+    The restored arrays themselves count (on CPU devices they live in host memory): 1.0x is
+    the floor, the rest is what the library holds on the host on the way.
+    """
+    lib = _libs.LIBS[spec["lib"]]()
+    os.makedirs(spec["root"], exist_ok=True)
+    tiny = {"w": jax.device_put(np.ones((64, 64), np.float32))}
+    lib.save(f"{spec['root']}/warmup-restore", tiny)  # imports, contexts: not measured
+    jax.block_until_ready(lib.restore(f"{spec['root']}/warmup-restore", tiny))
+    target = _state.abstract("big")
+    gc.collect()
+    base = _vm("VmRSS")
+    if not _reset_peak():
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = jax.block_until_ready(lib.restore(spec["path"], target))
+    growth = max(_vm("VmHWM") - base, 0)
+    _state.check("big", out)
+    return {"growth": growth, "state_bytes": _state.nbytes(out)}
+
+
 def _plan(spec: dict) -> dict:
     import _plan_bench
 
     return {"points": [_plan_bench.run(p, 8, spec["arrays"]) for p in spec["processes"]]}
 
 
-TASKS = {"save": _save, "restore": _restore, "async": _async, "memory": _memory, "plan": _plan}
+TASKS = {
+    "save": _save,
+    "restore": _restore,
+    "async": _async,
+    "memory": _memory,
+    "memory_restore": _memory_restore,
+    "plan": _plan,
+}
 
 
 def run(spec: dict) -> dict:

@@ -7,6 +7,7 @@ from jaxckpt._api import metadata as metadata
 from jaxckpt._api import restore as restore
 from jaxckpt._api import save as save
 from jaxckpt._api import save_async as save_async
+from jaxckpt._convert import convert as convert
 from jaxckpt._errors import CheckpointError as CheckpointError
 from jaxckpt._errors import CheckpointExistsError as CheckpointExistsError
 from jaxckpt._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -59,6 +60,7 @@ __all__ = [
     "UnsupportedLeafError",
     "ValueEntry",
     "WriteItem",
+    "convert",
     "metadata",
     "plan_cache_info",
     "restore",

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _distributed, _location, _staging, _storage
+from jaxckpt import _distributed, _location, _pack, _sources, _staging, _storage
 from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
-from jaxckpt._manifest import ArrayEntry, Manifest
+from jaxckpt._manifest import Manifest
 from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner, validate_global_plan
 
 logger = logging.getLogger("jaxckpt")
@@ -150,7 +150,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     handle.timings["plan"] = time.perf_counter() - t0
     writer = sync.run("open", lambda: _storage.Writer(loc, overwrite=overwrite,
                       is_coordinator=sync.is_coordinator, broadcast=sync.broadcast))  # fmt: skip
-    entries = {k: e for k, e in global_plan.manifest.entries.items() if isinstance(e, ArrayEntry)}
+    entries = _pack.storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     t1 = time.perf_counter()
     if stage:  # copy every item into a reused host arena; the caller may reuse its buffers after
         nbytes = _staging.staged_bytes([i.nbytes for i in local.items])
@@ -220,7 +220,9 @@ def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: boo
     """Restore a checkpoint onto ``target``'s shardings, or onto the host.
 
     Args:
-      path: the checkpoint (local path or URL).
+      path: the checkpoint (local path or URL); also an Orbax checkpoint, or safetensors
+        weights (a file, a folder, or its ``model.safetensors.index.json``), found by what is
+        at the path (see docs/migration.md).
       target: a pytree whose leaves say where each array goes: a ``jax.Array`` (its sharding,
         shape and dtype), a ``jax.ShapeDtypeStruct`` with a sharding, a bare
         ``jax.sharding.Sharding`` (shape and dtype from the checkpoint) or ``None`` (a numpy
@@ -245,19 +247,22 @@ def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: boo
       >>> jaxckpt.restore(d, {"w": s})["w"].sharding == s
       True
     """
-    loc = _location.Location(path)
-    manifest = _read_manifest(loc)
+    manifest, reader = _sources.open_source(_location.Location(path))  # jaxckpt, Orbax, safetensors
     planner = planner if planner is not None else DefaultLoadPlanner()
     planner.set_up_planner(target, manifest, keys=keys, strict=strict)
     plan = planner.create_local_plan()
-    reader = _storage.Reader(loc)
-    for item, data in reader.read(manifest.entries, plan.items):
+    ahead = planner.read_ahead_bytes
+    for item, data in reader.read(manifest.entries, plan.items, max_inflight_bytes=ahead):
         planner.commit_tensor(item, planner.transform_tensor(item, data))
+        del data  # the planner owns the box now: dropping it frees it once placed
     return planner.finish()
 
 
 def metadata(path: PathLike) -> Manifest:
     """The checkpoint's manifest: per key shape, dtype, chunk grid; no array data is read.
+
+    For an Orbax checkpoint or safetensors weights, the manifest jaxckpt builds from their
+    metadata (Orbax's Python scalars are read, as they are stored as tiny arrays).
 
     Example:
       >>> import jax.numpy as jnp, jaxckpt, tempfile
@@ -266,8 +271,4 @@ def metadata(path: PathLike) -> Manifest:
       >>> jaxckpt.metadata(d).entries["w"].shape
       (4, 2)
     """
-    return _read_manifest(_location.Location(path))
-
-
-def _read_manifest(loc: _location.Location) -> Manifest:
-    return Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/manifest.json")
+    return _sources.open_source(_location.Location(path))[0]

@@ -18,8 +18,8 @@ import tensorstore as ts
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._location import Location, kvstore
 from jaxckpt._manifest import MANIFEST
+from jaxckpt._names import staging_name
 
-TMP = ".tmp-"  # marks a save's (or a delete's) hidden sibling: .NAME.tmp-XXXXXXXX
 OWN_KEY = re.compile(r"^(manifest\.json$|(g[0-9a-f]{8}/)?arrays/)")
 
 
@@ -53,7 +53,7 @@ def delete(loc: Location) -> None:
         foreign = [n for n in names if not OWN_KEY.match(n + "/") and n != MANIFEST]
         if foreign:
             raise _foreign_error(loc, foreign[0])
-        doomed = loc.local.parent / f".{loc.local.name}{TMP}{uuid.uuid4().hex[:8]}-deleted"
+        doomed = loc.local.parent / staging_name(loc.local.name, f"{uuid.uuid4().hex[:8]}-deleted")
         os.rename(loc.local, doomed)
         fsync_dir(loc.local.parent)
         shutil.rmtree(doomed, ignore_errors=True)

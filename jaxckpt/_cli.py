@@ -8,6 +8,9 @@ Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exp
     jaxckpt verify PATH                    read every chunk, check every checksum
     jaxckpt ls DIR [--all] [--json]        the checkpoints (steps) in a directory
     jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
+    jaxckpt convert SRC DST                Orbax / safetensors / jaxckpt -> a jaxckpt checkpoint
+
+PATH and SRC may also be an Orbax checkpoint or safetensors weights (see docs/migration.md).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any, TextIO
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _catalog, _location, _storage, _tree
+from jaxckpt import _catalog, _location, _pack, _sources, _storage, _tree
+from jaxckpt import _convert as _convert_mod
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry, dtype_from_name
@@ -101,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
     c.set_defaults(run=_export)
+    c = sub.add_parser("convert", help="write an Orbax / safetensors / jaxckpt source as jaxckpt")
+    c.add_argument("src", metavar="SRC")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr from the start")
+    c.set_defaults(run=_convert)
     return p
 
 
@@ -147,7 +157,8 @@ def _entry_json(e: ArrayEntry | ValueEntry) -> dict:
     return {"key": e.key, "kind": "array", "shape": list(e.shape), "dtype": e.dtype,
             "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "grid": list(e.grid),
             "nbytes": e.nbytes, "path": e.path, "checksum": e.checksum,
-            "prng_impl": e.prng_impl, "sharding": e.sharding}  # fmt: skip
+            "prng_impl": e.prng_impl, "sharding": e.sharding,
+            **({"offset": e.offset} if e.pack else {})}  # fmt: skip
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -192,7 +203,8 @@ def _describe(e: ArrayEntry | ValueEntry) -> str:
     grid = "x".join(map(str, e.grid)) or "1"
     chunk = ",".join(map(str, e.chunks))
     dtype = f"key<{e.prng_impl}>:{e.dtype}" if e.prng_impl else e.dtype
-    cols = [f"{dtype}[{shape}]", f"chunks {grid} of [{chunk}]", _bytes(e.nbytes)]
+    where = f"packed in {e.path} at {e.offset}" if e.pack else f"chunks {grid} of [{chunk}]"
+    cols = [f"{dtype}[{shape}]", where, _bytes(e.nbytes)]
     if e.sharding:  # drop what is the same for nearly every array
         cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))
     return "  ".join(cols)
@@ -212,22 +224,28 @@ _VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array 
 
 
 def _verify(args: argparse.Namespace) -> int:
-    m = metadata(args.path)  # a damaged manifest raises ManifestError: exit 1
     loc = _location.Location(args.path)
-    reader = _storage.Reader(loc)
+    m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
+    foreign = _sources.source_kind(reader) != "jaxckpt"  # no checksums: every byte is read
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
-    missing: dict[str, str] = {}  # found by listing, before any read: also bounds the jobs
+    stored = _pack.storage_entries(m)  # what has files: unpacked arrays and packs
+    members: dict[str, list[str]] = {}  # pack key -> the keys packed in it
     for e in arrays:
+        if e.pack is not None:
+            members.setdefault(e.pack.key, []).append(e.key)
+    missing: dict[str, str] = {}  # found by listing, before any read: also bounds the jobs
+    for e in [] if foreign else stored.values():
         try:
             reader.check_chunks(e, slack=_VERIFY_SLACK)
         except CorruptChunkError as err:
             missing[e.key] = _one_line(err)
-    jobs = [(e, idx, item) for e in arrays if e.key not in missing for idx, item in _chunk_items(e)]
+    jobs = [(e, idx, item) for e in stored.values() if e.key not in missing
+            for idx, item in _chunk_items(e)]  # fmt: skip
     progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
         try:
-            for _ in reader.read(m.entries, [job[2]]):
+            for _ in reader.read(stored, [job[2]]):
                 pass
         except CorruptChunkError as err:
             msg = _one_line(err)
@@ -237,27 +255,32 @@ def _verify(args: argparse.Namespace) -> int:
     damaged: dict[str, list[str]] = {}
     bad_chunks = 0
     for key, msg in missing.items():
-        print(f"DAMAGED {key}: {msg}")
-        damaged[key] = ["missing chunks"]
+        print(f"DAMAGED {_who(stored[key], members)}: {msg}")
+        for k in members.get(key, [key]):
+            damaged[k] = ["missing chunks"]
         bad_chunks += 1
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
-        for e, problem in zip(arrays, pool.map(lambda e: _zarr_json_problem(loc, e), arrays)):
+        files = [] if foreign else list(stored.values())
+        for e, problem in zip(files, pool.map(lambda e: _zarr_json_problem(loc, e), files)):
             if problem is not None:
-                print(f"DAMAGED {e.key} metadata at {e.path}/zarr.json: {problem}")
-                damaged.setdefault(e.key, []).append("zarr.json")
+                print(f"DAMAGED {_who(e, members)} metadata at {e.path}/zarr.json: {problem}")
+                for k in members.get(e.key, [e.key]):
+                    damaged.setdefault(k, []).append("zarr.json")
         for (e, idx, _), problem in zip(jobs, pool.map(check, jobs)):
             progress.step(e.key)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
-                where = "/".join(["c", *map(str, idx)])
-                print(f"DAMAGED {e.key} chunk ({chunk}) at {e.path}/{where}: {problem}")
-                damaged.setdefault(e.key, []).append(f"({chunk})")
+                where = e.path if foreign else f"{e.path}/" + "/".join(["c", *map(str, idx)])
+                print(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
+                for k in members.get(e.key, [e.key]):
+                    damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
                 bad_chunks += 1
     progress.close()
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
         print(f"OK: {args.path}: {_plural(len(arrays), 'array')}, {_plural(len(jobs), 'chunk')}, "
-              f"{_bytes(nbytes)} read, every checksum matches")  # fmt: skip
+              f"{_bytes(nbytes)} read, " + (f"every chunk readable ({_sources.source_kind(reader)} "
+              f"stores no checksums)" if foreign else "every checksum matches"))  # fmt: skip
         return 0
     bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
                     for k, v in damaged.items())  # fmt: skip
@@ -266,6 +289,14 @@ def _verify(args: argparse.Namespace) -> int:
           f"earlier checkpoint, or restore the undamaged keys with "
           f"jaxckpt.restore(..., keys=[...]).")  # fmt: skip
     return 1
+
+
+def _who(e: ArrayEntry, members: dict[str, list[str]]) -> str:
+    keys = members.get(e.key)
+    if keys is None:
+        return e.key
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return f"{', '.join(keys[:5])}{more} (packed in {e.path})"
 
 
 def _zarr_json_problem(loc: _location.Location, e: ArrayEntry) -> str | None:
@@ -334,7 +365,7 @@ def _export(args: argparse.Namespace) -> int:
         raise UsageError(f"{out} exists: pass --force to replace it, or choose another name.")
     if not out.parent.is_dir():
         raise UsageError(f"{out}: directory {out.parent} does not exist; create it first.")
-    m = metadata(args.path)
+    m, reader = _sources.open_source(_location.Location(args.path))
     keys = _tree.select(list(m.entries), args.keys)
     arrays, values, skipped = [], {}, []
     for k in keys:
@@ -349,13 +380,18 @@ def _export(args: argparse.Namespace) -> int:
         hint = " (.safetensors holds bfloat16 and float8)" if kind == ".npz" else ""
         print(f"jaxckpt export: skipped {_plural(len(skipped), 'array')} {kind} cannot hold{hint}: "
               f"{', '.join(skipped)}", file=sys.stderr)  # fmt: skip
-    reader = _storage.Reader(_location.Location(args.path))
     progress = _Progress("export", len(arrays), args.progress, sys.stderr)
 
     def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:
+        whole = {e.key: ReadItem(e.key, (0,) * len(e.shape), e.shape) for e in arrays}
+        small = [whole[e.key] for e in arrays if e.pack is not None]  # each pack read once
+        packed = {i.key: a for i, a in reader.read(m.entries, small)}
         for e in arrays:
-            item = ReadItem(e.key, (0,) * len(e.shape), e.shape)
-            for _, a in reader.read(m.entries, [item]):
+            if e.key in packed:
+                progress.step(e.key)
+                yield e, packed.pop(e.key)
+                continue
+            for _, a in reader.read(m.entries, [whole[e.key]]):
                 progress.step(e.key)
                 yield e, a
 
@@ -419,6 +455,19 @@ def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values
                 continue
             with z.open(k + ".npy", "w") as f:
                 np.lib.format.write_array(f, np.asarray(v), allow_pickle=False)
+
+
+# convert ------------------------------------------------------------------------------------
+
+
+def _convert(args: argparse.Namespace) -> int:
+    m = _convert_mod._convert(args.src, args.dst, overwrite=args.overwrite, stream=sys.stderr,
+                              progress=True if args.progress else None)  # fmt: skip
+    arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
+    print(f"wrote {args.dst}: {_plural(len(arrays), 'array')}, "
+          f"{_plural(len(m.entries) - len(arrays), 'value')}, "
+          f"{_bytes(sum(e.nbytes for e in arrays))} (from {m.created.get('converted_from')})")  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import abc
 import collections
+import functools
+import math
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxckpt import _manifest, _tree
+from jaxckpt import _manifest, _placement, _tree
 from jaxckpt._errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
 from jaxckpt._manifest import ArrayEntry, Manifest
 from jaxckpt._plan import LoadPlan, ReadItem, index_to_box
 
 _HOST = "host"
 _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return one like it
+DEFAULT_MAX_HOST_BYTES = 128 << 20
+_WHOLE = "whole"  # placement slot of an array put whole with its target sharding
 
 
 class LoadPlanner(abc.ABC):
@@ -29,13 +33,21 @@ class LoadPlanner(abc.ABC):
     1. ``set_up_planner(target, manifest, keys=, strict=)``: match the target to the manifest,
        raising on missing/unexpected keys (``strict``) and shape/dtype mismatches.
     2. ``create_local_plan() -> LoadPlan``: the boxes this host must read, each once.
-    3. For each item, storage reads the box and the planner gets
-       ``transform_tensor(item, array) -> array`` (the hook to cast or quantise), then
-       ``commit_tensor(item, array)``.
-    4. ``finish() -> tree``: place the data on devices and rebuild the tree.
+    3. For each item, as storage reads it (in plan order, at most ``read_ahead_bytes`` read
+       ahead of the planner), ``transform_tensor(item, array) -> array`` (the hook to cast or
+       quantise), then ``commit_tensor(item, array)``. ``commit_tensor`` may keep the box for
+       :meth:`finish` or place it on its devices right away (the default streams: boxes go to
+       their devices in batches while the next ones are read, and the host copy is dropped).
+    4. ``finish() -> tree``: place whatever is still on the host, assemble each ``jax.Array``
+       from its placed single-device buffers, and rebuild the tree.
 
-    Nothing is gathered across processes: each reads only what its own devices need.
+    Invariants: every array passed to ``commit_tensor`` is owned by the planner (storage keeps
+    no reference), so a planner that drops it frees it; nothing is gathered across processes
+    unless the planner shares reads (see :class:`DefaultLoadPlanner`).
     """
+
+    #: Bytes storage may read ahead of ``commit_tensor`` (what it holds in flight).
+    read_ahead_bytes: int = 1 << 30
 
     @abc.abstractmethod
     def set_up_planner(self, target: Any, manifest: Manifest, *, keys: Any = None,
@@ -56,23 +68,61 @@ class LoadPlanner(abc.ABC):
 
     @abc.abstractmethod
     def commit_tensor(self, item: ReadItem, array: np.ndarray) -> None:
-        """3b. Keep a (transformed) box until :meth:`finish`."""
+        """3b. Take a (transformed) box: keep it for :meth:`finish`, or place it now."""
 
     @abc.abstractmethod
     def finish(self) -> Any:
-        """4. Place the boxes on their devices and return the restored tree."""
+        """4. Place what is left on the host, assemble the arrays and return the tree."""
 
 
 class DefaultLoadPlanner(LoadPlanner):
     """Restores onto any sharding, onto the host as numpy, or as the saved Python values.
 
+    Boxes stream onto their devices as they are read: at most ``max_host_bytes`` of boxes are
+    on the host at once (a quarter read ahead by storage, with tensorstore's decode buffers for
+    those reads, and a quarter queued for or in transfer to their devices), or the largest
+    single box where that is larger. Host (numpy) results are the
+    restored values themselves and are not counted.
+
     Args:
       allow_dtype_cast: cast saved arrays to the target's dtype instead of raising
         :class:`DtypeMismatchError` (e.g. restore float32 weights into a bfloat16 model).
+      max_host_bytes: the host-memory budget of a restore, in bytes (default 128 MiB). Lower it
+        on hosts short of memory; a larger one lets more reads and transfers overlap.
+      share_reads: in a multi-process job, read a box that the target puts on devices of
+        several processes once in all (each process reads a part, JAX's collectives gather
+        them; every process must then call ``restore``). ``False``: each process reads every
+        box its own devices need and nothing is exchanged.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxckpt, tempfile
+      >>> d = tempfile.mkdtemp() + "/c"
+      >>> jaxckpt.save(d, {"w": jnp.arange(4.0)})
+      >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      >>> p = jaxckpt.DefaultLoadPlanner(max_host_bytes=64 << 20)
+      >>> float(jaxckpt.restore(d, {"w": s}, planner=p)["w"].sum())
+      6.0
     """
 
-    def __init__(self, *, allow_dtype_cast: bool = False) -> None:
+    def __init__(self, *, allow_dtype_cast: bool = False,
+                 max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
+                 share_reads: bool = True) -> None:  # fmt: skip
+        if max_host_bytes < 1:
+            raise ValueError(
+                f"max_host_bytes must be a positive number of bytes, not {max_host_bytes}"
+            )
         self.allow_dtype_cast = allow_dtype_cast
+        self.max_host_bytes = int(max_host_bytes)
+        # A read in flight holds its box and, inside tensorstore, up to two decode buffers of
+        # its chunks: a quarter of the budget read ahead costs up to three quarters.
+        self.read_ahead_bytes = max(self.max_host_bytes // 4, 1)
+        self.share_reads = share_reads
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of device-bound boxes this planner holds on the host now (queued or in transfer)."""
+        placement = getattr(self, "placement", None)
+        return 0 if placement is None else placement.host_bytes
 
     # 1.
     def set_up_planner(self, target: Any, manifest: Manifest, *, keys: Any = None,
@@ -97,7 +147,15 @@ class DefaultLoadPlanner(LoadPlanner):
         order = {k: i for i, k in enumerate(saved)}
         for key in self.targets if target is None else sorted(self.selected, key=order.get):
             self.wants[key] = self._want(key, manifest.entries[key], self.targets[key])
-        self.results: dict[str, Any] = {}
+        self._via = {}  # key -> the sharding it is read under, when reads are shared
+        if self.share_reads and jax.process_count() > 1:
+            for key, (_, where) in self.wants.items():
+                if isinstance(where, jax.sharding.Sharding):
+                    via = _shared_read_sharding(tuple(manifest.entries[key].shape), where)
+                    if via is not None:
+                        self._via[key] = via
+        self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
+        self.placement = _placement.Placement(self.max_host_bytes - 3 * self.read_ahead_bytes)
 
     def _want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
         if not isinstance(entry, ArrayEntry):
@@ -140,6 +198,7 @@ class DefaultLoadPlanner(LoadPlanner):
     # 2.
     def create_local_plan(self) -> LoadPlan:
         items = []
+        self._whole: set[str] = set()
         for key, (_, where) in self.wants.items():
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
@@ -148,10 +207,13 @@ class DefaultLoadPlanner(LoadPlanner):
                 items.append(ReadItem(key, (0,) * len(entry.shape), entry.shape))
                 continue
             by_box = collections.defaultdict(list)
+            where = self._via.get(key, where)
             for dev, index in where.addressable_devices_indices_map(entry.shape).items():
                 by_box[index_to_box(index, entry.shape)].append(dev.id)
             for (offsets, sizes), devs in by_box.items():
                 items.append(ReadItem(key, offsets, sizes, tuple(devs)))
+            if len(by_box) == 1 and next(iter(by_box))[1] == entry.shape:
+                self._whole.add(key)  # replicated on this host: placed by one batched put
         self.plan = LoadPlan(tuple(items))
         return self.plan
 
@@ -161,16 +223,24 @@ class DefaultLoadPlanner(LoadPlanner):
         return array if array.dtype == dtype else array.astype(dtype)
 
     def commit_tensor(self, item: ReadItem, array: np.ndarray) -> None:
-        self.results.setdefault(item.key, []).append((item, array))
+        entry = self.manifest.entries[item.key]
+        where = self.wants[item.key][1]
+        if where is _HOST or where is _UNCOMMITTED or entry.prng_impl:
+            self.results.setdefault(item.key, []).append((item, array))  # the result, or small
+        elif item.key in self._whole:  # the whole array on every local device: one put
+            self.placement.add((item.key, _WHOLE), array, [where])
+        else:
+            devices = _devices()
+            kind = where.memory_kind
+            targets = [jax.sharding.SingleDeviceSharding(devices[d], memory_kind=kind)
+                       for d in item.devices]  # fmt: skip
+            self.placement.add(item.key, array, targets)
 
     # 4.
     def finish(self) -> Any:
-        devices = {d.id: d for d in jax.devices()}
+        self.placement.flush()
+        placed = self.placement.placed
         values: dict[str, Any] = {}
-        sharded: dict[str, tuple[int, int]] = {}  # key -> its slice of the batched transfer
-        arrays: list[np.ndarray] = []
-        targets: list[Any] = []
-        whole: list[tuple[str, np.ndarray, Any]] = []
         for key, (_, where) in self.wants.items():
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
@@ -179,35 +249,57 @@ class DefaultLoadPlanner(LoadPlanner):
             parts = self.results.get(key, [])
             if entry.prng_impl:
                 keys_ = jax.random.wrap_key_data(parts[0][1], impl=entry.prng_impl)
-                placed = where is _HOST or where is _UNCOMMITTED
-                values[key] = keys_ if placed else jax.device_put(keys_, where)
+                kept = where is _HOST or where is _UNCOMMITTED
+                values[key] = keys_ if kept else jax.device_put(keys_, where)
             elif where is _HOST:
                 values[key] = parts[0][1]
             elif where is _UNCOMMITTED:
                 values[key] = jax.device_put(parts[0][1])
-            elif len(parts) == 1 and parts[0][0].sizes == entry.shape:
-                whole.append((key, parts[0][1], where))  # replicated here: one batched put
+            elif key in self._whole:
+                values[key] = placed[(key, _WHOLE)][0]  # put with the target sharding itself
             else:
-                start = len(arrays)
-                for item, array in parts:
-                    for d in item.devices:
-                        arrays.append(array)
-                        targets.append(devices[d])
-                sharded[key] = (start, len(arrays))
-        if whole:
-            placed = jax.device_put([a for _, a, _ in whole], [w for _, _, w in whole])
-            values.update((k, v) for (k, _, _), v in zip(whole, placed))
-        shards = jax.device_put(arrays, targets) if arrays else []  # one batched transfer
-        for key, (lo, hi) in sharded.items():
-            entry = self.manifest.entries[key]
-            values[key] = jax.make_array_from_single_device_arrays(
-                entry.shape, self.wants[key][1], shards[lo:hi]
+                shards = placed.get(key, [])
+                via = self._via.get(key, where)
+                values[key] = jax.make_array_from_single_device_arrays(entry.shape, via, shards)
+        if self._via:  # read split across processes: JAX's collectives bring every part home
+            keys = list(self._via)
+            out = jax.jit(_identity, out_shardings=[self.wants[k][1] for k in keys])(
+                [values[k] for k in keys]
             )
+            values.update(zip(keys, out))
+        self.results, self.placement.placed = {}, {}
         if self.treedef is None:
             tree = _tree.unflatten(self.manifest.tree, values)
             return None if tree is _tree._MISSING else tree
         leaves = [values.get(k, self.targets[k]) for k in self.targets]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+@functools.lru_cache(maxsize=1024)  # O(devices) per call: once per distinct layout
+def _shared_read_sharding(shape: tuple[int, ...], where: Any) -> Any:
+    """A sharding that splits dim 0 over all of ``where``'s devices, if ``where`` puts one box
+    on devices of several processes (else ``None``): read under it, each byte is read once."""
+    devices = sorted(where.device_set, key=lambda d: d.id)
+    if not shape or shape[0] % len(devices) or math.prod(shape) == 0:
+        return None
+    if where.memory_kind not in (None, devices[0].default_memory().kind):
+        return None  # the reshard runs a computation: keep host memory kinds out of it
+    holders = collections.defaultdict(set)
+    for d, index in where.devices_indices_map(shape).items():
+        holders[index_to_box(index, shape)].add(d.process_index)
+    if all(len(p) == 1 for p in holders.values()):
+        return None
+    mesh = jax.sharding.Mesh(np.array(devices), ("jaxckpt_read",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("jaxckpt_read"))
+
+
+@functools.cache
+def _devices() -> dict[int, Any]:
+    return {d.id: d for d in jax.devices()}
 
 
 def _shape_error(key: str, target: tuple, saved: tuple) -> ShapeMismatchError:

@@ -17,6 +17,7 @@ import tensorstore as ts
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from jaxckpt._manifest import MANIFEST
+from jaxckpt._names import FILE_NAME_BYTES, LOCK_SUFFIX
 
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
 # Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs
@@ -32,11 +33,12 @@ class Location:
         self.url = text
         if text.startswith("file://"):
             text = text[len("file://") :]
+            _check_file_url(self.url, text)
         if "://" in text:
             self.local: Path | None = None
             self.kvstore = _kvstore_for_url(text)
         else:
-            self.local = Path(text).absolute()
+            self.local = _local_path(self.url, text)
             self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
 
     def __str__(self) -> str:
@@ -51,6 +53,50 @@ class Location:
         if self.local is not None:
             return Location(self.local / name)
         return Location(self.url.rstrip("/") + "/" + name)
+
+
+def _path_error(url: str, what: str, fix: str) -> CheckpointError:
+    return CheckpointError(
+        f"Checkpoint path {url!r} {what}, which tensorstore's file driver reads differently "
+        f"from Python (its data would go elsewhere than its manifest). {fix}"
+    )
+
+
+def _check_file_url(url: str, text: str) -> None:
+    # tensorstore decodes a file:// URL (%XX escapes, no ?/# parts); jaxckpt takes it literally.
+    bad = [c for c in "%?#" if c in text]
+    if bad:
+        raise _path_error(url, f"contains {bad[0]!r} in a file:// URL",
+                          "Pass the plain local path instead of a file:// URL.")  # fmt: skip
+    if text and not text.startswith("/"):
+        raise CheckpointError(
+            f"{url!r} is not an absolute file:// URL: write file:///ABSOLUTE/PATH or a plain path."
+        )
+
+
+def _local_path(url: str, text: str) -> Path:
+    """The absolute path, refusing what tensorstore's file driver would read differently."""
+    for c, name in (("\\", "a backslash (tensorstore reads it as '/')"), ("\0", "a NUL byte")):
+        if c in text:
+            raise _path_error(url, f"contains {name}", "Rename it without that character.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _path_error(url, "is not valid UTF-8", "Rename it to a UTF-8 name.") from None
+    path = Path(text).absolute()
+    if ".." in path.parts:  # resolved as the kernel would (tensorstore refuses '..' outright)
+        keep = path.name != ".."
+        path = Path(os.path.realpath(path.parent if keep else path)) / (path.name if keep else "")
+    for part in path.parts:
+        if part.endswith(LOCK_SUFFIX):
+            raise _path_error(url, f"has a part ending in {LOCK_SUFFIX!r} (reserved by tensorstore)",
+                              "Choose another name.")  # fmt: skip
+        if len(os.fsencode(part)) > FILE_NAME_BYTES:
+            raise CheckpointError(
+                f"Checkpoint path {url!r} has a part of {len(os.fsencode(part))} bytes; file "
+                f"names are limited to {FILE_NAME_BYTES} bytes. Choose a shorter name."
+            )
+    return path
 
 
 def _kvstore_for_url(url: str) -> dict:

@@ -36,7 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from jaxckpt import _catalog, _distributed, _location, _staging
+from jaxckpt import _catalog, _distributed, _location, _names, _staging
 from jaxckpt._api import SaveHandle, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._load_planner import LoadPlanner
@@ -47,7 +47,7 @@ from jaxckpt._retention import METRICS, MetricsFile, json_metrics, steps_to_dele
 logger = logging.getLogger("jaxckpt")
 DIGITS = 8
 _STEP = re.compile(r"[0-9]+")
-_LEFTOVER = re.compile(r"\.([0-9]+)" + re.escape(_catalog.TMP) + r"[0-9a-f]+(-old|-[a-z]+)?")
+_LEFTOVER = re.compile(r"\.([0-9]+)" + re.escape(_names.TMP) + r"[0-9a-f]+(-old|-[a-z]+)?")
 _METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
 
 

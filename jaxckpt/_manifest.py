@@ -18,11 +18,12 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._names import is_storage_path
 
 FORMAT = "jaxckpt"
-VERSION = 1
+VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
+VERSIONS = (1, 2)  # the versions this jaxckpt reads
 MANIFEST = "manifest.json"
-ARRAYS = "arrays"
 
 # zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
 _NATIVE = {
@@ -43,8 +44,6 @@ _CARRIED = {
 }
 _MAX_NDIM = 64
 _MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
-# arrays/NAME, or gXXXXXXXX/arrays/NAME for a generation written by an object-store overwrite
-_PATH_RE = re.compile(r"^(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 
 
 @functools.cache
@@ -91,6 +90,15 @@ class ArrayEntry:
     checksum: str = "crc32c"
     prng_impl: str | None = None
     sharding: str | None = None
+    # Packed (version 2): the array's elements are pack[offset : offset + size] of a shared 1-D
+    # pack array at ``path``, in C order; ``chunks`` is then the array's shape (one "chunk").
+    pack: PackEntry | None = None
+    offset: int = 0
+
+    @property
+    def size(self) -> int:
+        """Elements of the array."""
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +109,31 @@ class ArrayEntry:
     def grid(self) -> tuple[int, ...]:
         """Chunks along each dimension."""
         return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunks))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackEntry:
+    """A 1-D zarr v3 array holding the flattened bytes of several small arrays (version 2).
+
+    Its members are the ``ArrayEntry``s whose ``pack`` is this entry; it is one chunk, or a few.
+    """
+
+    path: str
+    size: int
+    storage_dtype: str
+    chunks: int
+    checksum: str = "crc32c"
+
+    @property
+    def key(self) -> str:
+        """The name storage knows this pack by (never a key path of the tree)."""
+        return f"<pack {self.path}>"
+
+    def as_array(self) -> ArrayEntry:
+        """The pack as a plain 1-D array entry, which storage writes and reads like any other."""
+        return ArrayEntry(key=self.key, shape=(self.size,), dtype=self.storage_dtype,
+                          storage_dtype=self.storage_dtype, chunks=(self.chunks,), path=self.path,
+                          checksum=self.checksum)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +155,7 @@ class Manifest:
     entries: dict[str, Entry]
     created: dict = dataclasses.field(default_factory=dict)
     version: int = VERSION
+    packs: dict[str, PackEntry] = dataclasses.field(default_factory=dict)  # by path
 
     def to_json(self) -> bytes:
         """``manifest.json``'s bytes: one line per top-level field and per entry."""
@@ -134,6 +168,8 @@ class Manifest:
             "created": self.created,
             "tree": self.tree,
         }
+        if self.packs:
+            head["packs"] = {p: _pack_to_json(e) for p, e in self.packs.items()}
         lines = [f" {dump(k)}: {dump(v)}," for k, v in head.items()]
         entries = ",\n".join(
             f"  {dump(k)}: {dump(_entry_to_json(e))}" for k, e in self.entries.items()
@@ -157,22 +193,26 @@ class Manifest:
             ) from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ManifestError(f'{where} is not a jaxckpt manifest (no "format": "{FORMAT}").')
-        if doc.get("version") != VERSION:
+        version = doc.get("version")
+        if type(version) is not int or version not in VERSIONS:
             raise ManifestError(
-                f"{where} has format version {doc.get('version')!r}; this jaxckpt reads version "
-                f"{VERSION}. Upgrade jaxckpt to read newer checkpoints."
+                f"{where} has format version {version!r}; this jaxckpt reads version "
+                f"{' or '.join(map(str, VERSIONS))}. Upgrade jaxckpt to read newer checkpoints."
             )
         raw = doc.get("entries")
         if not isinstance(raw, dict):
             raise ManifestError(f'{where}: "entries" must be an object.')
-        entries = {k: _entry_from_json(k, v, where) for k, v in raw.items()}
-        paths = [e.path for e in entries.values() if isinstance(e, ArrayEntry)]
+        packs = _packs_from_json(doc.get("packs", {}) if version >= 2 else {}, where)
+        entries = {k: _entry_from_json(k, v, where, packs) for k, v in raw.items()}
+        paths = [e.path for e in entries.values() if isinstance(e, ArrayEntry) and not e.pack]
+        paths += packs
         if len(set(paths)) != len(paths):
             raise ManifestError(f"{where}: two keys share one storage path.")
         tree = doc.get("tree")
         _check_tree(tree, entries, where)
         created = doc.get("created") if isinstance(doc.get("created"), dict) else {}
-        return cls(tree=tree, entries=entries, created=created)
+        raise_if_bad_packs(entries, packs, where)
+        return cls(tree=tree, entries=entries, created=created, version=version, packs=packs)
 
 
 def _entry_to_json(e: Entry) -> dict:
@@ -185,6 +225,8 @@ def _entry_to_json(e: Entry) -> dict:
     d = {"kind": "array", "shape": list(e.shape), "dtype": e.dtype,
          "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "path": e.path,
          "checksum": e.checksum}  # fmt: skip
+    if e.pack is not None:
+        d["offset"] = e.offset
     if e.prng_impl:
         d["prng_impl"] = e.prng_impl
     if e.sharding:
@@ -203,7 +245,7 @@ def _ints(x: Any) -> bool:
     return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
 
 
-def _entry_from_json(key: str, d: Any, where: str) -> Entry:
+def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) -> Entry:
     if not isinstance(d, dict):
         raise _bad(where, key, "is not an object")
     if d.get("kind") == "value":
@@ -215,7 +257,7 @@ def _entry_from_json(key: str, d: Any, where: str) -> Entry:
         raise _bad(where, key, f"has an invalid shape {shape!r}")
     if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
         raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
-    if not isinstance(path, str) or not _PATH_RE.match(path) or ".." in path:
+    if not is_storage_path(path):
         raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
     dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
     try:
@@ -235,9 +277,84 @@ def _entry_from_json(key: str, d: Any, where: str) -> Entry:
     if impl is not None and not (isinstance(impl, str) and re.fullmatch(r"[a-z0-9_]+", impl)):
         raise _bad(where, key, f"has an invalid prng_impl {impl!r}")
     sharding = d.get("sharding")
+    pack, offset = None, d.get("offset")
+    if offset is not None:  # packed: path names a pack, which holds [offset, offset + size)
+        pack = packs.get(path)
+        if type(offset) is not int or offset < 0 or pack is None:
+            raise _bad(where, key, f"has offset {offset!r} into {path!r}, which is not a pack")
+        if pack.storage_dtype != sdtype:
+            raise _bad(where, key, f"is {sdtype} but its pack {path} holds {pack.storage_dtype}")
+        if offset + math.prod(shape) > pack.size:
+            raise _bad(where, key, f"lies at [{offset}, {offset + math.prod(shape)}) outside its "
+                       f"pack {path} of {pack.size} elements")  # fmt: skip
     return ArrayEntry(key=key, shape=tuple(shape), dtype=dtype, storage_dtype=sdtype,
                       chunks=tuple(chunks), path=path, checksum=d.get("checksum", "crc32c"),
-                      prng_impl=impl, sharding=sharding if isinstance(sharding, str) else None)  # fmt: skip
+                      prng_impl=impl, sharding=sharding if isinstance(sharding, str) else None,
+                      pack=pack, offset=offset or 0)  # fmt: skip
+
+
+def _pack_to_json(p: PackEntry) -> dict:
+    return {"shape": [p.size], "storage_dtype": p.storage_dtype, "chunks": [p.chunks],
+            "checksum": p.checksum}  # fmt: skip
+
+
+def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
+    if not isinstance(raw, dict):
+        raise ManifestError(f'{where}: "packs" must be an object.')
+    packs = {}
+    for path, d in raw.items():
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: pack {path!r} is not an object.")
+        shape, chunks, sdtype = d.get("shape"), d.get("chunks"), d.get("storage_dtype")
+        what = None
+        if not is_storage_path(path):
+            what = "has a storage path outside the checkpoint's arrays/"
+        elif not _ints(shape) or len(shape) != 1 or not _ints(chunks) or len(chunks) != 1:
+            what = f"has an invalid shape {shape!r} or chunk shape {chunks!r} (1-D expected)"
+        elif chunks[0] < 1 or not isinstance(sdtype, str) or sdtype not in _NATIVE:
+            what = f"has an invalid chunk size {chunks!r} or data type {sdtype!r}"
+        elif shape[0] * dtype_from_name(sdtype).itemsize > _MAX_BYTES:
+            what = f"claims an absurd size {shape!r}"
+        elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
+            what = f"has unknown checksum {d.get('checksum')!r}"
+        if what:
+            raise ManifestError(
+                f"{where}: pack {path!r} {what}. The manifest is damaged or was not written by "
+                f"jaxckpt; nothing was read."
+            )
+        packs[path] = PackEntry(path, shape[0], sdtype, chunks[0], d.get("checksum", "crc32c"))
+    return packs
+
+
+def pack_problems(entries: dict[str, Entry], packs: dict[str, PackEntry]) -> list[str]:
+    """Members outside their pack or overlapping another member, in O(n log n)."""
+    members: dict[str, list[tuple[int, int, str]]] = {}
+    for e in entries.values():
+        if isinstance(e, ArrayEntry) and e.pack is not None and e.size:
+            members.setdefault(e.path, []).append((e.offset, e.offset + e.size, e.key))
+    errors = []
+    for path, spans in members.items():
+        pack = packs.get(path)
+        if pack is None or pack != entries[spans[0][2]].pack:
+            errors.append(f"key {spans[0][2]!r} names pack {path!r}, which the manifest lacks")
+            continue
+        spans.sort()
+        if max(s[1] for s in spans) > pack.size:
+            errors.append(f"a member of pack {path!r} lies outside its {pack.size} elements")
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                errors.append(f"keys {a!r} and {b!r} overlap in pack {path!r}")
+                break
+    return errors
+
+
+def raise_if_bad_packs(entries: dict[str, Entry], packs: dict[str, PackEntry], where: str) -> None:
+    errors = pack_problems(entries, packs)
+    if errors:
+        raise ManifestError(
+            f"{where}: {'; '.join(errors[:5])}. The manifest is damaged or was not written by "
+            f"jaxckpt; nothing was read."
+        )
 
 
 def _value_from_json(key: str, d: dict, where: str) -> Any:

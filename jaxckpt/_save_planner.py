@@ -18,9 +18,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _layout, _manifest, _tree
+from jaxckpt import _layout, _manifest, _pack, _tree
 from jaxckpt._errors import UnsupportedLeafError
 from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry
+from jaxckpt._names import storage_name
 from jaxckpt._plan import (
     SavePlan,
     WriteItem,
@@ -83,6 +84,8 @@ class GlobalSavePlan:
     manifest: Manifest
     arrays: tuple[ArrayPlan, ...]
     digest: str
+    # pack storage key (``PackEntry.key``) -> the key paths it holds; its ArrayPlan is in arrays
+    packs: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # Per-process items, built once per plan; a replace()d plan starts afresh (its arrays may
     # differ), except the plan cache's own copy, which shares them explicitly.
     _local: dict[int, SavePlan] = dataclasses.field(default_factory=dict, init=False, repr=False)
@@ -118,8 +121,11 @@ def validate_global_plan(plan: GlobalSavePlan) -> None:
         found = check_boxes(e.key, e.shape, e.chunks, a.offsets, a.sizes())
         checked[seen] = not found
         errors += found
-    missing = {k for k, v in plan.manifest.entries.items() if isinstance(v, ArrayEntry)}
+    m = plan.manifest
+    missing = {k for k, v in m.entries.items() if isinstance(v, ArrayEntry) and v.pack is None}
+    missing |= {p.key for p in m.packs.values()}
     missing -= {a.entry.key for a in plan.arrays}
+    errors += _manifest.pack_problems(m.entries, m.packs)
     errors += [f"key {k!r}: no boxes planned (a gap)" for k in sorted(missing)]
     raise_if(errors)
 
@@ -206,14 +212,20 @@ class DefaultSavePlanner(SavePlanner):
         mesh read less.
       enable_plan_caching: reuse the plan for the same structure, shapes, dtypes, shardings
         and options.
+      pack_bytes: arrays of at most this many bytes are stored together in a few shared 1-D
+        arrays ("packs", one file or a few per dtype) instead of one zarr array each; ``0``
+        stores every array on its own (and writes format version 1). ``None``:
+        ``jaxckpt._pack.DEFAULT_PACK_BYTES`` (256 KiB).
     """
 
     def __init__(self, *, dedup: str = "balanced", max_chunk_bytes: int = 64 << 20,
-                 enable_plan_caching: bool = True) -> None:  # fmt: skip
+                 enable_plan_caching: bool = True,
+                 pack_bytes: int | None = None) -> None:  # fmt: skip
         if dedup not in ("balanced", "lowest"):
             raise ValueError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
         self.dedup = dedup
         self.max_chunk_bytes = max_chunk_bytes
+        self.pack_bytes = _pack.DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes
         self.enable_plan_caching = enable_plan_caching
 
     # 1.
@@ -269,7 +281,7 @@ class DefaultSavePlanner(SavePlanner):
             else:
                 sig.append(type(leaf))
         return (type(self), self.treedef, tuple(sig), self.dedup, self.max_chunk_bytes,
-                self.process_count, _manifest.VERSION)  # fmt: skip
+                self.pack_bytes, self.process_count, _manifest.VERSION)  # fmt: skip
 
     # 2.
     def create_global_plan(self) -> GlobalSavePlan:
@@ -290,7 +302,7 @@ class DefaultSavePlanner(SavePlanner):
         plan = create_global_save_plan(
             self.leaves, _tree.structure(self.tree), prng=self.prng,
             lowest=self.dedup == "lowest", max_chunk_bytes=self.max_chunk_bytes,
-            process_count=self.process_count,
+            process_count=self.process_count, pack_bytes=self.pack_bytes,
         )  # fmt: skip
         if cache_key is not None:
             _CACHE[cache_key] = plan
@@ -312,6 +324,15 @@ class DefaultSavePlanner(SavePlanner):
         # Start every device-to-host copy now so they overlap (GPU/TPU); on CPU devices the
         # host already holds the bytes and a copy would only cost memory.
         for item in plan.items:
+            if item.key in global_plan.packs:  # written whole from the host: copy them all now
+                for k in global_plan.packs[item.key]:
+                    leaf = self.leaves[k]
+                    if (
+                        isinstance(leaf, jax.Array)
+                        and next(iter(leaf.sharding.device_set)).platform != "cpu"
+                    ):
+                        leaf.copy_to_host_async()
+                continue
             leaf = self.leaves[item.key]
             if isinstance(leaf, jax.Array) and item.device is not None:
                 shard = self._shard(item.key, leaf, item.device)
@@ -321,6 +342,11 @@ class DefaultSavePlanner(SavePlanner):
 
     # 4.
     def resolve_data(self, item: WriteItem) -> np.ndarray:
+        members = self.global_plan.packs.get(item.key) if hasattr(self, "global_plan") else None
+        if members is not None:  # a pack: its members' bytes end to end, built on the host
+            entries = self.global_plan.manifest.entries
+            pack = entries[members[0]].pack
+            return _pack.assemble(pack, ((entries[k], self._whole(k)) for k in members))
         leaf = self.leaves[item.key]
         if isinstance(leaf, jax.Array):
             shard = self._shard(item.key, leaf, item.device)
@@ -332,6 +358,20 @@ class DefaultSavePlanner(SavePlanner):
             slice(o - so, o - so + s) for o, so, s in zip(item.offsets, offsets, item.sizes)
         )
         return data[local]
+
+    def _whole(self, key: str) -> np.ndarray:
+        """The whole array of ``key`` on the host (this process holds every box of it)."""
+        leaf = self.leaves[key]
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if leaf.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        if leaf.is_fully_addressable:
+            return np.asarray(leaf)
+        out = np.empty(leaf.shape, leaf.dtype)
+        for shard in leaf.addressable_shards:
+            out[shard.index] = np.asarray(shard.data)
+        return out
 
     def _shard(self, key: str, leaf: jax.Array, device: int | None) -> Any:
         found = self._shards.get((key, device))
@@ -354,17 +394,6 @@ def _unsupported(key: str, leaf: Any, what: str) -> UnsupportedLeafError:
     )
 
 
-def storage_name(key: str, taken: set[str]) -> str:
-    """A file-system-safe, unique storage path under ``arrays/`` for a key path."""
-    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in key.replace("/", "."))
-    safe = safe.lstrip(".-")[:200] or "_"
-    name, n = f"{_manifest.ARRAYS}/{safe}", 1
-    while name in taken:
-        name, n = f"{_manifest.ARRAYS}/{safe}-{n}", n + 1
-    taken.add(name)
-    return name
-
-
 def create_global_save_plan(
     leaves: dict[str, Any],
     tree: dict,
@@ -373,11 +402,14 @@ def create_global_save_plan(
     lowest: bool = False,
     max_chunk_bytes: int = 64 << 20,
     process_count: int = 1,
+    pack_bytes: int = 0,
 ) -> GlobalSavePlan:
-    """The default global plan: chunk grids, deduplicated balanced writers, the manifest.
+    """The default global plan: chunk grids, packs, deduplicated balanced writers, the manifest.
 
     Arrays are assigned largest shard first (the seed's greedy, by bytes); see
-    :class:`jaxckpt._layout.Balancer`.
+    :class:`jaxckpt._layout.Balancer`. Arrays of at most ``pack_bytes`` share packs
+    (:func:`jaxckpt._pack.plan_packs`), each written whole by the least-loaded process that
+    holds all its members.
     """
     prng = prng or {}
     entries: dict[str, Any] = {}
@@ -399,10 +431,16 @@ def create_global_save_plan(
             chunks=chunk_shape(lay.box, dtype.itemsize, max_chunk_bytes),
             path=storage_name(key, taken), prng_impl=prng.get(key), sharding=sharding,
         )  # fmt: skip
+    packed, packs = _pack.plan_packs(
+        {k: entries[k] for k in layouts}, layouts, pack_bytes=pack_bytes,
+        max_chunk_bytes=max_chunk_bytes, taken=taken,
+    )  # fmt: skip
+    entries.update(packed)
+    plain = [k for k in layouts if k not in packed]
     balancer = _layout.Balancer(lowest=lowest)
     arrays = {}
     by_size = sorted(
-        layouts,
+        plain,
         key=lambda k: (
             -math.prod(layouts[k].box) * entries[k].nbytes // max(math.prod(entries[k].shape), 1)
         ),
@@ -416,11 +454,18 @@ def create_global_save_plan(
         arrays[key] = ArrayPlan(
             e, lay.box, lay.offsets, lay.processes[writers], lay.device_ids[writers]
         )
+    pack_plans = _pack.assign(packs, balancer.proc_loads, lowest=lowest)
+    for p in pack_plans:
+        arrays[p.entry.key] = ArrayPlan(p.entry.as_array(), (p.entry.size,), np.zeros((1, 1), np.int64),
+                                        np.array([p.process]), np.array([-1]))  # fmt: skip
     created = {"jax": jax.__version__, "jaxckpt": _version(), "process_count": process_count}
-    manifest = Manifest(tree=tree, entries=entries, created=created)
-    ordered = tuple(arrays[k] for k in layouts)
+    manifest = Manifest(tree=tree, entries=entries, created=created,
+                        version=_manifest.VERSION if packs else 1,
+                        packs={p.entry.path: p.entry for p in pack_plans})  # fmt: skip
+    ordered = tuple(arrays[k] for k in [*plain, *(p.entry.key for p in pack_plans)])
     digest = _digest(manifest, layouts.values(), lowest)
-    plan = GlobalSavePlan(manifest=manifest, arrays=ordered, digest=digest)
+    plan = GlobalSavePlan(manifest=manifest, arrays=ordered, digest=digest,
+                          packs={p.entry.key: p.members for p in pack_plans})  # fmt: skip
     validate_global_plan(plan)
     return plan
 

@@ -8,10 +8,12 @@ Commit protocol:
 
 * local paths (and ``file://``): everything is written into a hidden temporary sibling
   ``.NAME.tmp-XXXX``, ``manifest.json`` last, then the sibling is renamed into place (swapped
-  atomically with an existing checkpoint under ``overwrite=True``, where the kernel allows).
-  A crash leaves at most a temporary sibling, never a damaged checkpoint.
+  atomically with an existing checkpoint under ``overwrite=True``, where the kernel allows;
+  under ``overwrite=False`` renamed with ``RENAME_NOREPLACE``, so a racing save never replaces
+  another's commit). A crash leaves at most a temporary sibling, never a damaged checkpoint.
 * other kvstores (``memory://``, ``s3://``, ``gs://``): there is no rename, so the manifest is
-  written last and is the commit; a directory without ``manifest.json`` is not a checkpoint.
+  written last and is the commit (conditionally under ``overwrite=False``: only if none
+  exists); a directory without ``manifest.json`` is not a checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import collections
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import functools
 import hashlib
 import math
@@ -34,7 +37,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._catalog import OWN_KEY, TMP, fsync_dir, list_keys
+from jaxckpt import _pack
+from jaxckpt._catalog import OWN_KEY, fsync_dir, list_keys
 from jaxckpt._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -43,6 +47,7 @@ from jaxckpt._errors import (
 )
 from jaxckpt._location import _CONTEXT, Location, kvstore
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, dtype_from_name
+from jaxckpt._names import TMP, staging_name
 from jaxckpt._plan import ReadItem, WriteItem
 
 MAX_INFLIGHT_BYTES = 1 << 30
@@ -85,7 +90,7 @@ class Writer:
             name = ""
             if is_coordinator:
                 _check_target_dir(loc.local, overwrite)
-                name = f".{loc.local.name}{TMP}{uuid.uuid4().hex[:8]}"
+                name = staging_name(loc.local.name, uuid.uuid4().hex[:8])
                 self.staging = loc.local.parent / name
                 self.staging.mkdir(parents=True)
             if broadcast is not None:
@@ -112,7 +117,13 @@ class Writer:
             )  # fmt: skip
             for e in entries
         ]
-        self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
+        try:
+            self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
+        except ValueError as e:
+            if create and not self.overwrite and "ALREADY_EXISTS" in str(e):
+                # Object stores: another save to the same prefix created its arrays first.
+                raise _lost_error(self.loc, False, writing=True) from e
+            raise
 
     def _child(self, name: str) -> dict:
         return {**self.root, "path": self.root["path"] + name + "/"}
@@ -163,14 +174,14 @@ class Writer:
             _syncfs(Path(self.root["path"]))
 
     def commit(self, manifest: bytes) -> None:
-        """Write the manifest last, then make the checkpoint visible."""
+        """Write the manifest last, then make the checkpoint visible.
+
+        With ``overwrite=False`` the commit itself refuses to replace a checkpoint that another
+        save committed meanwhile: :class:`CheckpointExistsError`, and only this save's own
+        temporary data goes (the caller's ``abort()``).
+        """
         if self.loc.local is None:
-            kv = kvstore(self.loc.kvstore)
-            if self.generation:
-                manifest = _in_generation(manifest, self.generation)
-            kv.write(MANIFEST, manifest).result()  # the commit
-            if self.generation:
-                _delete_all_but(kv, self.generation)  # the replaced arrays go only now
+            self._commit_object_store(manifest)
             return
         target = self.loc.local
         try:
@@ -180,18 +191,44 @@ class Writer:
                 os.fsync(f.fileno())
         except OSError as e:
             raise _write_error(self.loc, f"writing {MANIFEST}", e) from e
-        if target.exists():
+        if not self.overwrite:
+            self._commit_noreplace(target)
+        elif target.exists():
             if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
-                os.rename(target, self.staging.with_name(self.staging.name + "-old"))
+                old = self.staging.with_name(self.staging.name + "-old")
+                os.rename(target, old)
                 os.rename(self.staging, target)
-                shutil.rmtree(
-                    self.staging.with_name(self.staging.name + "-old"), ignore_errors=True
-                )
+                shutil.rmtree(old, ignore_errors=True)
             else:
                 shutil.rmtree(self.staging, ignore_errors=True)  # now holds the old checkpoint
         else:
             os.rename(self.staging, target)
         fsync_dir(target.parent)
+
+    def _commit_noreplace(self, target: Path) -> None:
+        for _ in range(3):
+            if _rename_noreplace(self.staging, target):
+                return
+            try:  # an empty directory (the start check allows one) is no checkpoint: it goes
+                os.rmdir(target)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                break
+        raise _lost_error(self.loc, (target / MANIFEST).exists())
+
+    def _commit_object_store(self, manifest: bytes) -> None:
+        kv = kvstore(self.loc.kvstore)
+        if self.generation:
+            manifest = _in_generation(manifest, self.generation)
+        if self.overwrite:
+            kv.write(MANIFEST, manifest).result()  # the commit
+        elif not kv.write(MANIFEST, manifest, if_equal=_NO_VALUE).result().generation:
+            # Another save's manifest got there first: drop only the arrays it does not use.
+            _drop_unused(kv, manifest)
+            raise _lost_error(self.loc, True)
+        if self.generation:
+            _delete_all_but(kv, self.generation)  # the replaced arrays go only now
 
     def abort(self) -> None:
         if self.staging is not None:
@@ -215,6 +252,37 @@ def _exists_error(loc: Location) -> CheckpointExistsError:
 
 
 _OWN_TMP = re.compile(rf"^\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?$")  # see Writer
+
+
+def _lost_error(loc: Location, committed: bool, writing: bool = False) -> CheckpointExistsError:
+    if writing:
+        what = "another save is writing its arrays"
+    elif committed:
+        what = "another save committed a checkpoint"
+    else:
+        what = "files jaxckpt did not write appeared"
+    return CheckpointExistsError(
+        f"Save to {loc} lost the race to one path: {what} there while this one was writing "
+        f"(overwrite=False). This save's own data was removed; the other's is untouched. Give "
+        f"each concurrent save its own path, or pass overwrite=True to replace it."
+    )
+
+
+# The generation of a missing key: a conditional write with it succeeds only if none exists.
+_NO_VALUE = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp.generation
+
+
+def _drop_unused(kv: ts.KvStore, ours: bytes) -> None:
+    """After a lost object-store commit: delete our arrays that the winner's manifest lacks."""
+    try:
+        theirs = Manifest.from_json(kv.read(MANIFEST).result().value)
+    except (CheckpointError, ValueError):
+        return  # unreadable: leave everything, deleting nothing we cannot attribute
+    used = {e.path for e in theirs.entries.values() if isinstance(e, ArrayEntry)}
+    mine = Manifest.from_json(ours).entries.values()
+    for fut in [kv.delete_range(_prefix_range(e.path + "/"))
+                for e in mine if isinstance(e, ArrayEntry) and e.path not in used]:  # fmt: skip
+        fut.result()
 
 
 def _check_target_dir(path: Path, overwrite: bool) -> None:
@@ -264,6 +332,35 @@ def _exchange(a: Path, b: Path) -> bool:
         )
     except (OSError, AttributeError):
         return False
+
+
+def _rename_noreplace(src: Path, dst: Path) -> bool:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists; ``False`` if it does.
+
+    Linux: renameat2(RENAME_NOREPLACE). Where the libc, kernel or file system lacks it, a plain
+    rename, which POSIX never lets replace a non-empty directory (a committed checkpoint always
+    holds manifest.json), only an empty one.
+    """
+    at_fdcwd, rename_noreplace = -100, 1
+    try:
+        rc = _libc().renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst),
+                               rename_noreplace)  # fmt: skip
+        err = ctypes.get_errno() if rc else 0
+    except AttributeError:
+        rc, err = -1, errno.ENOSYS
+    if rc == 0:
+        return True
+    if err == errno.EEXIST:
+        return False
+    if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    try:
+        os.rename(src, dst)
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            return False
+        raise
 
 
 def _syncfs(path: Path) -> None:
@@ -425,7 +522,14 @@ class Reader:
 
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
-        """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead."""
+        """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
+
+        Packed items come first, each needed pack read once (``jaxckpt._pack``). At most
+        ``max_inflight_bytes`` of reads are in flight (at least one item); the caller owns each
+        yielded array (storage keeps no reference to it).
+        """
+        items, packed = _pack.split(entries, items)
+        yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
         pending: collections.deque = collections.deque()
         inflight = 0
         for item in items:
@@ -433,21 +537,28 @@ class Reader:
             store = self._store(entry)
             if item.sizes != entry.shape:
                 store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
-            fut = store.read()
             n = math.prod(item.sizes) * dtype_from_name(entry.storage_dtype).itemsize
-            pending.append((item, entry, fut, n))
-            inflight += n
-            while inflight > max_inflight_bytes and pending:
+            while pending and inflight + n > max_inflight_bytes:
                 inflight -= pending[0][3]
-                yield self._result(*pending.popleft()[:3])
+                yield self._result(*pending.popleft())
+            if n >= _ALIGNED_MIN_BYTES:  # into an aligned buffer: CPU devices alias it, no copy
+                out = _aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
+                fut = ts.array(out, copy=False, write=True).write(store)
+            else:
+                out, fut = None, store.read()
+            pending.append((item, entry, fut, n, out))
+            inflight += n
         while pending:
-            yield self._result(*pending.popleft()[:3])
+            yield self._result(*pending.popleft())
 
-    def _result(self, item: ReadItem, entry: ArrayEntry, fut: Any) -> tuple[ReadItem, np.ndarray]:
+    def _result(self, item: ReadItem, entry: ArrayEntry, fut: Any, n: int,
+                out: np.ndarray | None) -> tuple[ReadItem, np.ndarray]:  # fmt: skip
         try:
             data = fut.result()
         except ValueError as e:
             raise _chunk_error(entry, self.loc, e) from e
+        if out is not None:
+            data = out
         if entry.storage_dtype != entry.dtype:
             data = data.view(dtype_from_name(entry.dtype))
         return item, data
@@ -467,6 +578,17 @@ def _grid_indices(grid: list[int]) -> Iterator[tuple[int, ...]]:
         if d < 0:
             return
         idx[d] += 1
+
+
+_ALIGNED_MIN_BYTES = 1 << 20
+_ALIGN = 64  # what XLA's CPU client needs to alias a host buffer instead of copying it
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunkError:
@@ -528,11 +650,15 @@ def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
 
 def _in_generation(manifest: bytes, generation: str) -> bytes:
     m = Manifest.from_json(manifest)
-    entries = {
-        k: dataclasses.replace(e, path=generation + e.path) if isinstance(e, ArrayEntry) else e
-        for k, e in m.entries.items()
+    packs = {
+        generation + p: dataclasses.replace(e, path=generation + p) for p, e in m.packs.items()
     }
-    return dataclasses.replace(m, entries=entries).to_json()
+    entries = {
+        k: dataclasses.replace(e, path=generation + e.path, pack=e.pack and packs[generation + e.path])
+        if isinstance(e, ArrayEntry) else e
+        for k, e in m.entries.items()
+    }  # fmt: skip
+    return dataclasses.replace(m, entries=entries, packs=packs).to_json()
 
 
 def _delete_all_but(kv: ts.KvStore, generation: str) -> None:

@@ -76,19 +76,28 @@ def arm(trap: str, progress: str) -> None:
     rename, replace, unlink, copyto = os.rename, os.replace, os.unlink, np.copyto
     count = {"unlink": 0, "copy": 0}
 
-    def trapped_rename(src, dst, *args, **kwargs):
+    def moment(src, dst, when: str) -> None:
         src, dst = os.fspath(src), os.fspath(dst)
         committing = _COMMIT.search(src) and re.fullmatch(r"[0-9]+", os.path.basename(dst))
         deleting = dst.endswith("-deleted")
-        if (trap == "before_commit_rename" and committing) or (
-            trap == "before_delete" and deleting
+        if (trap == f"{when}_commit_rename" and committing) or (
+            trap == ("before_delete" if when == "before" else "after_delete_rename") and deleting
         ):
             _die()
+
+    def trapped_rename(src, dst, *args, **kwargs):
+        moment(src, dst, "before")
         rename(src, dst, *args, **kwargs)
-        if (trap == "after_commit_rename" and committing) or (
-            trap == "after_delete_rename" and deleting
-        ):
-            _die()
+        moment(src, dst, "after")
+
+    def trapped_noreplace(src, dst):  # the overwrite=False commit renames through renameat2
+        moment(src, dst, "before")
+        done = noreplace(src, dst)
+        moment(src, dst, "after")
+        return done
+
+    noreplace = jaxckpt._storage._rename_noreplace
+    jaxckpt._storage._rename_noreplace = trapped_noreplace
 
     def trapped_unlink(path, *args, **kwargs):
         count["unlink"] += 1

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxckpt import _pack
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> Mesh:
@@ -32,3 +35,15 @@ def assert_tree_equal(a, b) -> None:
             assert x.tobytes() == y.tobytes()
         else:
             assert type(x) is type(y) and (x == y or (x != x and y != y)), (x, y)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_array_per_leaf():
+    """Autouse where imported: default saves store every array on its own (no packs, format v1).
+
+    For the tests whose premise is one zarr array per leaf (its chunk files, its zarr.json);
+    tests/test_pack.py covers the same behaviours for packed leaves.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_pack, "DEFAULT_PACK_BYTES", 0)
+        yield

@@ -184,13 +184,18 @@ class _Checks:
 
 
 def _planner(**kw):
-    return jaxckpt.DefaultSavePlanner(max_chunk_bytes=MAX_CHUNK_BYTES, **kw)
+    # One zarr array per leaf: the byte-count checks of test_multihost.py assume it.
+    return jaxckpt.DefaultSavePlanner(max_chunk_bytes=MAX_CHUNK_BYTES, pack_bytes=0, **kw)
 
 
 def restore_measured(data: dict, path: Path, stage: str, name: str) -> None:
-    """Restore ``path`` onto ``stage``'s layout, check it, record bytes read and needed."""
+    """Restore ``path`` onto ``stage``'s layout, check it, record bytes read and needed.
+
+    Reads are not shared across processes here: each reads every box its devices need.
+    """
     before = file_bytes("bytes_read")
-    check_state(jaxckpt.restore(path, target(stage)))
+    planner = jaxckpt.DefaultLoadPlanner(share_reads=False)
+    check_state(jaxckpt.restore(path, target(stage), planner=planner))
     data[f"read_{name}"] = file_bytes("bytes_read") - before
     data[f"needed_{name}"] = bytes_needed(str(path), stage)
 
@@ -205,8 +210,18 @@ def stage_two(checks: _Checks, work: Path, pid: int) -> None:
     def save_2():
         jaxckpt.save(work / "ckpt2", make_state("two"), planner=_planner())
 
+    def save_packed():
+        # Small leaves packed: 128 KiB of replicated float32 leaves in packs of >= 32 KiB, one
+        # per process; each process writes the packs given to it, whole.
+        planner = jaxckpt.DefaultSavePlanner(pack_bytes=32 << 10)
+        jaxckpt.save(work / "packed", make_state("two"), planner=planner)
+        mine = planner.global_plan.for_process(pid).items
+        data["packs_written"] = sorted(i.key for i in mine if i.key.startswith("<pack "))
+        check_state(jaxckpt.restore(work / "packed", target("two")))
+
     checks.run("restore_1", restore_1)
     checks.run("save_2", save_2)
+    checks.run("save_packed", save_packed)
 
 
 class _FailingPlanner(jaxckpt.DefaultSavePlanner):
@@ -247,7 +262,7 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         data["written_lowest"] = file_bytes("bytes_written") - before
 
     def save_async_overwrite():
-        h = jaxckpt.save_async(work / "lowest", state, overwrite=True)
+        h = jaxckpt.save_async(work / "lowest", state, overwrite=True, planner=_planner())
         h.wait()
         check_state(jaxckpt.restore(work / "lowest", target("four")))
 
@@ -287,7 +302,42 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         data["kill_raised_after_s"] = time.monotonic() - t0
         assert not (work / "kill" / "ckpt").exists()
 
+    def restore_2_shared():  # 2 -> 4 processes, replicated boxes read once across processes
+        check_state(jaxckpt.restore(work / "ckpt2", target("four")))
+
+    def shared_replicated():
+        # 256 MiB fully replicated over 4 processes x 4 devices: each process reads a quarter.
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        mesh = Mesh(np.array(jax.devices()).reshape(4, 4), ("a", "b"))
+        rep = NamedSharding(mesh, PartitionSpec())
+        fsdp = NamedSharding(mesh, PartitionSpec("a"))  # across hosts, replicated within
+        vals = {
+            f"r{i}": np.random.default_rng(i).random((2048, 4096), np.float32) for i in range(8)
+        }
+        state = {
+            k: jax.make_array_from_callback(v.shape, rep, v.__getitem__) for k, v in vals.items()
+        }
+        jaxckpt.save(
+            work / "rep", state, planner=jaxckpt.DefaultSavePlanner(max_chunk_bytes=2 << 20)
+        )
+        del state
+        for name, sharding, planner in (("shared", rep, None), ("mixed", fsdp, None),
+                ("unshared", rep, jaxckpt.DefaultLoadPlanner(share_reads=False))):  # fmt: skip
+            before = file_bytes("bytes_read")
+            out = jaxckpt.restore(work / "rep", {k: sharding for k in vals}, planner=planner)
+            data[f"rep_read_{name}"] = file_bytes("bytes_read") - before
+            for k, arr in out.items():
+                assert arr.sharding == sharding, (k, arr.sharding)
+                for shard in arr.addressable_shards:
+                    got = np.asarray(shard.data)
+                    assert got.tobytes() == vals[k][shard.index].tobytes(), (name, k, shard.index)
+            del out
+        data["rep_bytes"] = sum(v.nbytes for v in vals.values())
+
     checks.run("restore_2", restore_2)
+    checks.run("restore_2_shared", restore_2_shared)
+    checks.run("shared_replicated", shared_replicated)
     checks.run("save_4", save_4)
     checks.run("save_lowest", save_lowest)
     checks.run("save_async_overwrite", save_async_overwrite)

@@ -9,7 +9,7 @@ PUBLIC = {
     "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
     "DtypeMismatchError", "GlobalSavePlan", "KeyMismatchError", "LoadPlan", "LoadPlanner",
     "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",
-    "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem",
+    "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem", "convert",
     "metadata", "plan_cache_info", "restore", "save", "save_async",
 }  # fmt: skip
 

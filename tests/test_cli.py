@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import mesh, put
+from helpers import mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 
 import jaxckpt
 from jaxckpt._cli import main

@@ -6,7 +6,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh, put
+from helpers import mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 
 import jaxckpt
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_equal, mesh, put
+from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

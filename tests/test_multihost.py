@@ -28,6 +28,7 @@ import jax
 import mh_worker
 import numpy as np
 import pytest
+from helpers import one_array_per_leaf  # noqa: F401 (autouse)
 
 import jaxckpt
 
@@ -189,6 +190,32 @@ def test_each_process_reads_only_what_its_devices_need(groups):
     chunks = (groups["work"] / "ckpt2").glob("arrays/*/c/**/*")
     whole = sum(p.stat().st_size for p in chunks if p.is_file())
     assert all(r["data"]["read_2"] < 0.6 * whole for r in groups["four"])
+
+
+def test_packs_are_split_across_writers_and_restore_on_one_process(groups):
+    _ok(groups["two"], "save_packed")
+    written = [set(r["data"]["packs_written"]) for r in groups["two"]]
+    assert all(written) and not written[0] & written[1], written  # one writer per pack, both write
+    ckpt = groups["work"] / "packed"
+    m = jaxckpt.metadata(ckpt)
+    assert {f"<pack {p}>" for p in m.packs} == written[0] | written[1]
+    assert m.entries["rep/0"].pack is not None and m.entries["params/w"].pack is None
+    mh_worker.check_state(jaxckpt.restore(ckpt, mh_worker.target("two", jax.devices())))
+
+
+def test_replicated_boxes_are_read_once_across_processes(groups):
+    four = groups["four"]
+    _ok(four, "restore_2_shared")  # 2 -> 4 processes, shared reads, bit-exact
+    _ok(four, "shared_replicated")
+    whole = four[0]["data"]["rep_bytes"]
+    shared = [r["data"]["rep_read_shared"] for r in four]
+    assert all(r <= 0.3 * whole for r in shared), (shared, whole)
+    assert sum(shared) <= 1.1 * whole, (shared, whole)
+    # FSDP across hosts x replicated within: each host reads its own quarter, once.
+    mixed = [r["data"]["rep_read_mixed"] for r in four]
+    assert all(r <= 0.3 * whole for r in mixed) and sum(mixed) <= 1.1 * whole, mixed
+    # Turned off, every process reads the whole state.
+    assert all(r["data"]["rep_read_unshared"] >= whole for r in four)
 
 
 def test_failure_on_one_process_raises_on_every_process(groups):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
-from helpers import assert_tree_equal, mesh, put
+from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 

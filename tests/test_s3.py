@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import moto.server as moto_server  # noqa: E402
 import numpy as np
 import pytest
-from helpers import assert_tree_equal, mesh, put
+from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 
 import jaxckpt
 from jaxckpt import _catalog, _location

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -84,11 +85,15 @@ def test_manager_refuses_a_step_directory_holding_user_files(tmp_path):
 # 2. no read leaves the checkpoint ---------------------------------------------------------------
 
 
-def _two(tmp_path: Path) -> tuple[Path, Path]:
+_UNPACKED = jaxckpt.DefaultSavePlanner(pack_bytes=0)  # one zarr array per leaf: arrays/KEY
+
+
+def _two(tmp_path: Path, pack: bool = False) -> tuple[Path, Path]:
     mine, other = tmp_path / "mine", tmp_path / "other"
-    jaxckpt.save(mine, {"w": jnp.zeros(4)})
-    jaxckpt.save(other, {"w": jnp.full(4, 7.0)})  # valid crc32c: only the link gives it away
-    return mine, other
+    planner = None if pack else _UNPACKED
+    jaxckpt.save(mine, {"w": jnp.zeros(4)}, planner=planner)
+    jaxckpt.save(other, {"w": jnp.full(4, 7.0)}, planner=planner)  # a valid crc32c: only the
+    return mine, other  # link gives it away
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
@@ -97,19 +102,21 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     return code, out + err
 
 
-@pytest.mark.parametrize("what", ["chunk", "c folder"])
+@pytest.mark.parametrize("what", ["chunk", "c folder", "packed chunk"])
 def test_links_below_an_array_folder_are_refused(tmp_path, capsys, what):
-    mine, other = _two(tmp_path)
-    if what == "chunk":
-        (mine / "arrays/w/c/0").unlink()
-        (mine / "arrays/w/c/0").symlink_to(other / "arrays/w/c/0")
+    mine, other = _two(tmp_path, pack=what == "packed chunk")
+    folder = "arrays/pack.float32.0" if what == "packed chunk" else "arrays/w"
+    if what == "c folder":
+        shutil.rmtree(mine / folder / "c")
+        (mine / folder / "c").symlink_to(other / folder / "c")
     else:
-        import shutil
-
-        shutil.rmtree(mine / "arrays/w/c")
-        (mine / "arrays/w/c").symlink_to(other / "arrays/w/c")
-    with pytest.raises(jaxckpt.ManifestError, match=r"Key 'w': arrays/w/c.* is a link; refusing"):
+        (mine / folder / "c/0").unlink()
+        (mine / folder / "c/0").symlink_to(other / folder / "c/0")
+    key = "<pack arrays/pack.float32.0>" if what == "packed chunk" else "w"
+    with pytest.raises(jaxckpt.ManifestError, match=rf"Key '{key}': {folder}/c.* is a link; refus"):
         jaxckpt.restore(mine)
+    with pytest.raises(jaxckpt.ManifestError, match="is a link"):
+        jaxckpt.restore(mine, keys=["w"])
     code, out = _cli(capsys, "verify", mine)
     assert code != 0 and "is a link" in out and "OK" not in out
     code, out = _cli(capsys, "export", mine, tmp_path / "out.npz")
@@ -157,7 +164,7 @@ _LIMITED = textwrap.dedent(
 @pytest.mark.parametrize("how", ["restore", "verify"])
 def test_declared_but_absent_chunks_are_an_error_not_an_allocation(tmp_path, shape, chunks, how):
     d = tmp_path / "c"
-    jaxckpt.save(d, {"w": np.zeros(4, np.float32)})
+    jaxckpt.save(d, {"w": np.zeros(4, np.float32)}, planner=_UNPACKED)
     m = json.loads((d / "manifest.json").read_text())
     m["entries"]["w"].update(shape=shape, chunks=chunks)
     (d / "manifest.json").write_text(json.dumps(m))
@@ -176,7 +183,7 @@ def test_declared_but_absent_chunks_are_an_error_not_an_allocation(tmp_path, sha
 
 def test_object_store_chunks_are_listed_before_reading():
     url = "memory://safety-listing/c"
-    jaxckpt.save(url, {"w": np.ones(1, np.float32), "c": {"c": np.ones(2)}})
+    jaxckpt.save(url, {"w": np.ones(1, np.float32), "c": {"c": np.ones(2)}}, planner=_UNPACKED)
     assert jaxckpt.restore(url)["c"]["c"].shape == (2,)  # an array named c: keys c/c/...
     kv = kvstore(Location(url).kvstore)
     m = json.loads(kv.read("manifest.json").result().value)
@@ -189,7 +196,7 @@ def test_object_store_chunks_are_listed_before_reading():
 def test_zero_size_arrays_and_scalars_have_no_missing_chunks(tmp_path):
     d = tmp_path / "c"
     tree = {"z": np.zeros((0, 3)), "s": np.float32(2), "m": np.ones((3, 5))}
-    jaxckpt.save(d, tree)
+    jaxckpt.save(d, tree, planner=_UNPACKED)
     out = jaxckpt.restore(d)
     assert out["z"].shape == (0, 3) and out["s"] == 2
     (d / "arrays/s/c").unlink()
@@ -230,6 +237,14 @@ def test_tree_keys_must_be_str_or_int(tmp_path, key):
         Manifest.from_json(json.dumps(m).encode())
 
 
+@pytest.mark.parametrize("value", [[], ["float32"], {"a": 1}])
+def test_a_pack_dtype_that_is_not_a_string_is_a_manifest_error(tmp_path, value):
+    m = json.loads(_manifest_bytes(tmp_path))  # found by the property test below
+    m["packs"][next(iter(m["packs"]))]["storage_dtype"] = value
+    with pytest.raises(jaxckpt.ManifestError, match=r"pack 'arrays/pack.* data type"):
+        Manifest.from_json(json.dumps(m).encode())
+
+
 def test_a_leaf_key_that_is_not_a_string_is_a_manifest_error(tmp_path):
     m = json.loads(_manifest_bytes(tmp_path))
     m["tree"]["children"][0]["children"][0]["key"] = ["a", "b"]
@@ -259,7 +274,7 @@ def _paths(node, prefix=()):
 _VALID: dict = {}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_any_mutation_of_a_valid_manifest_loads_or_is_a_manifest_error(tmp_path_factory, data):
     if not _VALID:

@@ -1,0 +1,172 @@
+"""jaxckpt.restore reads checkpoints written by the real orbax-checkpoint, onto any mesh."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_equal, mesh, put
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt._cli import main
+
+ocp = pytest.importorskip("orbax.checkpoint")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+def _state():
+    m = mesh((4, 2), ("data", "model"))
+    return {
+        "params": {
+            "w": put(jnp.arange(96.0).reshape(8, 12), m, "data", "model"),
+            "b": put(jnp.arange(12, dtype=jnp.bfloat16), m, "model"),
+            "r": put(jnp.linspace(-1, 1, 6, dtype=jnp.float16), m, None),
+        },
+        "opt": [put(jnp.ones((8, 4), jnp.int32), m, "data"), np.arange(5, dtype=np.uint8)],
+        "step": 7,
+        "lr": 0.5,
+    }
+
+
+def _save(path, tree, *, ocdbt: bool, zarr3: bool):
+    c = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3))
+    c.save(path, args=ocp.args.PyTreeSave(tree))
+    c.close()
+
+
+def _orbax_restore(path, tree):
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    with ocp.StandardCheckpointer() as c:
+        return c.restore(path, abstract)
+
+
+@pytest.mark.parametrize(
+    "ocdbt,zarr3", [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_restore_onto_other_mesh_one_device_and_host(tmp_path, ocdbt, zarr3):
+    tree = _state()
+    path = tmp_path / "orbax"
+    _save(path, tree, ocdbt=ocdbt, zarr3=zarr3)
+    want = _orbax_restore(path, tree)
+    other = mesh((2, 4), ("data", "model"))
+    target = jax.tree.map(
+        lambda x: (
+            NamedSharding(other, P("model", "data") if np.ndim(x) == 2 else P())
+            if np.ndim(x)
+            else x
+        ),
+        want,
+    )
+    got = jaxckpt.restore(path, target)
+    assert got["params"]["w"].sharding == target["params"]["w"]
+    assert_tree_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+    got1 = jaxckpt.restore(path, jax.tree.map(lambda x: one if np.ndim(x) else x, want))
+    assert got1["params"]["b"].sharding == one
+    assert_tree_equal(jax.tree.map(np.asarray, got1), jax.tree.map(np.asarray, want))
+    host = jaxckpt.restore(path)
+    assert host["step"] == 7 and host["lr"] == 0.5 and isinstance(host["params"]["w"], np.ndarray)
+    assert_tree_equal(host, jax.tree.map(np.asarray, want) | {"step": 7, "lr": 0.5})
+    assert host["params"]["b"].dtype == jnp.bfloat16
+
+
+def test_reads_only_the_keys_asked_for(tmp_path):
+    path = tmp_path / "orbax"
+    _save(path, _state(), ocdbt=True, zarr3=False)
+    got = jaxckpt.restore(path, keys=["params/w"])
+    np.testing.assert_array_equal(got["params"]["w"], np.arange(96.0).reshape(8, 12))
+    assert list(got) == ["params"] and list(got["params"]) == ["w"]
+
+
+def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
+    tree = _state()
+    with ocp.StandardCheckpointer() as c:
+        c.save(tmp_path / "std", tree)
+    with ocp.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, args=ocp.args.StandardSave(tree))
+    for p in (tmp_path / "std", tmp_path / "run" / "3", tmp_path / "run" / "3" / "default"):
+        got = jaxckpt.restore(p)
+        np.testing.assert_array_equal(got["opt"][0], np.ones((8, 4), np.int32))
+    info = jaxckpt.metadata(tmp_path / "run" / "3")
+    assert info.entries["params/w"].shape == (8, 12) and info.entries["step"].value == 7
+    assert main(["inspect", str(tmp_path / "std")]) == 0
+    out = capsys.readouterr().out
+    assert "float32[8,12]" in out and "= 7" in out
+    assert main(["verify", str(tmp_path / "std")]) == 0
+    assert "stores no checksums" in capsys.readouterr().out
+
+
+def test_multi_item_step_names_its_items(tmp_path):
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "extra")) as mgr:
+        mgr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave({"a": jnp.ones(3)}),
+                                            extra=ocp.args.JsonSave({"x": 1})))  # fmt: skip
+    with pytest.raises(jaxckpt.ManifestError, match=r"items \['extra', 'state'\].*restore one"):
+        jaxckpt.restore(tmp_path / "run" / "5")
+    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "run" / "5" / "state")["a"], 1.0)
+
+
+def test_custom_handler_item_is_a_typed_error(tmp_path):
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("extra",)) as mgr:
+        mgr.save(1, args=ocp.args.Composite(extra=ocp.args.JsonSave({"x": 1})))
+    with pytest.raises(jaxckpt.ManifestError, match=r"item 'extra'.*JsonCheckpointHandler"):
+        jaxckpt.restore(tmp_path / "run" / "1")
+
+
+def _edit_metadata(path, edit):
+    doc = json.loads((path / "_METADATA").read_text())
+    edit(doc)
+    (path / "_METADATA").write_text(json.dumps(doc))
+
+
+def test_damaged_orbax_checkpoints_are_typed_errors(tmp_path):
+    path = tmp_path / "o"
+    _save(path, {"a": {"b": np.arange(4.0)}}, ocdbt=False, zarr3=False)
+    (path / "_METADATA").write_text("{not json")
+    with pytest.raises(jaxckpt.ManifestError, match=r"_METADATA is not valid JSON"):
+        jaxckpt.restore(path)
+    _save(tmp_path / "o2", {"a": {"b": np.arange(4.0)}}, ocdbt=False, zarr3=False)
+    path = tmp_path / "o2"
+
+    def custom(doc):
+        doc["tree_metadata"]["('a', 'b')"]["value_metadata"]["value_type"] = "my.Custom"
+
+    _edit_metadata(path, custom)
+    with pytest.raises(jaxckpt.ManifestError, match=r"leaf 'a/b' has Orbax value type 'my.Custom'"):
+        jaxckpt.restore(path)
+    _save(tmp_path / "o3", {"a": {"b": np.arange(4.0)}}, ocdbt=False, zarr3=False)
+    path = tmp_path / "o3"
+
+    def escape(doc):
+        doc["tree_metadata"]["('a', 'b')"]["key_metadata"][1]["key"] = "../../etc"
+
+    _edit_metadata(path, escape)
+    with pytest.raises(jaxckpt.ManifestError, match=r"key '\.\./\.\./etc'"):
+        jaxckpt.restore(path)
+    _save(tmp_path / "o4", {"a": {"b": np.arange(4.0)}}, ocdbt=False, zarr3=False)
+    (tmp_path / "o4" / "a.b" / "0").unlink()
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"leaf 'a/b' \(array a.b\)"):
+        jaxckpt.restore(tmp_path / "o4")
+
+
+def test_link_outside_the_checkpoint_is_refused(tmp_path):
+    _save(tmp_path / "other", {"a": np.arange(3.0)}, ocdbt=False, zarr3=True)
+    _save(tmp_path / "o", {"a": np.arange(3.0)}, ocdbt=False, zarr3=True)
+    import shutil
+
+    shutil.rmtree(tmp_path / "o" / "a")
+    (tmp_path / "o" / "a").symlink_to(tmp_path / "other" / "a")
+    with pytest.raises(jaxckpt.ManifestError, match=r"parameter a is a link outside"):
+        jaxckpt.restore(tmp_path / "o")
+
+
+def test_damaged_ocdbt_database_is_a_typed_error(tmp_path):
+    path = tmp_path / "o"
+    _save(path, {"a": np.arange(4.0)}, ocdbt=True, zarr3=True)
+    (path / "manifest.ocdbt").write_bytes(b"\0" * 10)
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"leaf 'a'|OCDBT database"):
+        jaxckpt.restore(path)
