@@ -72,6 +72,41 @@ def test_object_store_overwrite_keeps_foreign_objects(committed):
     assert kv.read("notes.txt").result().value == b"mine"
 
 
+class _DropsAFile(jaxckpt.DefaultSavePlanner):
+    """Writes a user's file into the target while the save writes its arrays (a real race)."""
+
+    def __init__(self, drop) -> None:
+        super().__init__()
+        self.drop = drop
+
+    def resolve_data(self, item):
+        if self.drop is not None:
+            self.drop()
+            self.drop = None
+        return super().resolve_data(item)
+
+
+def test_a_file_written_into_the_target_during_an_overwrite_survives(tmp_path):
+    d = tmp_path / "c"
+    jaxckpt.save(d, {"w": jnp.ones(2)})
+    planner = _DropsAFile(lambda: (d / "notes.txt").write_text("mine"))
+    with pytest.raises(jaxckpt.CheckpointExistsError, match=r"also 'notes.txt'.*even with"):
+        jaxckpt.save(d, {"w": jnp.zeros(2)}, overwrite=True, planner=planner)
+    assert (d / "notes.txt").read_text() == "mine"
+    np.testing.assert_array_equal(jaxckpt.restore(d)["w"], np.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # the save's temporaries went
+
+
+def test_an_object_written_during_an_object_store_overwrite_survives():
+    url = "memory://safety-race/c"
+    jaxckpt.save(url, {"w": jnp.ones(2)})
+    kv = kvstore(Location(url).kvstore)
+    planner = _DropsAFile(lambda: kv.write("notes.txt", b"mine").result())
+    jaxckpt.save(url, {"w": jnp.zeros(2)}, overwrite=True, planner=planner)
+    assert kv.read("notes.txt").result().value == b"mine"
+    np.testing.assert_array_equal(jaxckpt.restore(url)["w"], np.zeros(2))
+
+
 def test_manager_refuses_a_step_directory_holding_user_files(tmp_path):
     (tmp_path / "run" / "00000003").mkdir(parents=True)
     (tmp_path / "run" / "00000003" / "plot.png").write_bytes(b"png")
