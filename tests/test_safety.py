@@ -117,6 +117,19 @@ def test_manager_refuses_a_step_directory_holding_user_files(tmp_path):
     assert (tmp_path / "run" / "00000003" / "plot.png").read_bytes() == b"png"
 
 
+def test_manager_on_an_object_store_keeps_a_step_prefix_holding_user_objects():
+    url = "memory://safety-manager/run"
+    kv = kvstore(Location(url).kvstore)
+    kv.write("00000003/notes.txt", b"mine").result()
+    with jaxckpt.CheckpointManager(url, async_save=False) as mgr:  # its clean-up leaves it
+        mgr.save(1, {"w": jnp.ones(2)})
+        with pytest.raises(jaxckpt.CheckpointExistsError, match=r"'notes.txt'.*even with") as e:
+            mgr.save(3, {"w": jnp.ones(2)})
+        assert "pass overwrite=True" not in str(e.value).lower()
+        assert mgr.all_steps() == [1]
+    assert kv.read("00000003/notes.txt").result().value == b"mine"
+
+
 # 2. no read leaves the checkpoint ---------------------------------------------------------------
 
 
