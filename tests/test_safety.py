@@ -373,10 +373,11 @@ def test_a_donated_array_is_an_unsupported_leaf(tmp_path):
         jaxckpt.save(tmp_path / "c", {"x": x})
 
 
-def test_a_tracer_is_an_unsupported_leaf(tmp_path):
+@pytest.mark.parametrize("how", ["save", "save_async", "manager"])
+def test_a_tracer_is_an_unsupported_leaf(tmp_path, how):
     @jax.jit
     def step(w):
-        jaxckpt.save(tmp_path / "c", {"w": w})
+        _save(tmp_path, {"w": w}, how)
         return w
 
     with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"'w' is a JAX tracer.*outside"):
