@@ -115,6 +115,7 @@ class RawNumpy:
     a tiny JSON index of the boxes, no fsync, no checksums, no atomic commit."""
 
     name = "raw numpy"
+    durable = False
 
     def __init__(self) -> None:
         self.bytes_read = 0
@@ -128,10 +129,25 @@ class RawNumpy:
                 box = _box(shard.index, leaf.shape)
                 if box not in boxes:
                     boxes[box] = f"{i}.{len(boxes)}"
-                    np.asarray(shard.data).tofile(os.path.join(path, boxes[box]))
+                    with open(os.path.join(path, boxes[box]), "wb") as f:
+                        np.asarray(shard.data).tofile(f)
+                        self._sync(f)
             index.append([[list(b[0]), list(b[1]), f] for b, f in boxes.items()])
         with open(os.path.join(path, "index.json"), "w") as f:
             json.dump(index, f)
+            self._sync(f)
+        if self.durable:  # the new names: the folder's entries, then the folder's own entry
+            for d in (path, os.path.dirname(os.path.abspath(path))):
+                fd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    def _sync(self, f) -> None:
+        if self.durable:
+            f.flush()
+            os.fsync(f.fileno())
 
     def restore(self, path: str, target: Any) -> Any:
         with open(os.path.join(path, "index.json")) as f:
@@ -167,9 +183,19 @@ class RawNumpy:
         raise NotImplementedError("raw numpy has no async save; the baseline is jax.device_get")
 
 
+class RawNumpyDurable(RawNumpy):
+    """The physical limit of a *durable* write: raw numpy, plus an ``fsync`` of each file as
+    soon as it is written (one thread, in order) and of the folder (and its parent) at the end.
+    Still no checksums and no atomic commit."""
+
+    name = "raw numpy+fsync"
+    durable = True
+
+
 LIBS: dict[str, type] = {
     "jaxckpt": Jaxckpt,
     "orbax": Orbax,
     "jax.array_serialization": JaxSerialization,
     "raw numpy": RawNumpy,
+    "raw numpy+fsync": RawNumpyDurable,
 }

@@ -6,6 +6,8 @@ shard by shard from a per-leaf seed, so a restore can be checked against a fresh
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -45,7 +47,24 @@ def _small_layout() -> dict[str, dict]:
     }
 
 
-LAYOUTS = {"big": _big_layout, "small": _small_layout}
+def _size_layout(mib: int) -> dict[str, tuple]:
+    """``mib`` MiB in 64 leaves of shape (4·mib, 1024), FSDP x TP: 512 unique shards."""
+    return {f"w{i:02d}": ((4 * mib, 1024), P("fsdp", "tp")) for i in range(64)}
+
+
+SCALING_ELEMS = 10_240_000  # 39 MiB of float32 however many leaves hold it
+
+
+def _leaves_layout(n: int) -> dict[str, tuple]:
+    """``n`` 1-D leaves totalling 39 MiB, each split over all 8 devices (8 unique shards)."""
+    return {f"p{i:05d}": ((SCALING_ELEMS // n,), P(("fsdp", "tp"))) for i in range(n)}
+
+
+# `scaling`: state size with the leaf count fixed (64), and leaf count with the size fixed.
+SCALING = {f"size-{m}": functools.partial(_size_layout, m) for m in (100, 400, 1600)} | {
+    f"leaves-{n}": functools.partial(_leaves_layout, n) for n in (100, 1000, 10000)
+}
+LAYOUTS = {"big": _big_layout, "small": _small_layout, **SCALING}
 # Restore meshes. `reshard` goes from FSDP=4 x TP=2 to FSDP=2 x TP=4: every target shard has
 # the transposed shape of a saved one (e.g. 512x256 vs 256x512) and straddles two saved chunks.
 SAVE_MESH, RESHARD_MESH = (4, 2), (2, 4)

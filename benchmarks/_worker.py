@@ -194,6 +194,42 @@ def _memory_restore(spec: dict) -> dict:
     return {"growth": growth, "state_bytes": _state.nbytes(out)}
 
 
+def _files(path: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
+def _scaling(spec: dict) -> dict:
+    """One point of ``scaling`` in one process: saves (first = cold), then restores of the
+    last save onto the same shardings (the first one checked, not timed apart from the rest)."""
+    lib = _libs.LIBS[spec["lib"]]()
+    state = _state.build(spec["workload"])
+    size = _state.nbytes(state)
+    saves = []
+    for r in _calls(spec):
+        path = f"{spec['root']}/run{r}"
+        shutil.rmtree(path, ignore_errors=True)
+        t = time.perf_counter()
+        lib.save(path, state)
+        saves.append(time.perf_counter() - t)
+        if r:
+            shutil.rmtree(f"{spec['root']}/run{r - 1}")
+    del state
+    gc.collect()
+    files = _files(path)
+    target = _state.abstract(spec["workload"])
+    restores = []
+    for r in _calls(spec):
+        t = time.perf_counter()
+        out = jax.block_until_ready(lib.restore(path, target))
+        restores.append(time.perf_counter() - t)
+        if r == 0:
+            _state.check(spec["workload"], out)
+            _check_shardings(out, target)
+        del out
+    shutil.rmtree(path)
+    return {"save": saves, "restore": restores, "state_bytes": size, "files": files}
+
+
 def _plan(spec: dict) -> dict:
     import _plan_bench
 
@@ -207,6 +243,7 @@ TASKS = {
     "memory": _memory,
     "memory_restore": _memory_restore,
     "plan": _plan,
+    "scaling": _scaling,
 }
 
 

@@ -1,5 +1,9 @@
 """Compare jaxckpt with orbax-checkpoint, jax.experimental.array_serialization and raw numpy.
 
+Raw numpy comes twice: ``raw numpy`` (each unique shard ``tofile``'d, no fsync: the page-cache
+limit) and ``raw numpy+fsync`` (each file fsynced, then the folder: the limit of a durable
+write, the fair anchor for jaxckpt's durable save).
+
 Run from the repository root (``pip install -e '.[bench]'`` first)::
 
     .venv/bin/python benchmarks/compare.py --runs 3 --out bench-results.md
@@ -11,7 +15,8 @@ Workloads: ``big`` (~400 MiB transformer-like state, FSDP x TP on a (4,2) mesh),
 read), ``async`` (time until an async save returns), ``memory`` (peak RSS growth of a save and
 of a restore), ``plan`` (the save planner on a simulated job of up to 4,096 processes x 8
 devices), ``orbax-read`` (a checkpoint orbax wrote, of ``big`` when that is asked for too, else
-of ``small``, restored by jaxckpt and by orbax, both onto the saving mesh).
+of ``small``, restored by jaxckpt and by orbax, both onto the saving mesh), ``scaling`` (save
+and restore against state size, 100 MiB-1.6 GiB, and leaf count, 100-10,000).
 See docs/benchmarks.md for what each number means.
 """
 
@@ -32,8 +37,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-WORKLOADS = ("big", "small", "reshard", "async", "memory", "plan", "orbax-read")
-LIBS = ("jaxckpt", "orbax", "jax.array_serialization", "raw numpy")
+WORKLOADS = ("big", "small", "reshard", "async", "memory", "plan", "orbax-read", "scaling")
+LIBS = ("jaxckpt", "orbax", "jax.array_serialization", "raw numpy", "raw numpy+fsync")
+RAW = ("raw numpy", "raw numpy+fsync")  # no async save; the durable one's memory is raw's
 # One process per library; jaxckpt measures its blocking save, then its async one.
 MEMORY_MODES = {"jaxckpt": ["blocking", "async"], "orbax": ["async"],
                 "jax.array_serialization": ["blocking"], "raw numpy": ["blocking"]}  # fmt: skip
@@ -106,14 +112,14 @@ def measure(args: argparse.Namespace) -> dict:
                     res["orbax_read"][lib] = {**rr, "workload": w}
         shutil.rmtree(keep, ignore_errors=True)
     if "async" in args.workload:
-        for lib in [x for x in args.libs if x != "raw numpy"]:
+        for lib in [x for x in args.libs if x not in RAW]:
             spec = {"task": "async", "lib": lib, "runs": runs, "root": f"{root}/async"}
             r = spawn({**spec, "device_get": lib == "jaxckpt"}, log)
             if r:
                 res["async"][lib] = r
             shutil.rmtree(f"{root}/async", ignore_errors=True)
     if "memory" in args.workload:
-        for lib in args.libs:
+        for lib in [x for x in args.libs if x in MEMORY_MODES]:
             spec = {"task": "memory", "lib": lib, "modes": MEMORY_MODES[lib], "root": f"{root}/mem"}
             r = spawn(spec, log)
             for mode, growth in (r or {}).get("growth", {}).items():
@@ -125,6 +131,22 @@ def measure(args: argparse.Namespace) -> dict:
                 if rr:
                     res["memory"][(lib, "restore")] = rr
             shutil.rmtree(f"{root}/mem", ignore_errors=True)
+    if "scaling" in args.workload:
+        res["scaling"] = {}
+        for point in args.scaling:
+            for lib in [x for x in args.libs if x != "jax.array_serialization"]:
+                # 80,000 one-shard files, each fsynced: minutes of nothing but fsync
+                if f"{lib}:{point}" in args.scaling_skip or (
+                    lib == "raw numpy+fsync" and point.startswith("leaves")
+                ):
+                    continue
+                runs = 0 if f"{lib}:{point}" in args.scaling_cold else args.scaling_runs
+                spec = {"task": "scaling", "lib": lib, "workload": point, "runs": runs,
+                        "root": f"{root}/scaling"}  # fmt: skip
+                r = spawn(spec, log)
+                if r:
+                    res["scaling"][(lib, point)] = r
+                shutil.rmtree(f"{root}/scaling", ignore_errors=True)
     if "plan" in args.workload:
         procs = sorted(args.plan_procs)  # one process, smallest first: peak RSS grows with it
         r = spawn({"task": "plan", "processes": procs, "arrays": 1000}, log)
@@ -196,6 +218,8 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
 
     for name, d, lib, w, kind, goal in (
         ("big save warm vs raw numpy", sv, "raw numpy", "big", "warm", 0.9),
+        ("big save warm vs raw numpy+fsync (durable)", sv, "raw numpy+fsync", "big", "warm", 0.9),
+        ("big save warm vs orbax warm", sv, "orbax", "big", "warm", 2.5),
         ("big save cold vs orbax cold", sv, "orbax", "big", "cold", 3.0),
         ("big restore warm vs orbax", rs, "orbax", "big", "warm", 3.0),
         ("big restore cold vs orbax", rs, "orbax", "big", "cold", 3.0),
@@ -285,8 +309,10 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
             add(f"| {r['processes']:,} × 8 = {r['devices']:,} | {r['arrays']:,} | {r['boxes']:,} | "
                 f"{r['local_items']:,} | {_s(r['plan_s'])} | {_s(r['cached_s'])} | "
                 f"{r['manifest_bytes'] / 1024:.0f} | {r['peak_rss_growth_mb']:.0f} |")  # fmt: skip
+    if res.get("scaling"):
+        _scaling_report(res["scaling"], libs, add)
     if targets:
-        add("\n### Targets (issue 5)\n")
+        add("\n### Targets (issues 5, 13)\n")
         add("| target | measured | goal | met |")
         add("|---|---|---|---|")
         for name, x, goal, met in targets:
@@ -295,6 +321,64 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
         add("\nFailures:\n")
         out.extend(f"- {line}" for line in res["log"])
     return "\n".join(out) + "\n", targets
+
+
+def _scaling_report(sc: dict, libs: tuple[str, ...], add) -> None:
+    libs = tuple(x for x in libs if any(k[0] == x for k in sc))
+    points = list(dict.fromkeys(k[1] for k in sc))
+    n = max(len(r["save"]) - 1 for r in sc.values())
+    add("\n### `scaling`: cost against state size (64 leaves) and leaf count (39 MiB)\n")
+    add(f"One process per library and point: a cold save (first call), {n} warm one(s), then "
+        f"restores of that checkpoint in the same process (first, then {n} warm; the process "
+        "has already saved, so the first restore is not a cold process). Seconds; "
+        "warm (cold) for saves, warm (first) for restores; — = not run.\n")  # fmt: skip
+    add("| point | MiB | leaves | " + " | ".join(f"{x} save" for x in libs) + " | "
+        + " | ".join(f"{x} restore" for x in libs) + " | files: " + " / ".join(libs) + " |")  # fmt: skip
+    add("|---" * (3 + 2 * len(libs) + 1) + "|")
+    for point in points:
+        one = next(v for k, v in sc.items() if k[1] == point)
+        leaves = len(_state_leaves(point))
+        cells = [point, f"{one['state_bytes'] / 2**20:.0f}", f"{leaves:,}"]
+        for op in ("save", "restore"):
+            for lib in libs:
+                r = sc.get((lib, point))
+                if r is None:
+                    cells.append("—")
+                    continue
+                warm = _med(r[op][1:])
+                cells.append(f"{_s(warm)} ({_s(r[op][0])})" if r[op][1:] else f"— ({_s(r[op][0])})")
+        cells.append(" / ".join(f"{sc[(x, point)]['files']:,}" if (x, point) in sc else "—"
+                                for x in libs))  # fmt: skip
+        add("| " + " | ".join(cells) + " |")
+    if "jaxckpt" in libs:
+        add("\njaxckpt speed-up at each point (their warm time ÷ jaxckpt's; both cold where the "
+            "other ran no warm call):\n")  # fmt: skip
+        others = [x for x in libs if x != "jaxckpt"]
+        add("| point | " + " | ".join(f"save vs {x}" for x in others) + " | "
+            + " | ".join(f"restore vs {x}" for x in others) + " |")  # fmt: skip
+        add("|---" * (1 + 2 * len(others)) + "|")
+        for point in points:
+            ours = sc.get(("jaxckpt", point))
+            cells = [point]
+            for op in ("save", "restore"):
+                for lib in others:
+                    r = sc.get((lib, point))
+                    if not r or not ours:
+                        cells.append("—")
+                        continue
+                    warm = r[op][1:] and ours[op][1:]  # both warm, else both cold
+                    a, b = (
+                        (_med(r[op][1:]), _med(ours[op][1:])) if warm else (r[op][0], ours[op][0])
+                    )
+                    cells.append(_ratio(a, b) + ("" if warm else " (cold)"))
+            add("| " + " | ".join(cells) + " |")
+
+
+def _state_leaves(point: str) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _state
+
+    return _state.SCALING[point]()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,6 +401,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--plan-procs", default="1,64,512,4096", help="simulated process counts, 1,000 arrays each"
     )
+    p.add_argument(
+        "--scaling",
+        default="size-100,size-400,size-1600,leaves-100,leaves-1000,leaves-10000",
+        help="scaling points: size-MiB (64 leaves) and leaves-N (39 MiB)",
+    )
+    p.add_argument("--scaling-runs", type=int, default=1, help="warm calls per scaling point")
+    p.add_argument(
+        "--scaling-skip",
+        default="",
+        help="comma list of LIB:POINT to leave out, e.g. orbax:size-1600",
+    )
+    p.add_argument(
+        "--scaling-cold",
+        default="orbax:leaves-10000,raw numpy:leaves-10000,raw numpy+fsync:size-1600",
+        help="comma list of LIB:POINT measured by the cold calls only (each takes long)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -328,7 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     args.workload = [w for w in args.workload.split(",") if w]
     args.libs = tuple(x for x in args.libs.split(",") if x)
     args.plan_procs = [int(x) for x in args.plan_procs.split(",") if x]
+    args.scaling = [x for x in args.scaling.split(",") if x]
+    args.scaling_skip = {x for x in args.scaling_skip.split(",") if x}
+    args.scaling_cold = {x for x in args.scaling_cold.split(",") if x}
     bad = [w for w in args.workload if w not in WORKLOADS] + [x for x in args.libs if x not in LIBS]
+    bad += [x for x in args.scaling if not x.startswith(("size-", "leaves-"))]
     if bad:
         p.error(f"unknown workload or library: {bad}")
     made = args.dir is None

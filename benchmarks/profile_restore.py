@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _location, _storage  # noqa: E402
+from jaxckpt import _location, _reader  # noqa: E402
 
 
 def _median(fn, runs: int) -> float:
@@ -60,11 +60,11 @@ def main() -> None:
     planner.set_up_planner(target, manifest)
     items = planner.create_local_plan().items
     loc = _location.Location(path)
-    boxes = [a for _, a in _storage.Reader(loc).read(manifest.entries, items)]
+    boxes = [a for _, a in _reader.Reader(loc).read(manifest.entries, items)]
     nbytes = sum(b.nbytes for b in boxes)
 
     def read():
-        for _ in _storage.Reader(loc).read(manifest.entries, items):
+        for _ in _reader.Reader(loc).read(manifest.entries, items):
             pass
 
     import google_crc32c

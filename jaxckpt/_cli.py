@@ -31,7 +31,7 @@ from typing import Any, TextIO
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _catalog, _location, _pack, _sources, _storage, _tree
+from jaxckpt import _catalog, _location, _pack, _reader, _sources, _storage, _tree
 from jaxckpt import _convert as _convert_mod
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
@@ -219,7 +219,7 @@ def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
     if 0 in e.shape:  # a zero-size array has no chunks
         return
     grid = [-(-s // c) for s, c in zip(e.shape, e.chunks)]
-    for idx in _storage.grid_indices(grid):  # lazily: a declared grid may be huge
+    for idx in _reader.grid_indices(grid):  # lazily: a declared grid may be huge
         offsets = tuple(i * c for i, c in zip(idx, e.chunks))
         sizes = tuple(min(c, s - o) for o, s, c in zip(offsets, e.shape, e.chunks))
         yield idx, ReadItem(e.key, offsets, sizes)

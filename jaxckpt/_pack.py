@@ -180,7 +180,7 @@ def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
     """Yield ``(item, data)`` for packed items, reading each needed pack once (the span of it
     the items need), at most ``max_inflight_bytes`` ahead.
 
-    ``reader`` is a ``jaxckpt._storage.Reader``: a pack is read as its plain 1-D array.
+    ``reader`` is a ``jaxckpt._reader.Reader``: a pack is read as its plain 1-D array.
     """
     by_pack: dict[str, list[ReadItem]] = {}
     for item in items:
@@ -191,11 +191,10 @@ def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
         pack = entries[mine[0].key].pack
         lo = min(entries[i.key].offset for i in mine)
         hi = max(entries[i.key].offset + entries[i.key].size for i in mine)
-        try:  # opening lists the pack's chunk files first: a missing one names these keys
-            store = reader._store(pack.as_array()) if hi > lo else None
+        try:  # opening lists the pack's chunks first: a missing one is reported here
+            fut = reader._store(pack.as_array())[lo:hi].read() if hi > lo else None
         except CorruptChunkError as e:
             raise _corrupt(reader, pack, [i.key for i in mine], e) from e
-        fut = store[lo:hi].read() if store is not None else None
         n = (hi - lo) * dtype_from_name(pack.storage_dtype).itemsize
         pending.append((n, (pack, mine, lo, fut)))
         inflight += n
@@ -227,9 +226,8 @@ def _slices(reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[R
 
 def _corrupt(reader: Any, pack: PackEntry, keys: list[str], e: Exception) -> CorruptChunkError:
     msg = str(e)
-    what = "is missing" if "NOT_FOUND" in msg or "is missing" in msg else "fails its checksum" if "igest" in msg else (
-        "cannot be read"
-    )  # fmt: skip
+    gone = "NOT_FOUND" in msg or "is missing" in msg  # a read, or the listing before it
+    what = "is missing" if gone else "fails its checksum" if "igest" in msg else "cannot be read"
     others = sorted(set(keys) - {keys[0]})
     also = f" (and {len(others)} more keys packed with it: {others[:3]!r})" if others else ""
     return CorruptChunkError(

@@ -1,7 +1,7 @@
 """What is at a path: a jaxckpt checkpoint, an Orbax checkpoint or safetensors weights.
 
 :func:`open_source` picks the reader by what it finds and returns a :class:`Manifest` plus a
-reader with ``_storage.Reader``'s interface, so restore's pipeline (plan -> read -> transform
+reader with ``_reader.Reader``'s interface, so restore's pipeline (plan -> read -> transform
 -> commit -> finish) is the same for every format::
 
     PATH/manifest.json                      jaxckpt (checked first)
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _location, _storage
+from jaxckpt import _location, _reader, _storage
 from jaxckpt._errors import CheckpointNotFoundError, ManifestError
 from jaxckpt._manifest import MANIFEST, Manifest
 from jaxckpt._plan import ReadItem
@@ -49,7 +49,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, Any]:
                 return found
         raise missing from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
-    return manifest, _storage.Reader(loc)
+    return manifest, _reader.Reader(loc)
 
 
 def source_kind(reader: Any) -> str:

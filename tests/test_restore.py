@@ -135,10 +135,10 @@ def test_restore_reads_only_overlapping_chunks(tmp_path):
     planner.set_up_planner({"x": one}, jaxckpt.metadata(tmp_path / "c"))
     plan = planner.create_local_plan()
     item = next(i for i in plan.items if i.devices == (dev.id,))
-    from jaxckpt import _location, _storage
+    from jaxckpt import _location, _reader
 
     before = _file_bytes_read()
-    reader = _storage.Reader(_location.Location(tmp_path / "c"))
+    reader = _reader.Reader(_location.Location(tmp_path / "c"))
     [(_, data)] = list(reader.read(jaxckpt.metadata(tmp_path / "c").entries, [item]))
     read = _file_bytes_read() - before
     assert read < whole / 4, (read, whole)  # one of eight chunks (plus metadata)
