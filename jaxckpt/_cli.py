@@ -16,8 +16,10 @@ PATH and SRC may also be an Orbax checkpoint or safetensors weights (see docs/mi
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import json
+import math
 import os
 import re
 import sys
@@ -29,12 +31,12 @@ from typing import Any, TextIO
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _catalog, _location, _pack, _safetensors, _sources, _storage, _tree
+from jaxckpt import _catalog, _location, _pack, _reader, _safetensors, _sources, _storage, _tree
 from jaxckpt import _convert as _convert_mod
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry, dtype_from_name
-from jaxckpt._plan import ReadItem, chunk_boxes
+from jaxckpt._plan import ReadItem
 
 # safetensors dtype names (the reader's table, inverted); other dtypes are skipped with a message.
 _SAFETENSORS = {v: k for k, v in _safetensors.DTYPES.items()}
@@ -211,8 +213,11 @@ def _describe(e: ArrayEntry | ValueEntry) -> str:
 def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
     if 0 in e.shape:  # a zero-size array has no chunks
         return
-    for offsets, sizes in chunk_boxes((0,) * len(e.shape), e.shape, e.chunks):
-        yield tuple(o // c for o, c in zip(offsets, e.chunks)), ReadItem(e.key, offsets, sizes)
+    grid = [-(-s // c) for s, c in zip(e.shape, e.chunks)]
+    for idx in _reader.grid_indices(grid):  # lazily: a declared grid may be huge
+        offsets = tuple(i * c for i, c in zip(idx, e.chunks))
+        sizes = tuple(min(c, s - o) for o, s, c in zip(offsets, e.shape, e.chunks))
+        yield idx, ReadItem(e.key, offsets, sizes)
 
 
 _VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array is summarised
@@ -234,13 +239,10 @@ def _verify(args: argparse.Namespace) -> int:
             reader.check_chunks(e, slack=_VERIFY_SLACK)
         except CorruptChunkError as err:
             missing[e.key] = _one_line(err)
-    jobs = [
-        (e, idx, item)
-        for e in stored.values()
-        if e.key not in missing
-        for idx, item in _chunk_items(e)
-    ]
-    progress = _Progress("verify", len(jobs), args.progress, sys.stderr)
+    checked = [e for e in stored.values() if e.key not in missing]
+    n_jobs = sum(math.prod(-(-s // c) for s, c in zip(e.shape, e.chunks)) for e in checked)
+    jobs = ((e, idx, item) for e in checked for idx, item in _chunk_items(e))  # lazily
+    progress = _Progress("verify", n_jobs, args.progress, sys.stderr)
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
         try:
@@ -254,7 +256,7 @@ def _verify(args: argparse.Namespace) -> int:
     damaged: dict[str, list[str]] = {}
     bad_chunks = 0
     for key, msg in missing.items():
-        print(f"DAMAGED {key}: {msg}")
+        print(f"DAMAGED {_who(stored[key], members)}: {msg}")
         for k in members.get(key, [key]):
             damaged[k] = ["missing chunks"]
         bad_chunks += 1
@@ -265,7 +267,7 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"DAMAGED {_who(e, members)} metadata at {e.path}/zarr.json: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append("zarr.json")
-        for (e, idx, _), problem in zip(jobs, pool.map(check, jobs)):
+        for (e, idx, _), problem in _bounded_map(pool, check, jobs):
             progress.step(e.key)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
@@ -277,17 +279,31 @@ def _verify(args: argparse.Namespace) -> int:
     progress.close()
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
-        print(f"OK: {args.path}: {_plural(len(arrays), 'array')}, {_plural(len(jobs), 'chunk')}, "
+        print(f"OK: {args.path}: {_plural(len(arrays), 'array')}, {_plural(n_jobs, 'chunk')}, "
               f"{_bytes(nbytes)} read, " + (f"every chunk readable ({_sources.source_kind(reader)} "
               f"stores no checksums)" if foreign else "every checksum matches"))  # fmt: skip
         return 0
     bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
                     for k, v in damaged.items())  # fmt: skip
-    print(f"DAMAGED: {args.path}: {bad_chunks} of {_plural(len(jobs), 'chunk')} bad, "
+    print(f"DAMAGED: {args.path}: {bad_chunks} of {_plural(n_jobs, 'chunk')} bad, "
           f"{len(damaged)} of {_plural(len(arrays), 'array')} affected: {bad}. Restore an "
           f"earlier checkpoint, or restore the undamaged keys with "
           f"jaxckpt.restore(..., keys=[...]).")  # fmt: skip
     return 1
+
+
+def _bounded_map(pool: concurrent.futures.Executor, fn: Any, jobs: Iterator) -> Iterator[tuple]:
+    """``(job, fn(job))`` in order, with at most a few jobs per thread queued (Executor.map
+    would submit every job at once: a hostile grid of 2**30 chunks must not become 2**30
+    futures)."""
+    pending: collections.deque = collections.deque()
+    for job in jobs:
+        pending.append((job, pool.submit(fn, job)))
+        if len(pending) >= 4 * _VERIFY_THREADS:
+            job, fut = pending.popleft()
+            yield job, fut.result()
+    for job, fut in pending:
+        yield job, fut.result()
 
 
 def _who(e: ArrayEntry, members: dict[str, list[str]]) -> str:

@@ -364,7 +364,10 @@ class CheckpointManager:
         if self._loc.local is None:
             for name, committed in _catalog.children(self._loc):
                 if _STEP.fullmatch(name) and not committed:
-                    _catalog.delete(self._loc.join(name))
+                    try:
+                        _catalog.delete(self._loc.join(name))
+                    except CheckpointError as e:  # holds objects jaxckpt did not write: keep
+                        logger.warning("not cleaning up %s: %s", self._loc.join(name), e)
             return
         root: Path = self._loc.local
         for p in root.iterdir():

@@ -311,7 +311,7 @@ def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
             what = "has a storage path outside the checkpoint's arrays/"
         elif not _ints(shape) or len(shape) != 1 or not _ints(chunks) or len(chunks) != 1:
             what = f"has an invalid shape {shape!r} or chunk shape {chunks!r} (1-D expected)"
-        elif chunks[0] < 1 or sdtype not in _NATIVE:
+        elif chunks[0] < 1 or not isinstance(sdtype, str) or sdtype not in _NATIVE:
             what = f"has an invalid chunk size {chunks!r} or data type {sdtype!r}"
         elif shape[0] * dtype_from_name(sdtype).itemsize > _MAX_BYTES:
             what = f"claims an absurd size {shape!r}"

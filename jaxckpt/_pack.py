@@ -226,9 +226,8 @@ def _slices(reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[R
 
 def _corrupt(reader: Any, pack: PackEntry, keys: list[str], e: Exception) -> CorruptChunkError:
     msg = str(e)
-    what = "is missing" if "NOT_FOUND" in msg else "fails its checksum" if "igest" in msg else (
-        "cannot be read"
-    )  # fmt: skip
+    gone = "NOT_FOUND" in msg or "is missing" in msg  # a read, or the listing before it
+    what = "is missing" if gone else "fails its checksum" if "igest" in msg else "cannot be read"
     others = sorted(set(keys) - {keys[0]})
     also = f" (and {len(others)} more keys packed with it: {others[:3]!r})" if others else ""
     return CorruptChunkError(

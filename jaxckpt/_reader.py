@@ -109,7 +109,7 @@ class Reader:
         if (
             math.prod(grid) > len(found) + slack
         ):  # only then can one be missing: find the first, lazily
-            for idx in _grid_indices(grid):
+            for idx in grid_indices(grid):
                 name = "/".join(["c", *map(str, idx)])
                 if name not in found:
                     raise CorruptChunkError(
@@ -228,7 +228,7 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _grid_indices(grid: list[int]) -> Iterator[tuple[int, ...]]:
+def grid_indices(grid: list[int]) -> Iterator[tuple[int, ...]]:
     """Chunk indices in row-major order, lazily (itertools.product would materialise ranges)."""
     if 0 in grid:
         return

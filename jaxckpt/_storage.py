@@ -189,13 +189,14 @@ class Writer:
         if not self.overwrite:
             self._commit_noreplace(target)
         elif target.exists():
+            _check_target_dir(target, True)  # again: files may have appeared during the save
             if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
                 old = self.staging.with_name(self.staging.name + "-old")
                 os.rename(target, old)
                 os.rename(self.staging, target)
-                shutil.rmtree(old, ignore_errors=True)
+                _remove_own(old)
             else:
-                shutil.rmtree(self.staging, ignore_errors=True)  # now holds the old checkpoint
+                _remove_own(self.staging)  # now holds the old checkpoint
         else:
             os.rename(self.staging, target)
         fsync_dir(target.parent)
@@ -223,7 +224,7 @@ class Writer:
             _drop_unused(kv, manifest)
             raise _lost_error(self.loc, True)
         if self.generation:
-            _delete_all_but(kv, self.generation)  # the replaced arrays go only now
+            _delete_all_but(kv, self.loc, self.generation)  # the replaced arrays go only now
 
     def abort(self) -> None:
         if self.staging is not None:
@@ -253,10 +254,11 @@ def _lost_error(loc: Location, committed: bool, writing: bool = False) -> Checkp
         what = "another save committed a checkpoint"
     else:
         what = "files jaxckpt did not write appeared"
+    fix = "pass overwrite=True to replace it" if committed or writing else "move those away"
     return CheckpointExistsError(
         f"Save to {loc} lost the race to one path: {what} there while this one was writing "
         f"(overwrite=False). This save's own data was removed; the other's is untouched. Give "
-        f"each concurrent save its own path, or pass overwrite=True to replace it."
+        f"each concurrent save its own path, or {fix}."
     )
 
 
@@ -301,6 +303,19 @@ def _check_target_dir(path: Path, overwrite: bool) -> None:
             f"{path} holds the arrays of an unfinished save (no {MANIFEST}). Pass "
             f"overwrite=True to replace them, or choose an empty or new path."
         )
+
+
+def _remove_own(old: Path) -> None:
+    """Delete a replaced checkpoint: only what jaxckpt wrote there (see _check_target_dir).
+
+    A file that appeared between the last check and the swap stays, in the hidden old folder.
+    """
+    shutil.rmtree(old / "arrays", ignore_errors=True)
+    (old / MANIFEST).unlink(missing_ok=True)
+    try:
+        os.rmdir(old)
+    except OSError:
+        pass  # not empty: what is left is not ours to delete
 
 
 def _foreign_error(loc: Location, name: str, *, committed: bool) -> CheckpointExistsError:
@@ -425,13 +440,21 @@ def _in_generation(manifest: bytes, generation: str) -> bytes:
     return dataclasses.replace(m, entries=entries, packs=packs).to_json()
 
 
-def _delete_all_but(kv: ts.KvStore, generation: str) -> None:
-    keep = sorted([_prefix_range(generation), ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")],
-                  key=lambda r: r.inclusive_min)  # fmt: skip
-    gaps, low = [], b""
-    for r in keep:
-        gaps.append(ts.KvStore.KeyRange(low, r.inclusive_min))
-        low = r.exclusive_max
-    gaps.append(ts.KvStore.KeyRange(low, b""))
-    for fut in [kv.delete_range(g) for g in gaps if not g.empty]:
+def _delete_all_but(kv: ts.KvStore, loc: Location, generation: str) -> None:
+    """After an overwrite: delete the replaced arrays, only keys jaxckpt writes (``OWN_KEY``).
+
+    One listing; a top-level prefix holding only jaxckpt's keys goes in one range delete, one
+    where a foreign object appeared during the save loses only jaxckpt's keys.
+    """
+    by_top: dict[str, list[str]] = collections.defaultdict(list)
+    for k in list_keys(loc):
+        if k != MANIFEST and not k.startswith(generation):
+            by_top[k.split("/", 1)[0] + "/"].append(k)
+    futures = []
+    for top, keys in by_top.items():
+        if all(OWN_KEY.match(k) for k in keys):
+            futures.append(kv.delete_range(_prefix_range(top)))
+        else:
+            futures += [kv.delete(k) for k in keys if OWN_KEY.match(k)]
+    for fut in futures:
         fut.result()

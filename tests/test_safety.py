@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -72,6 +73,41 @@ def test_object_store_overwrite_keeps_foreign_objects(committed):
     assert kv.read("notes.txt").result().value == b"mine"
 
 
+class _DropsAFile(jaxckpt.DefaultSavePlanner):
+    """Writes a user's file into the target while the save writes its arrays (a real race)."""
+
+    def __init__(self, drop) -> None:
+        super().__init__()
+        self.drop = drop
+
+    def resolve_data(self, item):
+        if self.drop is not None:
+            self.drop()
+            self.drop = None
+        return super().resolve_data(item)
+
+
+def test_a_file_written_into_the_target_during_an_overwrite_survives(tmp_path):
+    d = tmp_path / "c"
+    jaxckpt.save(d, {"w": jnp.ones(2)})
+    planner = _DropsAFile(lambda: (d / "notes.txt").write_text("mine"))
+    with pytest.raises(jaxckpt.CheckpointExistsError, match=r"also 'notes.txt'.*even with"):
+        jaxckpt.save(d, {"w": jnp.zeros(2)}, overwrite=True, planner=planner)
+    assert (d / "notes.txt").read_text() == "mine"
+    np.testing.assert_array_equal(jaxckpt.restore(d)["w"], np.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # the save's temporaries went
+
+
+def test_an_object_written_during_an_object_store_overwrite_survives():
+    url = "memory://safety-race/c"
+    jaxckpt.save(url, {"w": jnp.ones(2)})
+    kv = kvstore(Location(url).kvstore)
+    planner = _DropsAFile(lambda: kv.write("notes.txt", b"mine").result())
+    jaxckpt.save(url, {"w": jnp.zeros(2)}, overwrite=True, planner=planner)
+    assert kv.read("notes.txt").result().value == b"mine"
+    np.testing.assert_array_equal(jaxckpt.restore(url)["w"], np.zeros(2))
+
+
 def test_manager_refuses_a_step_directory_holding_user_files(tmp_path):
     (tmp_path / "run" / "00000003").mkdir(parents=True)
     (tmp_path / "run" / "00000003" / "plot.png").write_bytes(b"png")
@@ -82,14 +118,30 @@ def test_manager_refuses_a_step_directory_holding_user_files(tmp_path):
     assert (tmp_path / "run" / "00000003" / "plot.png").read_bytes() == b"png"
 
 
+def test_manager_on_an_object_store_keeps_a_step_prefix_holding_user_objects():
+    url = "memory://safety-manager/run"
+    kv = kvstore(Location(url).kvstore)
+    kv.write("00000003/notes.txt", b"mine").result()
+    with jaxckpt.CheckpointManager(url, async_save=False) as mgr:  # its clean-up leaves it
+        mgr.save(1, {"w": jnp.ones(2)})
+        with pytest.raises(jaxckpt.CheckpointExistsError, match=r"'notes.txt'.*even with") as e:
+            mgr.save(3, {"w": jnp.ones(2)})
+        assert "pass overwrite=True" not in str(e.value).lower()
+        assert mgr.all_steps() == [1]
+    assert kv.read("00000003/notes.txt").result().value == b"mine"
+
+
 # 2. no read leaves the checkpoint ---------------------------------------------------------------
+
+
+_UNPACKED = jaxckpt.DefaultSavePlanner(pack_bytes=0)  # one zarr array per leaf: arrays/KEY
 
 
 def _two(tmp_path: Path) -> tuple[Path, Path]:
     mine, other = tmp_path / "mine", tmp_path / "other"
-    jaxckpt.save(mine, {"w": jnp.zeros(4)})
-    jaxckpt.save(other, {"w": jnp.full(4, 7.0)})  # valid crc32c: only the link gives it away
-    return mine, other
+    jaxckpt.save(mine, {"w": jnp.zeros(4)}, planner=_UNPACKED)
+    jaxckpt.save(other, {"w": jnp.full(4, 7.0)}, planner=_UNPACKED)  # a valid crc32c: only
+    return mine, other  # the link gives it away
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
@@ -101,16 +153,17 @@ def _cli(capsys, *argv) -> tuple[int, str]:
 @pytest.mark.parametrize("what", ["chunk", "c folder"])
 def test_links_below_an_array_folder_are_refused(tmp_path, capsys, what):
     mine, other = _two(tmp_path)
-    if what == "chunk":
-        (mine / "arrays/w/c/0").unlink()
-        (mine / "arrays/w/c/0").symlink_to(other / "arrays/w/c/0")
+    folder = "arrays/w"
+    if what == "c folder":
+        shutil.rmtree(mine / folder / "c")
+        (mine / folder / "c").symlink_to(other / folder / "c")
     else:
-        import shutil
-
-        shutil.rmtree(mine / "arrays/w/c")
-        (mine / "arrays/w/c").symlink_to(other / "arrays/w/c")
+        (mine / folder / "c/0").unlink()
+        (mine / folder / "c/0").symlink_to(other / folder / "c/0")
     with pytest.raises(jaxckpt.ManifestError, match=r"Key 'w': arrays/w/c.* is a link; refusing"):
         jaxckpt.restore(mine)
+    with pytest.raises(jaxckpt.ManifestError, match="is a link"):
+        jaxckpt.restore(mine, keys=["w"])
     code, out = _cli(capsys, "verify", mine)
     assert code != 0 and "is a link" in out and "OK" not in out
     code, out = _cli(capsys, "export", mine, tmp_path / "out.npz")
@@ -158,7 +211,7 @@ _LIMITED = textwrap.dedent(
 @pytest.mark.parametrize("how", ["restore", "verify"])
 def test_declared_but_absent_chunks_are_an_error_not_an_allocation(tmp_path, shape, chunks, how):
     d = tmp_path / "c"
-    jaxckpt.save(d, {"w": np.zeros(4, np.float32)})
+    jaxckpt.save(d, {"w": np.zeros(4, np.float32)}, planner=_UNPACKED)
     m = json.loads((d / "manifest.json").read_text())
     m["entries"]["w"].update(shape=shape, chunks=chunks)
     (d / "manifest.json").write_text(json.dumps(m))
@@ -177,7 +230,7 @@ def test_declared_but_absent_chunks_are_an_error_not_an_allocation(tmp_path, sha
 
 def test_object_store_chunks_are_listed_before_reading():
     url = "memory://safety-listing/c"
-    jaxckpt.save(url, {"w": np.ones(1, np.float32), "c": {"c": np.ones(2)}})
+    jaxckpt.save(url, {"w": np.ones(1, np.float32), "c": {"c": np.ones(2)}}, planner=_UNPACKED)
     assert jaxckpt.restore(url)["c"]["c"].shape == (2,)  # an array named c: keys c/c/...
     kv = kvstore(Location(url).kvstore)
     m = json.loads(kv.read("manifest.json").result().value)
@@ -190,7 +243,7 @@ def test_object_store_chunks_are_listed_before_reading():
 def test_zero_size_arrays_and_scalars_have_no_missing_chunks(tmp_path):
     d = tmp_path / "c"
     tree = {"z": np.zeros((0, 3)), "s": np.float32(2), "m": np.ones((3, 5))}
-    jaxckpt.save(d, tree)
+    jaxckpt.save(d, tree, planner=_UNPACKED)
     out = jaxckpt.restore(d)
     assert out["z"].shape == (0, 3) and out["s"] == 2
     (d / "arrays/s/c").unlink()
@@ -231,6 +284,17 @@ def test_tree_keys_must_be_str_or_int(tmp_path, key):
         Manifest.from_json(json.dumps(m).encode())
 
 
+@pytest.mark.parametrize("value", [[], ["float32"], {"a": 1}])
+def test_a_pack_dtype_that_is_not_a_string_is_a_manifest_error(tmp_path, value):
+    d = tmp_path / "c"  # found by the property test below (on packed manifests)
+    jaxckpt.save(d, {"a": np.ones(2, np.float32), "b": np.ones(3, np.float32)},
+                 planner=jaxckpt.DefaultSavePlanner(pack_bytes=1 << 10))  # fmt: skip
+    m = json.loads((d / "manifest.json").read_bytes())
+    m["packs"][next(iter(m["packs"]))]["storage_dtype"] = value
+    with pytest.raises(jaxckpt.ManifestError, match=r"pack 'arrays/pack.* data type"):
+        Manifest.from_json(json.dumps(m).encode())
+
+
 def test_a_leaf_key_that_is_not_a_string_is_a_manifest_error(tmp_path):
     m = json.loads(_manifest_bytes(tmp_path))
     m["tree"]["children"][0]["children"][0]["key"] = ["a", "b"]
@@ -260,7 +324,7 @@ def _paths(node, prefix=()):
 _VALID: dict = {}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_any_mutation_of_a_valid_manifest_loads_or_is_a_manifest_error(tmp_path_factory, data):
     if not _VALID:
@@ -311,10 +375,11 @@ def test_a_donated_array_is_an_unsupported_leaf(tmp_path):
         jaxckpt.save(tmp_path / "c", {"x": x})
 
 
-def test_a_tracer_is_an_unsupported_leaf(tmp_path):
+@pytest.mark.parametrize("how", ["save", "save_async", "manager"])
+def test_a_tracer_is_an_unsupported_leaf(tmp_path, how):
     @jax.jit
     def step(w):
-        jaxckpt.save(tmp_path / "c", {"w": w})
+        _save(tmp_path, {"w": w}, how)
         return w
 
     with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"'w' is a JAX tracer.*outside"):
