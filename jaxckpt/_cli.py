@@ -31,20 +31,15 @@ from typing import Any, TextIO
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _catalog, _location, _pack, _reader, _sources, _storage, _tree
+from jaxckpt import _catalog, _location, _pack, _reader, _safetensors, _sources, _storage, _tree
 from jaxckpt import _convert as _convert_mod
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry, dtype_from_name
 from jaxckpt._plan import ReadItem
 
-# safetensors dtype names; other dtypes are skipped with a message.
-_SAFETENSORS = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
-    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64", "float16": "F16",
-    "bfloat16": "BF16", "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}  # fmt: skip
+# safetensors dtype names (the reader's table, inverted); other dtypes are skipped with a message.
+_SAFETENSORS = {v: k for k, v in _safetensors.DTYPES.items()}
 _VERIFY_THREADS = 8
 
 
