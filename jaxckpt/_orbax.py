@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,8 @@ from jaxckpt import _location
 from jaxckpt._errors import CorruptChunkError, ManifestError
 from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry, is_supported_dtype
 from jaxckpt._plan import ReadItem
-from jaxckpt._sources import MAX_INFLIGHT_BYTES, Pending, pipelined, read_small
+from jaxckpt._reader import pipelined
+from jaxckpt._sources import MAX_INFLIGHT_BYTES, read_small
 from jaxckpt._tree import SEP
 
 METADATA = "_METADATA"
@@ -297,13 +298,12 @@ class Reader:
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
         """Yield ``(item, data)`` for each item; tensorstore reads the chunks its box overlaps."""
-        return pipelined(items, self._start, max_inflight_bytes=max_inflight_bytes)
+        return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
 
-    def _start(self, item: ReadItem) -> Pending:
+    def _start(self, item: ReadItem) -> Callable[[], np.ndarray]:
         store = self.stores[item.key]
         if item.sizes != tuple(store.shape):
             store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
         fut = store.read()
         name = item.key.replace(SEP, ".")  # Orbax's parameter name
-        n = math.prod(item.sizes) * store.dtype.numpy_dtype.itemsize
-        return Pending(n, lambda: _result(self.loc, item.key, name, fut))
+        return lambda: _result(self.loc, item.key, name, fut)

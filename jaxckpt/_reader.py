@@ -13,7 +13,7 @@ import collections
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -183,29 +183,24 @@ class Reader:
         """
         items, packed = _pack.split(entries, items)
         yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
-        pending: collections.deque = collections.deque()
-        inflight = 0
-        for item in items:
-            entry = entries[item.key]
-            store = self._store(entry)
-            if item.sizes != entry.shape:
-                store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
-            n = math.prod(item.sizes) * dtype_from_name(entry.storage_dtype).itemsize
-            while pending and inflight + n > max_inflight_bytes:
-                inflight -= pending[0][3]
-                yield self._result(*pending.popleft())
-            if n >= _ALIGNED_MIN_BYTES:  # into an aligned buffer: CPU devices alias it, no copy
-                out = _aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
-                fut = ts.array(out, copy=False, write=True).write(store)
-            else:
-                out, fut = None, store.read()
-            pending.append((item, entry, fut, n, out))
-            inflight += n
-        while pending:
-            yield self._result(*pending.popleft())
+        yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
+                             max_inflight_bytes=max_inflight_bytes)  # fmt: skip
 
-    def _result(self, item: ReadItem, entry: ArrayEntry, fut: Any, n: int,
-                out: np.ndarray | None) -> tuple[ReadItem, np.ndarray]:  # fmt: skip
+    def _start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], np.ndarray]:
+        store = self._store(entry)
+        if item.sizes != entry.shape:
+            store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+        out = None
+        dtype = dtype_from_name(entry.storage_dtype)
+        if math.prod(item.sizes) * dtype.itemsize >= _ALIGNED_MIN_BYTES:
+            # into an aligned buffer: CPU devices alias it, no copy
+            out = _aligned_empty(item.sizes, dtype)
+            fut = ts.array(out, copy=False, write=True).write(store)
+        else:
+            fut = store.read()
+        return lambda: self._result(entry, fut, out)
+
+    def _result(self, entry: ArrayEntry, fut: Any, out: np.ndarray | None) -> np.ndarray:
         try:
             data = fut.result()
         except ValueError as e:
@@ -214,7 +209,30 @@ class Reader:
             data = out
         if entry.storage_dtype != entry.dtype:
             data = data.view(dtype_from_name(entry.dtype))
-        return item, data
+        return data
+
+
+def pipelined(entries: dict[str, Any], items: Iterable[ReadItem],
+              start: Callable[[ReadItem], Callable[[], np.ndarray]], *,
+              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    """Start each item's read in order (``start(item)`` returns a call that waits for its data),
+    yielding the oldest first whenever starting the next would put more than
+    ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader
+    (jaxckpt's, Orbax's, safetensors') reads ahead through this one loop.
+    """
+    pending: collections.deque = collections.deque()
+    inflight = 0
+    for item in items:
+        n = math.prod(item.sizes) * dtype_from_name(entries[item.key].storage_dtype).itemsize
+        while pending and inflight + n > max_inflight_bytes:
+            done, m, result = pending.popleft()
+            inflight -= m
+            yield done, result()
+        pending.append((item, n, start(item)))
+        inflight += n
+    while pending:
+        done, _, result = pending.popleft()
+        yield done, result()
 
 
 _ALIGNED_MIN_BYTES = 1 << 20

@@ -23,7 +23,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,8 @@ from jaxckpt import _location
 from jaxckpt._errors import CorruptChunkError, ManifestError
 from jaxckpt._manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._plan import ReadItem
-from jaxckpt._sources import MAX_INFLIGHT_BYTES, Pending, pipelined, read_small
+from jaxckpt._reader import pipelined
+from jaxckpt._sources import MAX_INFLIGHT_BYTES, read_small
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # larger headers are treated as damage, not allocated
@@ -257,9 +258,9 @@ class Reader:
     def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
         """Yield ``(item, data)`` for each item, reading only the byte ranges its box needs."""
-        return pipelined(items, self._start, max_inflight_bytes=max_inflight_bytes)
+        return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
 
-    def _start(self, item: ReadItem) -> Pending:
+    def _start(self, item: ReadItem) -> Callable[[], np.ndarray]:
         t = self.tensors[item.key]
         where = f"{self.loc}: tensor {item.key!r} in {t.file}"
         size = self.sizes.get(t.file)
@@ -294,7 +295,7 @@ class Reader:
                 out[dest] = rows[view[1]]
             return out
 
-        return Pending(math.prod(item.sizes) * dtype.itemsize, result)
+        return result
 
 
 def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],

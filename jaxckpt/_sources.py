@@ -13,17 +13,12 @@ reader with ``_reader.Reader``'s interface, so restore's pipeline (plan -> read 
 
 from __future__ import annotations
 
-import collections
 import os
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
-
-import numpy as np
 
 from jaxckpt import _location, _reader, _storage
 from jaxckpt._errors import CheckpointNotFoundError, ManifestError
 from jaxckpt._manifest import MANIFEST, Manifest
-from jaxckpt._plan import ReadItem
 
 MAX_INFLIGHT_BYTES = _storage.MAX_INFLIGHT_BYTES
 
@@ -78,29 +73,3 @@ def read_small(kv: Any, loc: _location.Location, name: str, limit: int) -> bytes
         f"{loc}/{name} is larger than {limit} bytes, more than any real one: it is damaged or "
         f"not what its name says. Nothing was read."
     )
-
-
-class Pending:
-    """One box being read: ``result()`` waits for it; ``nbytes`` counts towards the bound."""
-
-    def __init__(self, nbytes: int, result: Callable[[], np.ndarray]) -> None:
-        self.nbytes = nbytes
-        self.result = result
-
-
-def pipelined(items: Iterable[ReadItem], start: Callable[[ReadItem], Pending], *,
-              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
-    """Start each item's read, keeping at most ``max_inflight_bytes`` started but not yielded."""
-    pending: collections.deque = collections.deque()
-    inflight = 0
-    for item in items:
-        p = start(item)
-        pending.append((item, p))
-        inflight += p.nbytes
-        while inflight > max_inflight_bytes and pending:
-            done, p = pending.popleft()
-            inflight -= p.nbytes
-            yield done, p.result()
-    while pending:
-        done, p = pending.popleft()
-        yield done, p.result()
