@@ -159,6 +159,10 @@ def bytes_needed(path: str, stage: str, devices=None) -> tuple[int, int]:
 def file_bytes(metric: str) -> int:
     import tensorstore as ts
 
+    if metric == "bytes_read":  # tensorstore's count plus the chunks jaxckpt reads in place
+        from jaxckpt import _reader
+
+        return _reader.file_bytes_read()
     found = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/file/{metric}")
     return sum(v["value"] for m in found for v in m["values"])
 

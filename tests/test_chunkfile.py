@@ -1,0 +1,151 @@
+"""Local chunks read in place (jaxckpt._chunkfile) give exactly what tensorstore's decode gives,
+for every box of every chunk grid (edge chunks included), and treat each file as hostile."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+from helpers import one_array_per_leaf  # noqa: F401 (autouse: the tests edit per-array files)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxckpt
+from jaxckpt import _chunkfile, _reader
+from jaxckpt._location import Location
+from jaxckpt._manifest import ArrayEntry
+from jaxckpt._plan import ReadItem
+from jaxckpt._storage import _spec
+
+DTYPES = ["float32", "bfloat16", "int8", "uint16", "complex64", "float64", "bool"]
+
+
+def _write(root, data: np.ndarray, chunks, checksum) -> ArrayEntry:
+    name = np.dtype(data.dtype).name
+    entry = ArrayEntry(key="a/b", shape=data.shape, dtype=name, storage_dtype=name,
+                       chunks=tuple(chunks), path="arrays/a.b", checksum=checksum)  # fmt: skip
+    spec = _spec({"driver": "file", "path": f"{root}/arrays/a.b/"}, entry)
+    store = ts.open({**spec, "store_data_equal_to_fill_value": True}, create=True).result()
+    store.write(data).result()
+    return entry
+
+
+def _read(root, entry: ArrayEntry, offsets, sizes, *, direct: bool) -> np.ndarray:
+    old, _chunkfile.enabled = _chunkfile.enabled, direct
+    try:
+        reader = _reader.Reader(Location(root))
+        [(_, got)] = reader.read({entry.key: entry}, [ReadItem(entry.key, offsets, sizes)])
+    finally:
+        _chunkfile.enabled = old
+    return got
+
+
+@st.composite
+def _case(draw):
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
+    chunks = tuple(draw(st.integers(1, s)) for s in shape)
+    offsets = tuple(draw(st.integers(0, s - 1)) for s in shape)
+    sizes = tuple(draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
+    return shape, chunks, offsets, sizes, draw(st.sampled_from(DTYPES)), draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_case())
+def test_in_place_read_equals_tensorstore_on_every_box(tmp_path_factory, case):
+    shape, chunks, offsets, sizes, dtype, checksum = case
+    root = tmp_path_factory.mktemp("c")
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, math.prod(shape) * np.dtype(getattr(ml_dtypes, dtype, dtype))
+                        .itemsize, dtype=np.uint8)  # fmt: skip
+    data = data.view(getattr(ml_dtypes, dtype, dtype)).reshape(shape)
+    if dtype == "bool":
+        data = data.view(np.uint8) % 2 == 1
+    entry = _write(root, data, chunks, "crc32c" if checksum else None)
+    want = data[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+    assert _chunkfile.supports(root, entry) == (dtype != "bool")
+    for direct in (True, False):
+        got = _read(root, entry, offsets, sizes, direct=direct)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes(), direct
+
+
+def test_in_place_reads_are_counted_and_a_shared_chunk_is_read_once(tmp_path):
+    data = np.arange(64, dtype=np.float32).reshape(8, 8)
+    entry = _write(tmp_path, data, (4, 8), "crc32c")
+    chunk = 4 * 8 * 4 + 4  # elements and the crc32c tail
+    before = _reader.file_bytes_read()
+    _read(tmp_path, entry, (2, 0), (4, 8), direct=True)  # half of each of two chunks
+    assert _reader.file_bytes_read() - before == 2 * chunk
+    # Two boxes in flight that each need half of chunk 0 (a reshard): one read, both parts.
+    items = [ReadItem("a/b", (0, 0), (2, 8)), ReadItem("a/b", (2, 0), (2, 8))]
+    before = _reader.file_bytes_read()
+    got = list(_reader.Reader(Location(tmp_path)).read({"a/b": entry}, items))
+    assert _reader.file_bytes_read() - before == chunk
+    np.testing.assert_array_equal(np.concatenate([g for _, g in got]), data[:4])
+
+
+@pytest.fixture(params=[True, False], ids=["in-place", "tensorstore"])
+def direct(request, monkeypatch):
+    monkeypatch.setattr(_chunkfile, "enabled", request.param)
+    return request.param
+
+
+def _saved(tmp_path):
+    path = tmp_path / "c"
+    jaxckpt.save(path, {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)})
+    return path, path / "arrays" / "w" / "c" / "0" / "0"
+
+
+def test_flipped_byte_names_key_and_chunk(tmp_path, direct):
+    path, chunk = _saved(tmp_path)
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 1
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(
+        jaxckpt.CorruptChunkError, match=r"Key 'w': chunk \(0,0\).*checksum.*verify"
+    ):
+        jaxckpt.restore(path)
+
+
+@pytest.mark.parametrize("change", ["truncated", "padded"])
+def test_chunk_of_the_wrong_size_names_key_and_sizes(tmp_path, change):
+    path, chunk = _saved(tmp_path)
+    raw = chunk.read_bytes()
+    chunk.write_bytes(raw[:-10] if change == "truncated" else raw + b"\0" * 4096)
+    have = len(raw) - 10 if change == "truncated" else len(raw) + 4096
+    with pytest.raises(
+        jaxckpt.CorruptChunkError,
+        match=rf"Key 'w': chunk \(0,0\) of arrays/w in .* holds {have} bytes, the manifest "
+        rf"implies {len(raw)}.*restore an earlier one",
+    ):
+        jaxckpt.restore(path)
+
+
+def test_fifo_in_place_of_a_chunk_is_refused_without_hanging(tmp_path):
+    path, chunk = _saved(tmp_path)
+    chunk.unlink()
+    os.mkfifo(chunk)
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"Key 'w': chunk \(0,0\).*not a regular"):
+        jaxckpt.restore(path)
+
+
+def test_link_swapped_in_after_the_listing_is_not_followed(tmp_path):
+    # The listing (Reader.check_chunks) refuses links; a link made after it, before the read,
+    # must still not be followed: the file is opened with O_NOFOLLOW.
+    path, chunk = _saved(tmp_path)
+    entry = jaxckpt.metadata(path).entries["w"]
+    reader = _reader.Reader(Location(path))
+    reader.check_chunks(entry)
+    secret = tmp_path / "secret"
+    secret.write_bytes(chunk.read_bytes())  # same size and checksum: only the link is wrong
+    chunk.unlink()
+    chunk.symlink_to(secret)
+    item = ReadItem("w", (0, 0), (64, 64))
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"Key 'w': chunk \(0,0\).*cannot be read"):
+        list(reader.read({"w": entry}, [item]))
