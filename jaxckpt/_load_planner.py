@@ -25,6 +25,9 @@ _HOST = "host"
 _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return one like it
 DEFAULT_MAX_HOST_BYTES = 128 << 20
 _WHOLE = "whole"  # placement slot of an array put whole with its target sharding
+# Arrays up to this size whose target is all on this host are read and put whole: below it a
+# device_put per shard (~60 us each) costs more than the copy the batched put makes.
+_WHOLE_BYTES = 1 << 20
 
 
 class LoadPlanner(abc.ABC):
@@ -199,12 +202,20 @@ class DefaultLoadPlanner(LoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         items = []
         self._whole: set[str] = set()
+        small = min(_WHOLE_BYTES, self.placement.group_bytes)  # and inside a tight budget
         for key, (_, where) in self.wants.items():
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
                 continue
             if where is _HOST or where is _UNCOMMITTED or entry.prng_impl:
                 items.append(ReadItem(key, (0,) * len(entry.shape), entry.shape))
+                continue
+            if key not in self._via and entry.nbytes <= small and where.is_fully_addressable:
+                # Small and all on this host: read it whole and let one batched put slice it
+                # (a put per shard costs more than copying a small array's bytes).
+                devs = tuple(sorted(d.id for d in where.addressable_devices))
+                items.append(ReadItem(key, (0,) * len(entry.shape), entry.shape, devs))
+                self._whole.add(key)
                 continue
             by_box = collections.defaultdict(list)
             where = self._via.get(key, where)
@@ -213,7 +224,7 @@ class DefaultLoadPlanner(LoadPlanner):
             for (offsets, sizes), devs in by_box.items():
                 items.append(ReadItem(key, offsets, sizes, tuple(devs)))
             if len(by_box) == 1 and next(iter(by_box))[1] == entry.shape:
-                self._whole.add(key)  # replicated on this host: placed by one batched put
+                self._whole.add(key)  # replicated on this host: placed by one batched put too
         self.plan = LoadPlan(tuple(items))
         return self.plan
 

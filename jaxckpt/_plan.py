@@ -57,8 +57,9 @@ class SavePlan:
 class ReadItem:
     """One box of one saved array to read once on this host.
 
-    ``devices`` are the local devices whose target shard is exactly this box; empty means the
-    box goes to the host (a numpy result).
+    ``devices`` are the local devices whose target shard is exactly this box, or, when the box
+    is a whole small array all on this host (placed with its sharding in one put), every local
+    device of it; empty means the box goes to the host (a numpy result).
     """
 
     key: str

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt._plan import ReadItem
 
 M42 = mesh((4, 2), ("data", "model"))
 
@@ -129,12 +130,10 @@ def test_restore_reads_only_overlapping_chunks(tmp_path):
     part = jaxckpt.restore(tmp_path / "c", {"x": one})
     assert _file_bytes_read() - before == whole
     np.testing.assert_array_equal(part["x"], x)
-    # A one-shard read through the planner protocol touches only that shard's chunk.
-    planner = jaxckpt.DefaultLoadPlanner()
-    planner.set_up_planner({"x": one}, jaxckpt.metadata(tmp_path / "c"))
-    plan = planner.create_local_plan()
-    item = next(i for i in plan.items if i.devices == (dev.id,))
+    # A one-shard read (a ReadItem of the planner protocol) touches only that shard's chunk.
     from jaxckpt import _location, _reader
+
+    item = ReadItem("x", (4, 0), (2, 64), (dev.id,))
 
     before = _file_bytes_read()
     reader = _reader.Reader(_location.Location(tmp_path / "c"))
@@ -142,6 +141,27 @@ def test_restore_reads_only_overlapping_chunks(tmp_path):
     read = _file_bytes_read() - before
     assert read < whole / 4, (read, whole)  # one of eight chunks (plus metadata)
     np.testing.assert_array_equal(data, np.asarray(x)[4:6])
+
+
+def test_small_arrays_are_read_whole_and_big_ones_per_shard(tmp_path):
+    # A small array all on this host is one read and one put (its 8 shards cost more as 8
+    # puts); a big one is read per shard box, each box placed as it is.
+    m = mesh((8,), ("x",))
+    small = put(np.arange(8 * 64, dtype=np.float32).reshape(8, 64), m, "x")
+    big = put(np.arange(8 * 65536, dtype=np.float32).reshape(8, 65536), m, "x")  # 2 MiB
+    jaxckpt.save(tmp_path / "c", {"small": small, "big": big})
+    target = {"small": small.sharding, "big": big.sharding}
+    planner = jaxckpt.DefaultLoadPlanner()
+    planner.set_up_planner(target, jaxckpt.metadata(tmp_path / "c"))
+    items = planner.create_local_plan().items
+    assert [(i.offsets, i.sizes) for i in items if i.key == "small"] == [((0, 0), (8, 64))]
+    assert sorted(i.offsets for i in items if i.key == "big") == [(r, 0) for r in range(8)]
+    out = jaxckpt.restore(tmp_path / "c", target)
+    for k, want in (("small", small), ("big", big)):
+        assert out[k].sharding == want.sharding
+        for a, b in zip(out[k].addressable_shards, want.addressable_shards):
+            assert a.device == b.device and a.index == b.index
+            np.testing.assert_array_equal(a.data, b.data)
 
 
 def test_restore_reads_each_distinct_region_once_per_host(tmp_path):
