@@ -156,7 +156,10 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
         nbytes = _staging.staged_bytes([i.nbytes for i in local.items])
         arena = _staging.POOL.take(nbytes, reuse=loc.local is not None)  # see _staging
         try:
-            data = [(item, _host_copy(planner.resolve_data(item), arena)) for item in local.items]
+            # Always copies: on CPU devices np.asarray aliases the device buffer, and holding
+            # such views while the caller donates the arrays is not something to build on.
+            staged = arena.copy_all([np.asarray(planner.resolve_data(i)) for i in local.items])
+            data = list(zip(local.items, staged))
         except BaseException as e:
             err = sync.failed(e)  # the others stop too; returns once they stopped writing
             writer.abort()
@@ -207,12 +210,6 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     else:
         run()
     return handle
-
-
-def _host_copy(data: Any, arena: _staging.Arena) -> np.ndarray:
-    # Always a copy: on CPU devices np.asarray aliases the device buffer, and holding such
-    # views while the caller donates the arrays is not something to build on.
-    return arena.copy(np.asarray(data))
 
 
 def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: bool = True,
