@@ -15,6 +15,8 @@ docs/benchmarks.md for what could replace each one). Variants:
 - ``ts file_io_sync``: tensorstore fsyncs each chunk file as it writes it (``file_io_sync``),
   no ``syncfs``: the per-file durability starts early, in parallel with later writes.
 - ``ts file_io x16``: tensorstore's file I/O pool at 16 concurrent operations.
+- ``no early write-back``: no ``sync_file_range`` hint per written chunk file
+  (``jaxckpt._writeback``), so the disk starts writing only when ``syncfs`` asks.
 
 The ``flush s`` column is the time spent in the final flush (``_storage._syncfs`` or its
 replacement), ``dirty MiB`` the machine's Dirty + Writeback pages (``/proc/meminfo``) when it
@@ -47,7 +49,7 @@ import jax  # noqa: E402
 import tensorstore as ts  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _storage  # noqa: E402
+from jaxckpt import _storage, _writeback  # noqa: E402
 
 _ORIG = {"spec": _storage._spec, "syncfs": _storage._syncfs, "context": _storage._CONTEXT}
 _FLUSH: list[tuple[float, float]] = []  # (seconds, dirty MiB at the start) per flush
@@ -92,7 +94,9 @@ def _no_crc(kvstore, entry):
 
 
 @contextlib.contextmanager
-def variant(no_syncfs: bool = False, no_crc: bool = False, flush=None, context=None):
+def variant(no_syncfs: bool = False, no_crc: bool = False, flush=None, context=None,
+            early_writeback: bool = True):  # fmt: skip
+    _writeback.enabled = early_writeback
     flush = (lambda path: None) if no_syncfs else flush or _ORIG["syncfs"]
     _storage._syncfs = _timed_flush(flush)
     if no_crc:
@@ -105,6 +109,7 @@ def variant(no_syncfs: bool = False, no_crc: bool = False, flush=None, context=N
         _storage._spec = _ORIG["spec"]
         _storage._syncfs = _ORIG["syncfs"]
         _storage._CONTEXT = _ORIG["context"]
+        _writeback.enabled = True
 
 
 VARIANTS = {
@@ -114,6 +119,7 @@ VARIANTS = {
     "both": {"no_syncfs": True, "no_crc": True},
     "fsync each file": {"flush": _fsync_each},
     "ts file_io_sync": {"no_syncfs": True, "context": {"file_io_sync": True}},
+    "no early write-back": {"early_writeback": False},
     "ts file_io x16": {
         "context": {"file_io_sync": False, "file_io_concurrency": {"limit": 16}},
     },

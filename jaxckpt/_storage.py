@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt import _writeback
 from jaxckpt._catalog import OWN_KEY, fsync_dir, list_keys
 from jaxckpt._errors import (
     CheckpointError,
@@ -132,28 +133,37 @@ class Writer:
         pending: collections.deque = collections.deque()
         inflight = total = 0
         self._reference = self.loc.local is not None
-        for item, data in items:
-            entry = entries[item.key]
-            store = self.arrays[item.key]
-            if entry.storage_dtype != entry.dtype:
-                data = data.view(entry.storage_dtype)
-            if item.sizes == entry.shape:  # the whole array: skip building an indexed view
-                target = store
-            else:
-                target = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
-            # Blocking saves hold the caller's arrays and async saves their own staged copies until
-            # the write completes, so on files tensorstore may reference the bytes instead of
-            # copying; memory:// would keep the reference as the stored value, so it copies.
-            fut = target.write(data, can_reference_source_data_indefinitely=self._reference)
-            pending.append((fut, data.nbytes, entry))
-            inflight += data.nbytes
-            total += data.nbytes
-            while inflight > max_inflight_bytes and pending:
-                fut, n, e = pending.popleft()
+        hints: list = []  # early write-back of each written chunk file (local paths only)
+        try:
+            for item, data in items:
+                entry = entries[item.key]
+                store = self.arrays[item.key]
+                if entry.storage_dtype != entry.dtype:
+                    data = data.view(entry.storage_dtype)
+                if item.sizes == entry.shape:  # the whole array: skip building an indexed view
+                    target = store
+                else:
+                    target = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+                # Blocking saves hold the caller's arrays and async saves their own staged
+                # copies until the write completes, so on files tensorstore may reference the
+                # bytes instead of copying; memory:// would keep the reference as the stored
+                # value, so it copies.
+                fut = target.write(data, can_reference_source_data_indefinitely=self._reference)
+                if self._reference:
+                    folder = self.root["path"] + entry.path
+                    files = _writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
+                    _writeback.after(fut, files, hints)
+                pending.append((fut, data.nbytes, entry))
+                inflight += data.nbytes
+                total += data.nbytes
+                while inflight > max_inflight_bytes and pending:
+                    fut, n, e = pending.popleft()
+                    self._finish(fut, e)
+                    inflight -= n
+            for fut, _, e in pending:
                 self._finish(fut, e)
-                inflight -= n
-        for fut, _, e in pending:
-            self._finish(fut, e)
+        finally:
+            _writeback.wait(hints)
         return total
 
     def _finish(self, fut: Any, entry: ArrayEntry) -> None:

@@ -1,0 +1,110 @@
+"""Starting the disk write-back of each chunk file as soon as tensorstore has written it.
+
+A save is durable only once ``Writer.flush`` (``syncfs``) returns, and that call waits for the
+kernel to write every dirty page of the checkpoint to the disk. Left alone, the kernel starts
+that write-back late (``dirty_expire_centisecs``, 30 s by default), so a save first copies all
+of its bytes into the page cache and only then waits for the disk: the two phases add up
+(docs/benchmarks.md: ~0.19 s of ~0.57 s for 400 MiB). Here each chunk file, once written, gets
+``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which queues its pages for write-back and returns
+without waiting, so the disk works while later chunks are still being copied and the final
+``syncfs`` finds little left to do.
+
+It is only a hint: durability still comes from ``syncfs``, so any failure here (no such call
+outside Linux, a file tensorstore has not renamed into place, a file system that refuses) is
+ignored. Files are opened read-only, without following a link, and only under the save's own
+staging directory. ``JAXCKPT_EARLY_WRITEBACK=0`` turns it off (benchmarks compare both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import os
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+enabled = os.environ.get("JAXCKPT_EARLY_WRITEBACK", "1") != "0"
+_WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back of dirty pages, do not wait for it
+_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_started = 0  # files whose write-back was started in this process: see started()
+
+
+def _load() -> object | None:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sync_file_range
+    except (OSError, AttributeError):
+        return None  # not Linux: syncfs / sync alone, as before
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_sync_file_range = _load()
+
+
+def started() -> int:
+    """Chunk files whose write-back this process started early (tests check the hook runs)."""
+    return _started
+
+
+def chunk_files(folder: str, offsets: Iterable[int], sizes: Iterable[int],
+                chunks: Iterable[int]) -> list[str]:  # fmt: skip
+    """The chunk files under ``folder`` (a zarr v3 array, default ``/`` key encoding) that hold
+    the box ``offsets``/``sizes``."""
+    ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(offsets, sizes, chunks)]
+    return [os.path.join(folder, "c", *map(str, idx)) for idx in itertools.product(*ranges)]
+
+
+def after(fut: object, paths: list[str], tracked: list[Future]) -> None:
+    """Once tensorstore's write ``fut`` is done, start the write-back of ``paths``; ``tracked``
+    gets a future for it, which the writer waits on (``wait``) before its flush."""
+    if not (enabled and _sync_file_range is not None and paths):
+        return
+    slot: Future = Future()
+    tracked.append(slot)
+
+    def done(_: object) -> None:  # in a tensorstore thread: hand the system calls to ours
+        try:
+            _get_pool().submit(_start, paths, slot)
+        except RuntimeError:  # the interpreter is shutting down: no hint, nothing waits forever
+            slot.set_result(None)
+
+    fut.add_done_callback(done)
+
+
+def wait(tracked: list[Future]) -> None:
+    """Wait for the started hints (they never raise), so none runs after the save returns."""
+    for f in tracked:
+        f.result()
+    tracked.clear()
+
+
+def _start(paths: list[str], slot: Future) -> None:
+    global _started
+    n = 0
+    try:
+        for path in paths:
+            try:
+                fd = os.open(path, _FLAGS)
+            except OSError:
+                continue  # a failed write: the writer reports it, syncfs covers the rest
+            try:
+                if _sync_file_range(fd, 0, 0, _WRITE) == 0:
+                    n += 1
+            finally:
+                os.close(fd)
+    finally:
+        with _lock:
+            _started += n
+        slot.set_result(None)
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:  # few threads: each call only queues I/O, it does not wait for it
+            _pool = ThreadPoolExecutor(2, "jaxckpt-writeback")
+    return _pool
