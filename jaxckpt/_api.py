@@ -152,18 +152,26 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
                       is_coordinator=sync.is_coordinator, broadcast=sync.broadcast))  # fmt: skip
     entries = _pack.storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     t1 = time.perf_counter()
-    if stage:  # copy every item into a reused host arena; the caller may reuse its buffers after
-        nbytes = _staging.staged_bytes([i.nbytes for i in local.items])
-        arena = _staging.POOL.take(nbytes, reuse=loc.local is not None)  # see _staging
+    if stage:  # copy every item off the caller's buffers, which it may reuse once we return
+        # Items the planner cannot copy on the device go into a reused host arena. Never
+        # numpy views of the caller's CPU-device buffers: XLA may donate them under our feet.
+        arena = None
         try:
-            # Always copies: on CPU devices np.asarray aliases the device buffer, and holding
-            # such views while the caller donates the arrays is not something to build on.
-            staged = arena.copy_all([np.asarray(planner.resolve_data(i)) for i in local.items])
-            data = list(zip(local.items, staged))
+            detached = planner.detach(local.items)  # the default: device copies on CPU devices
+            rest = [i for n, i in enumerate(local.items) if n not in detached]
+            nbytes = _staging.staged_bytes([i.nbytes for i in rest])
+            arena = _staging.POOL.take(nbytes, reuse=loc.local is not None)  # see _staging
+            staged = iter(arena.copy_all([np.asarray(planner.resolve_data(i)) for i in rest]))
+            # lazy: a detached copy is read (and waited for) in the writer's thread
+            data = (
+                (i, detached[n]() if n in detached else next(staged))
+                for n, i in enumerate(local.items)
+            )
         except BaseException as e:
             err = sync.failed(e)  # the others stop too; returns once they stopped writing
             writer.abort()
-            _staging.POOL.give_back(arena)
+            if arena is not None:
+                _staging.POOL.give_back(arena)
             if err is e:
                 raise
             raise err from e

@@ -11,8 +11,10 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
+import functools
 import hashlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -141,6 +143,10 @@ class SavePlanner(abc.ABC):
     4. ``resolve_data(item) -> np.ndarray``: the bytes of one item, asked for by storage
        (storage never sees the tree).
 
+    ``save_async`` calls ``detach(items)`` between 3 and 4: a planner may take its own copy of
+    some items there (returning how to read each later); the others ``save_async`` copies into
+    host staging before it returns, so the caller may donate or overwrite its arrays.
+
     Invariants the global plan must keep (``jaxckpt._plan.validate_plan`` checks them): the
     items of each array tile it exactly once, along its chunk grid, in its dtype.
     """
@@ -168,6 +174,13 @@ class SavePlanner(abc.ABC):
     @abc.abstractmethod
     def resolve_data(self, item: WriteItem) -> np.ndarray:
         """4. The bytes of ``item`` as a numpy array of its box's shape and logical dtype."""
+
+    def detach(self, items: list[WriteItem]) -> dict[int, Callable[[], np.ndarray]]:
+        """(``save_async`` only) Copies of ``items[i]`` that the caller's later donation or
+        writes cannot change, for the ``i`` this planner can copy more cheaply than a host
+        copy: ``i -> thunk`` returning the item's data (called later, in the writer's thread).
+        The default detaches nothing."""
+        return {}
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -340,6 +353,45 @@ class DefaultSavePlanner(SavePlanner):
                     shard.data.copy_to_host_async()
         return plan
 
+    def detach(self, items: list[WriteItem]) -> dict[int, Callable[[], np.ndarray]]:
+        """Items of arrays on CPU devices: one batched ``jax.device_put(..., may_alias=False)``,
+        which XLA runs asynchronously and orders before any later donation, so ``save_async``
+        returns once it is dispatched instead of after a host copy. A single-process array
+        whose every shard this process writes is copied whole (one transfer instead of one per
+        shard); otherwise only the shards it writes are. (On accelerators a device copy would cost
+        device memory: their items go to host staging.)"""
+        picked: dict[int, WriteItem] = {}
+        devices: dict[str, set[int]] = collections.defaultdict(set)
+        for i, item in enumerate(items):
+            leaf = self.leaves.get(item.key)
+            if (
+                isinstance(leaf, jax.Array)
+                and item.device is not None
+                and next(iter(leaf.sharding.device_set)).platform == "cpu"
+            ):
+                picked[i] = item
+                devices[item.key].add(item.device)
+        if not picked:
+            return {}
+        sources: dict[tuple[str, int | None], jax.Array] = {}
+        for key, devs in devices.items():
+            leaf = self.leaves[key]
+            # (device_put copies a multi-process array only shard by shard)
+            if leaf.is_fully_addressable and len(devs) == len(leaf.sharding.addressable_devices):
+                sources[(key, None)] = leaf
+            else:
+                sources.update({(key, d): self._shard(key, leaf, d).data for d in devs})
+        copies = dict(zip(sources, jax.device_put(list(sources.values()), may_alias=False)))
+
+        def read(item: WriteItem) -> np.ndarray:  # in the writer's thread
+            copy = copies.get((item.key, item.device))
+            if copy is None:  # a whole-array copy: its shard on the item's device
+                whole = copies[(item.key, None)]
+                copy = next(s.data for s in whole.addressable_shards if s.device.id == item.device)
+            return self._box(item, copy)
+
+        return {i: functools.partial(read, item) for i, item in picked.items()}
+
     # 4.
     def resolve_data(self, item: WriteItem) -> np.ndarray:
         members = self.global_plan.packs.get(item.key) if hasattr(self, "global_plan") else None
@@ -349,15 +401,17 @@ class DefaultSavePlanner(SavePlanner):
             return _pack.assemble(pack, ((entries[k], self._whole(k)) for k in members))
         leaf = self.leaves[item.key]
         if isinstance(leaf, jax.Array):
-            shard = self._shard(item.key, leaf, item.device)
-            offsets, _ = index_to_box(shard.index, leaf.shape)
-            data = np.asarray(shard.data)
-        else:
-            offsets, data = (0,) * leaf.ndim, leaf
+            return self._box(item, self._shard(item.key, leaf, item.device).data)
+        return leaf[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+
+    def _box(self, item: WriteItem, shard_data: jax.Array) -> np.ndarray:
+        """``item``'s box out of the shard (or its detached copy) that holds it."""
+        leaf = self.leaves[item.key]
+        offsets, _ = index_to_box(self._shard(item.key, leaf, item.device).index, leaf.shape)
         local = tuple(
             slice(o - so, o - so + s) for o, so, s in zip(item.offsets, offsets, item.sizes)
         )
-        return data[local]
+        return np.asarray(shard_data)[local]
 
     def _whole(self, key: str) -> np.ndarray:
         """The whole array of ``key`` on the host (this process holds every box of it)."""

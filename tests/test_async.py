@@ -56,6 +56,48 @@ def test_overwriting_buffers_after_save_async_does_not_change_the_checkpoint(tmp
     assert float(mgr.restore(2)["w"][0, 0]) == -7.0
 
 
+def _planned(state) -> tuple[jaxckpt.DefaultSavePlanner, list]:
+    planner = jaxckpt.DefaultSavePlanner(pack_bytes=0)
+    planner.set_up_planner(state, process_index=0, process_count=1)
+    return planner, planner.finish_plan(planner.create_global_plan()).items
+
+
+def test_cpu_device_items_are_detached_as_device_copies_not_views():
+    m = mesh((4, 2), ("data", "model"))
+    state = _sharded_state(m)
+    state["half"] = put(np.arange(64 * 8, dtype=np.int32).reshape(64, 8), m, "data")
+    planner, items = _planned(state)
+    detached = planner.detach(items)
+    # every jax.Array item (whole leaves, replicated "b", half-replicated "half"); not "host"
+    assert {items[i].key for i in detached} == {"w", "b", "half"}
+    assert all(items[i].key != "host" for i in detached)
+    originals = {
+        (k, s.device.id): s.data.unsafe_buffer_pointer()
+        for k in ("w", "b", "half")
+        for s in state[k].addressable_shards
+    }
+    for i, read in detached.items():
+        item, got = items[i], read()
+        assert np.array_equal(got, planner.resolve_data(item)), item.key
+        # a copy of its own, never a view of the caller's (donatable) device buffer
+        assert got.ctypes.data != originals[(item.key, item.device)], item.key
+
+
+def test_a_planner_that_detaches_nothing_stages_everything_on_the_host(tmp_path):
+    class NoDetach(jaxckpt.DefaultSavePlanner):
+        def detach(self, items):
+            return jaxckpt.SavePlanner.detach(self, items)  # the protocol's default: {}
+
+    m = mesh((4, 2), ("data", "model"))
+    state = _sharded_state(m)
+    expected = jax.tree.map(lambda x: np.array(x) if hasattr(x, "shape") else x, state)
+    h = jaxckpt.save_async(tmp_path / "c", state, planner=NoDetach())
+    clobber = jax.jit(lambda x: x * 0 - 7, donate_argnums=0)
+    state["w"] = clobber(state["w"])
+    h.wait()
+    assert_tree_equal(jaxckpt.restore(tmp_path / "c"), expected)
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
