@@ -359,7 +359,10 @@ class DefaultSavePlanner(SavePlanner):
         returns once it is dispatched instead of after a host copy. A single-process array
         whose every shard this process writes is copied whole (one transfer instead of one per
         shard); otherwise only the shards it writes are. (On accelerators a device copy would cost
-        device memory: their items go to host staging.)"""
+        device memory: their items go to host staging.) Nothing is detached where a subclass
+        overrides ``resolve_data``."""
+        if type(self).resolve_data is not DefaultSavePlanner.resolve_data:
+            return {}  # a subclass that changes the bytes sees every item, as in save()
         picked: dict[int, WriteItem] = {}
         devices: dict[str, set[int]] = collections.defaultdict(set)
         for i, item in enumerate(items):

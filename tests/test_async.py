@@ -83,6 +83,21 @@ def test_cpu_device_items_are_detached_as_device_copies_not_views():
         assert got.ctypes.data != originals[(item.key, item.device)], item.key
 
 
+def test_a_planner_that_overrides_resolve_data_sees_every_item_of_save_async(tmp_path):
+    seen = []
+
+    class Counting(jaxckpt.DefaultSavePlanner):
+        def resolve_data(self, item):
+            seen.append(item.key)
+            return super().resolve_data(item)
+
+    m = mesh((4, 2), ("data", "model"))
+    state = _sharded_state(m)
+    planner, items = _planned(state)
+    jaxckpt.save_async(tmp_path / "c", state, planner=Counting(pack_bytes=0)).wait()
+    assert sorted(seen) == sorted(i.key for i in items)
+
+
 def test_a_planner_that_detaches_nothing_stages_everything_on_the_host(tmp_path):
     class NoDetach(jaxckpt.DefaultSavePlanner):
         def detach(self, items):
