@@ -18,6 +18,8 @@ is allocated that the file does not hold), and checksummed before their bytes ar
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import math
 import os
@@ -84,6 +86,10 @@ class InPlace:
     def __init__(self, root: Path, describe: str) -> None:
         self.root, self.describe = root, describe
         self._shared: dict[tuple[str, tuple[int, ...]], list] = {}  # chunk -> [future, users]
+        # Chunk buffers whose parts were all taken, reused for the next partial chunk of the
+        # same shape: a fresh buffer costs a page fault per 4 KiB, about as much as the read.
+        # Never more than were in flight at once, which the read-ahead budget bounds.
+        self._spare: dict[tuple, list[np.ndarray]] = collections.defaultdict(list)
 
     def cost(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
         """Host bytes the box holds while in flight: itself, plus each chunk it needs only part
@@ -116,13 +122,18 @@ class InPlace:
             key = (entry.path, idx)
             shared = self._shared.get(key)
             if shared is None:
-                buf = np.empty(entry.chunks, dtype)
+                spare = self._spare.get((entry.chunks, dtype))
+                buf = spare.pop() if spare else np.empty(entry.chunks, dtype)
                 shared = self._shared[key] = [
                     pool.submit(_read_file, folder, idx, entry, buf, where, result=buf),
                     0,
                 ]
             shared[1] += 1
-            parts.append((key, shared[0], view, src))
+            copied: Future = Future()
+            # The part is copied out by the thread that finished the read (or here, if it is
+            # done already), so resharded copies run in parallel, not one by one in wait().
+            shared[0].add_done_callback(functools.partial(_copy_part, view, src, copied))
+            parts.append((key, copied))
 
         def wait() -> np.ndarray:
             error = None
@@ -131,11 +142,9 @@ class InPlace:
                     f.result()
                 except CorruptChunkError as e:
                     error = error or e
-            for key, fut, view, src in parts:
+            for key, copied in parts:
                 try:
-                    buf = fut.result()
-                    if error is None:
-                        view[...] = buf[src]
+                    copied.result()
                 except CorruptChunkError as e:
                     error = error or e
                 finally:
@@ -143,6 +152,9 @@ class InPlace:
                     shared[1] -= 1
                     if shared[1] == 0:  # the last box in flight that needs it has its part
                         del self._shared[key]
+                        if shared[0].exception() is None:
+                            buf = shared[0].result()
+                            self._spare[(buf.shape, buf.dtype)].append(buf)
             if error is not None:
                 raise error
             return out
@@ -151,6 +163,16 @@ class InPlace:
 
     def _where(self, entry: ArrayEntry, idx: tuple[int, ...]) -> str:
         return f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in {self.describe}"
+
+
+def _copy_part(view: np.ndarray, src: tuple, copied: Future, read: Future) -> None:
+    """Copy a box's part of a chunk once the chunk is read (``read``'s result: its buffer)."""
+    try:
+        view[...] = read.result()[src]
+    except BaseException as e:  # CorruptChunkError: wait() raises it for the box
+        copied.set_exception(e)
+    else:
+        copied.set_result(None)
 
 
 def _get_pool() -> ThreadPoolExecutor:

@@ -90,6 +90,23 @@ def test_in_place_reads_are_counted_and_a_shared_chunk_is_read_once(tmp_path):
     np.testing.assert_array_equal(np.concatenate([g for _, g in got]), data[:4])
 
 
+def test_partial_chunk_buffers_are_reused_without_mixing_data(tmp_path):
+    """A resharded read reuses the buffer of a chunk whose parts were all taken: every box
+    still gets its own bytes, and no more buffers exist than were in flight at once."""
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((64, 48)).astype(np.float32)
+    entry = _write(tmp_path, data, (8, 16), "crc32c")
+    # boxes straddling chunk rows and columns (a transposed mesh), read one at a time
+    items = [ReadItem("a/b", (r, c), (8, 24)) for r in range(4, 56, 8) for c in (0, 24)]
+    reader = _reader.Reader(Location(tmp_path))
+    budget = 8 * 24 * 4 + 2 * 8 * 16 * 4  # about one box and its partial chunks in flight
+    for item, got in reader.read({"a/b": entry}, items, max_inflight_bytes=budget):
+        (r, c), (h, w) = item.offsets, item.sizes
+        np.testing.assert_array_equal(got, data[r : r + h, c : c + w])
+    spare = sum(len(v) for v in reader._inplace._spare.values())
+    assert 0 < spare <= 8  # reused: 4 partial chunks per box, 28 boxes
+
+
 @pytest.fixture(params=[True, False], ids=["in-place", "tensorstore"])
 def direct(request, monkeypatch):
     monkeypatch.setattr(_chunkfile, "enabled", request.param)
