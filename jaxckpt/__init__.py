@@ -19,6 +19,7 @@ from jaxckpt._errors import ManifestError as ManifestError
 from jaxckpt._errors import PlanValidationError as PlanValidationError
 from jaxckpt._errors import ShapeMismatchError as ShapeMismatchError
 from jaxckpt._errors import UnsupportedLeafError as UnsupportedLeafError
+from jaxckpt._global_plan import GlobalSavePlan as GlobalSavePlan
 from jaxckpt._load_planner import DefaultLoadPlanner as DefaultLoadPlanner
 from jaxckpt._load_planner import LoadPlanner as LoadPlanner
 from jaxckpt._manager import CheckpointManager as CheckpointManager
@@ -30,7 +31,6 @@ from jaxckpt._plan import ReadItem as ReadItem
 from jaxckpt._plan import SavePlan as SavePlan
 from jaxckpt._plan import WriteItem as WriteItem
 from jaxckpt._save_planner import DefaultSavePlanner as DefaultSavePlanner
-from jaxckpt._save_planner import GlobalSavePlan as GlobalSavePlan
 from jaxckpt._save_planner import SavePlanner as SavePlanner
 from jaxckpt._save_planner import plan_cache_info as plan_cache_info
 

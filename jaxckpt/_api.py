@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import _distributed, _location, _pack, _sources, _staging, _storage
+from jaxckpt._global_plan import validate_global_plan
 from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._manifest import Manifest
-from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner, validate_global_plan
+from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner
 
 logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike

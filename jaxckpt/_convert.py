@@ -17,9 +17,10 @@ from typing import Any, TextIO
 import numpy as np
 
 from jaxckpt import _location, _manifest, _sources, _storage
+from jaxckpt._global_plan import _version
 from jaxckpt._manifest import ArrayEntry, Manifest
+from jaxckpt._names import storage_name
 from jaxckpt._plan import ReadItem, WriteItem, chunk_boxes
-from jaxckpt._save_planner import _version, storage_name
 
 BLOCK_BYTES = 64 << 20
 _INFLIGHT = 256 << 20
