@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _writeback
+from jaxckpt import _pack, _writeback
 from jaxckpt._manifest import ArrayEntry
 from jaxckpt._storage import _spec
 
@@ -120,3 +120,19 @@ def test_chunk_files_are_the_files_tensorstore_writes(tmp_path_factory, data):
     hinted = _writeback.chunk_files(folder, offsets, sizes, chunks)
     assert len(hinted) == len(set(hinted))
     assert {os.path.relpath(p, root) for p in hinted} == _chunk_files(root)
+
+
+@needs_linux
+def test_packed_leaves_get_their_pack_files_hinted(tmp_path, monkeypatch):
+    """Small leaves share pack arrays (the default): the hints name the pack's chunk files."""
+    monkeypatch.setattr(_writeback, "enabled", True)
+    monkeypatch.setattr(_pack, "DEFAULT_PACK_BYTES", 1 << 18)  # undo the module's autouse fixture
+    m = mesh((4, 2), ("data", "model"))
+    state = {f"p{i}": put(np.full((16,), i, np.float32), m) for i in range(20)}
+    state["w"] = put(np.ones((512, 256), np.float32), m, "data", "model")  # 512 KiB: its own
+    before = _writeback.started()
+    jaxckpt.save(tmp_path / "ck", state)
+    files = _chunk_files(tmp_path / "ck")
+    assert "arrays/pack.float32.0/c/0" in files and len(files) == 1 + 8, sorted(files)
+    assert _writeback.started() - before == len(files)
+    assert_tree_equal(jaxckpt.restore(tmp_path / "ck", state), state)
