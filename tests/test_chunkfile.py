@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -166,3 +167,25 @@ def test_link_swapped_in_after_the_listing_is_not_followed(tmp_path):
     item = ReadItem("w", (0, 0), (64, 64))
     with pytest.raises(jaxckpt.CorruptChunkError, match=r"Key 'w': chunk \(0,0\).*cannot be read"):
         list(reader.read({"w": entry}, [item]))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(min_size=0, max_size=5000), st.sampled_from(["uint8", "float32", "int64"]))
+def test_crc32c_without_the_gil_equals_google_crc32c(raw, dtype):
+    import google_crc32c
+
+    itemsize = np.dtype(dtype).itemsize
+    raw = raw[: len(raw) // itemsize * itemsize]
+    a = np.frombuffer(raw, np.uint8).copy().view(dtype)
+    want = google_crc32c.value(raw)
+    assert _chunkfile.crc32c(a) == want
+    old, _chunkfile._extend = _chunkfile._extend, None  # the fallback: the extension's value()
+    try:
+        assert _chunkfile.crc32c(a) == want
+    finally:
+        _chunkfile._extend = old
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the manylinux wheel's layout")
+def test_the_native_crc32c_is_found_here():
+    assert _chunkfile._extend is not None  # else restores checksum under the GIL, one at a time
