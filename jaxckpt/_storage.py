@@ -133,7 +133,7 @@ class Writer:
         pending: collections.deque = collections.deque()
         inflight = total = 0
         self._reference = self.loc.local is not None
-        hints: list = []  # early write-back of each written chunk file (local paths only)
+        hints = _writeback.Hints()  # early write-back of each written chunk file (local only)
         try:
             for item, data in items:
                 entry = entries[item.key]
@@ -152,7 +152,7 @@ class Writer:
                 if self._reference:
                     folder = self.root["path"] + entry.path
                     files = _writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
-                    _writeback.after(fut, files, hints)
+                    hints.add(fut, files, data.nbytes)
                 pending.append((fut, data.nbytes, entry))
                 inflight += data.nbytes
                 total += data.nbytes
@@ -163,7 +163,7 @@ class Writer:
             for fut, _, e in pending:
                 self._finish(fut, e)
         finally:
-            _writeback.wait(hints)
+            hints.wait()
         return total
 
     def _finish(self, fut: Any, entry: ArrayEntry) -> None:
