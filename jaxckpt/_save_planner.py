@@ -285,9 +285,10 @@ class DefaultSavePlanner(SavePlanner):
 
         def read(item: WriteItem) -> np.ndarray:  # in the writer's thread
             copy = copies.get((item.key, item.device))
-            if copy is None:  # a whole-array copy: its shard on the item's device
-                whole = copies[(item.key, None)]
-                copy = next(s.data for s in whole.addressable_shards if s.device.id == item.device)
+            if copy is None:  # a whole-array copy: split it into its shards once, on first use
+                whole = copies.pop((item.key, None))
+                copies.update({(item.key, s.device.id): s.data for s in whole.addressable_shards})
+                copy = copies[(item.key, item.device)]
             return self._box(item, copy)
 
         return {i: functools.partial(read, item) for i, item in picked.items()}

@@ -1,9 +1,9 @@
 """Host staging buffers for async saves, reused from one save to the next.
 
 ``save_async`` must copy every item it writes off the devices (and out of the caller's numpy
-arrays) before it returns, because the caller may donate or overwrite them right after. (Items
-the planner detaches itself, e.g. shards on CPU devices copied by one asynchronous device
-copy, ``DefaultSavePlanner.detach``, skip staging.) A
+arrays) before it returns, because the caller may donate or overwrite them right after.
+(Items the planner detaches itself skip staging: ``DefaultSavePlanner.detach`` copies shards
+on CPU devices with one asynchronous device copy.) A
 fresh allocation per save costs page faults on every save and lets the allocator's heap grow;
 instead each save takes one :class:`Arena` (a flat byte buffer big enough for all its items)
 from :data:`POOL`, copies each item into an aligned slice of it, and gives it back once its
