@@ -6,9 +6,11 @@ chunk shape even at the array's edge, then the 4-byte little-endian CRC-32C of t
 tensorstore reads such a file into a buffer of its own, checks it and copies the decoded chunk
 out; profiling put that path at ~75% of a restore (docs/benchmarks.md). Here a chunk that a box
 needs whole is read by one ``preadv`` into the box's own buffer (which CPU devices then alias)
-and checked there, so each byte is copied once, from the page cache. A chunk the box needs only
-part of (a resharded restore) is read into a scratch buffer and the part copied out, as
-tensorstore does.
+and checked there, so each byte is copied once, from the page cache. A chunk that boxes need
+only part of (a resharded restore) is read once for all the boxes in flight that need it, in
+blocks of at most ``_BLOCK`` bytes into a reused scratch buffer: each block is checksummed and
+its parts copied out while it is in cache, so the extra host memory is a block per read thread,
+however large the chunk.
 
 Everything else (object stores, other codecs, hosts that are not little endian, no C CRC-32C)
 stays on tensorstore (``supports``). The files are treated as hostile: opened without
@@ -18,9 +20,7 @@ is allocated that the file does not hold), and checksummed before their bytes ar
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import functools
 import itertools
 import math
 import os
@@ -66,11 +66,12 @@ def _native_extend() -> Callable[[int, int, int], int] | None:
 _extend = _native_extend() if _CRC else None
 
 
-def crc32c(buf: np.ndarray) -> int:
-    """CRC-32C of a C-contiguous array's bytes, without holding the GIL where possible."""
+def crc32c(buf: np.ndarray, crc: int = 0) -> int:
+    """CRC-32C of a C-contiguous array's bytes, continuing ``crc`` (the CRC of what came
+    before), without holding the GIL where possible."""
     if _extend is not None:
-        return _extend(0, buf.ctypes.data, buf.nbytes)
-    return google_crc32c.value(buf.reshape(-1).view(np.uint8))
+        return _extend(crc, buf.ctypes.data, buf.nbytes)
+    return google_crc32c.extend(crc, buf.reshape(-1).view(np.uint8))
 
 
 # bool is left to tensorstore: a byte other than 0/1 is not a numpy bool.
@@ -109,101 +110,102 @@ def bytes_read() -> int:
 class InPlace:
     """Reads boxes of one checkpoint's arrays from its local chunk files (one per restore).
 
-    A chunk that several boxes in flight each need part of (a resharded restore: target
-    shards straddle saved chunks) is read once and shared, as tensorstore merges concurrent
-    reads of a chunk; it is dropped when the last of those boxes has taken its part.
+    A chunk that several boxes each need part of (a resharded restore: target shards straddle
+    saved chunks) is read once for all of them, as tensorstore merges concurrent reads of a
+    chunk. :meth:`expect` is told every box before the first :meth:`start`, and a chunk's read
+    starts once the last box that needs part of it has started, so it knows where every part
+    goes. Should the read-ahead budget not hold all those boxes at once, waiting for one of
+    them starts the read for the boxes started so far (the later ones read the chunk again).
     """
 
     def __init__(self, root: Path, describe: str) -> None:
         self.root, self.describe = root, describe
-        self._shared: dict[tuple[str, tuple[int, ...]], list] = {}  # chunk -> [future, users]
-        # Chunk buffers whose parts were all taken, reused for the next partial chunk of the
-        # same shape: a fresh buffer costs a page fault per 4 KiB, about as much as the read.
-        # Never more than were in flight at once, which the read-ahead budget bounds.
-        self._spare: dict[tuple, list[np.ndarray]] = collections.defaultdict(list)
+        self._pieces: dict[tuple, list[tuple]] = {}  # box -> its pieces, from expect()
+        self._due: dict[tuple[str, tuple[int, ...]], int] = {}  # chunk -> boxes yet to start
+        self._gathering: dict[tuple[str, tuple[int, ...]], _Shared] = {}  # chunk -> its parts
+        # Block buffers for partial chunks, reused (one per read running at once); list
+        # append and pop are atomic under the GIL, which is all the pool threads need.
+        self._scratch: list[np.ndarray] = []
+
+    def expect(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        """Note that the box will be started: the chunks it needs part of wait for it."""
+        pieces = self._pieces[(entry.path, offsets, sizes)] = list(_pieces(entry, offsets, sizes))
+        for idx, _, _, whole in pieces:
+            if not whole:
+                key = (entry.path, idx)
+                self._due[key] = self._due.get(key, 0) + 1
 
     def cost(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
-        """Host bytes the box holds while in flight: itself, plus each chunk it needs only part
-        of (an upper bound: a shared chunk counts for each box)."""
-        itemsize = dtype_from_name(entry.storage_dtype).itemsize
-        chunk = math.prod(entry.chunks) * itemsize
-        n = math.prod(sizes) * itemsize
-        return n + chunk * sum(not p[3] for p in _pieces(entry, offsets, sizes))
+        """Host bytes the box holds while in flight: itself (a partial chunk's block buffer is
+        per read thread, at most ``_BLOCK`` bytes, not per box)."""
+        return math.prod(sizes) * dtype_from_name(entry.storage_dtype).itemsize
 
     def start(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...],
               out: np.ndarray) -> Callable[[], np.ndarray]:  # fmt: skip
         """Start reading the box ``offsets``/``sizes`` of ``entry`` into ``out``; return a wait.
 
         Chunks the box needs whole are read by pool tasks straight into ``out``; the others
-        are read (or shared) into chunk buffers and their parts copied into ``out`` by the
-        wait, which returns ``out`` or raises :class:`CorruptChunkError` naming the key and
-        chunk once every task of the box has finished.
+        are read once for every box that needs part of them (see the class). The wait returns
+        ``out``, or raises :class:`CorruptChunkError` naming the key and chunk, once every read
+        that writes into ``out`` has finished.
         """
         pool = _get_pool()
         folder = self.root / entry.path
-        dtype = dtype_from_name(entry.storage_dtype)
         direct: list[Future] = []
-        parts: list[tuple] = []
-        for idx, dst, src, whole in _pieces(entry, offsets, sizes):
+        shared: list[_Shared] = []
+        pieces = self._pieces.pop((entry.path, offsets, sizes), None)
+        for idx, dst, src, whole in pieces or _pieces(entry, offsets, sizes):
             view = out[dst]
             where = self._where(entry, idx)
             if whole and view.flags.c_contiguous:  # straight into the box's buffer
                 direct.append(pool.submit(_read_file, folder, idx, entry, view, where))
                 continue
             key = (entry.path, idx)
-            shared = self._shared.get(key)
-            if shared is None:
-                spare = self._spare.get((entry.chunks, dtype))
-                buf = spare.pop() if spare else np.empty(entry.chunks, dtype)
-                shared = self._shared[key] = [
-                    pool.submit(_read_file, folder, idx, entry, buf, where, result=buf),
-                    0,
-                ]
-            shared[1] += 1
-            copied: Future = Future()
-            # The part is copied out by the thread that finished the read (or here, if it is
-            # done already), so resharded copies run in parallel, not one by one in wait().
-            shared[0].add_done_callback(functools.partial(_copy_part, view, src, copied))
-            parts.append((key, copied))
+            chunk = self._gathering.get(key)
+            if chunk is None:
+                chunk = self._gathering[key] = _Shared((folder, idx, entry, [], where))
+            chunk.args[3].append((view, src[:-1]))
+            shared.append(chunk)
+            due = self._due.get(key, 0) - (not whole)  # a whole chunk was not expected: 0
+            if due > 0:
+                self._due[key] = due
+            else:
+                self._due.pop(key, None)
+                self._submit(key)
 
         def wait() -> np.ndarray:
+            for chunk in shared:
+                if chunk.future is None:  # its other boxes are not started yet: read it now
+                    self._submit((chunk.args[2].path, chunk.args[1]))
             error = None
-            for f in direct:  # wait for all, so no task still writes into ``out`` after we raise
-                try:
+            for f in itertools.chain(direct, (c.future for c in shared)):
+                try:  # wait for all, so no task still writes into ``out`` after we raise
                     f.result()
-                except CorruptChunkError as e:
+                except Exception as e:  # noqa: BLE001 - re-raised below, the first one
                     error = error or e
-            for key, copied in parts:
-                try:
-                    copied.result()
-                except CorruptChunkError as e:
-                    error = error or e
-                finally:
-                    shared = self._shared[key]
-                    shared[1] -= 1
-                    if shared[1] == 0:  # the last box in flight that needs it has its part
-                        del self._shared[key]
-                        if shared[0].exception() is None:
-                            buf = shared[0].result()
-                            self._spare[(buf.shape, buf.dtype)].append(buf)
             if error is not None:
                 raise error
             return out
 
         return wait
 
+    def _submit(self, key: tuple[str, tuple[int, ...]]) -> None:
+        chunk = self._gathering.pop(key)
+        chunk.future = _get_pool().submit(_read_parts, *chunk.args, self._scratch)
+
     def _where(self, entry: ArrayEntry, idx: tuple[int, ...]) -> str:
         return f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in {self.describe}"
 
 
-def _copy_part(view: np.ndarray, src: tuple, copied: Future, read: Future) -> None:
-    """Copy a box's part of a chunk once the chunk is read (``read``'s result: its buffer)."""
-    try:
-        view[...] = read.result()[src]
-    except BaseException as e:  # CorruptChunkError: wait() raises it for the box
-        copied.set_exception(e)
-    else:
-        copied.set_result(None)
+class _Shared:
+    """A chunk read for the boxes that need part of it: ``_read_parts``'s arguments, gathered
+    while those boxes start, and its future once submitted."""
+
+    __slots__ = ("args", "future")
+
+    def __init__(self, args: tuple) -> None:
+        self.args = args  # (folder, idx, entry, [(box view, chunk slices)], where)
+        self.future: Future | None = None
 
 
 def _get_pool() -> ThreadPoolExecutor:
@@ -228,12 +230,103 @@ def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...])
         yield idx, dst, src, whole
 
 
-def _read_file(folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.ndarray, where: str,
-               result: np.ndarray | None = None) -> np.ndarray | None:  # fmt: skip
+_BLOCK = 4 << 20  # bytes of a partial chunk read, checksummed and copied out at a time
+
+
+def _read_file(folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.ndarray,
+               where: str) -> None:  # fmt: skip
     """Read chunk ``idx``'s file into ``buf`` (its stored shape, contiguous) and check it."""
-    global _bytes_read
     tail = 4 if entry.checksum == "crc32c" else 0
-    nbytes = buf.nbytes
+    stored = bytearray(tail)
+    fd = _open_chunk(folder, idx, buf.nbytes + tail, where)
+    try:
+        data = memoryview(buf.reshape(-1).view(np.uint8))
+        _pread(fd, [data, memoryview(stored)] if tail else [data], 0, where)
+    finally:
+        os.close(fd)
+    if tail:
+        _check(crc32c(buf), stored, where)
+    _count(buf.nbytes + tail)
+
+
+def _read_parts(folder: Path, idx: tuple[int, ...], entry: ArrayEntry,
+                parts: list[tuple[np.ndarray, tuple]], where: str,
+                scratch: list[np.ndarray]) -> None:  # fmt: skip
+    """Read chunk ``idx``'s file block by block into a scratch buffer, checksumming each block
+    and copying its share of each part (``(view in a box, slices of the chunk)``) out while it
+    is in cache. The boxes see the bytes only once the checksum of the whole file is checked:
+    their waits raise if it fails."""
+    dtype = dtype_from_name(entry.storage_dtype)
+    tail = 4 if entry.checksum == "crc32c" else 0
+    nbytes = math.prod(entry.chunks) * dtype.itemsize
+    fd = _open_chunk(folder, idx, nbytes + tail, where)
+    try:
+        buf = scratch.pop()
+    except IndexError:
+        buf = None
+    size = max(min(nbytes, _BLOCK), dtype.itemsize)  # the largest block (see _blocks)
+    if buf is None or buf.nbytes < size:
+        buf = np.empty(size, np.uint8)
+    try:
+        crc = 0
+        for offset, region in _blocks(entry.chunks, dtype.itemsize, _BLOCK):
+            shape = tuple(b - a for a, b in region)
+            block = buf[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+            _pread(fd, [memoryview(block.reshape(-1).view(np.uint8))], offset, where)
+            if tail:
+                crc = crc32c(block, crc)
+            for view, src in parts:
+                _copy_overlap(view, src, block, region)
+        stored = bytearray(tail)
+        if tail:
+            _pread(fd, [memoryview(stored)], nbytes, where)
+    finally:
+        os.close(fd)
+        scratch.append(buf)
+    if tail:
+        _check(crc, stored, where)
+    _count(nbytes + tail)
+
+
+def _blocks(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple[int, tuple]]:
+    """The C-order blocks of a chunk of ``shape``, each one contiguous run of its file of at
+    most ``limit`` bytes (or one element, if that is larger): ``(byte offset, region)`` with
+    ``region`` a ``(start, stop)`` per axis. Blocks cut the outermost axes that do not fit."""
+    axis, inner = len(shape) - 1, itemsize
+    while axis > 0 and inner * shape[axis] <= limit:  # trailing axes that fit whole
+        inner *= shape[axis]
+        axis -= 1
+    if axis < 0:  # 0-d: one element
+        yield 0, ()
+        return
+    step = max(1, limit // inner)
+    tail = tuple((0, n) for n in shape[axis + 1 :])
+    for lead in itertools.product(*map(range, shape[:axis])):
+        flat = 0
+        for i, n in zip(lead, shape):
+            flat = flat * n + i
+        for a in range(0, shape[axis], step):
+            region = (*((i, i + 1) for i in lead), (a, min(a + step, shape[axis])), *tail)
+            yield (flat * shape[axis] + a) * inner, region
+
+
+def _copy_overlap(view: np.ndarray, src: tuple[slice, ...], block: np.ndarray,
+                  region: tuple) -> None:  # fmt: skip
+    """Copy what ``block`` (the chunk's ``region``) holds of ``src`` (the chunk's slices that
+    ``view`` receives) into ``view``."""
+    to, of = [], []
+    for s, (a, b) in zip(src, region):
+        lo, hi = max(s.start, a), min(s.stop, b)
+        if lo >= hi:
+            return
+        to.append(slice(lo - s.start, hi - s.start))
+        of.append(slice(lo - a, hi - a))
+    view[(*to, ...)] = block[(*of, ...)]
+
+
+def _open_chunk(folder: Path, idx: tuple[int, ...], size: int, where: str) -> int:
+    """Open chunk ``idx``'s file, refusing a link, anything not a regular file and any size
+    but ``size`` (checked before reading: nothing is read beyond what the file holds)."""
     try:
         fd = os.open(folder.joinpath("c", *map(str, idx)), _FLAGS)
     except FileNotFoundError:
@@ -244,37 +337,42 @@ def _read_file(folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.nd
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptChunkError(f"{where} is not a regular file. {_DAMAGED}")
-        if st.st_size != nbytes + tail:  # checked before reading: nothing beyond the file
+        if st.st_size != size:
             raise CorruptChunkError(
-                f"{where} holds {st.st_size} bytes, the manifest implies {nbytes + tail}. "
-                f"{_DAMAGED}"
+                f"{where} holds {st.st_size} bytes, the manifest implies {size}. {_DAMAGED}"
             )
-        data = memoryview(buf.reshape(-1).view(np.uint8))
-        stored = bytearray(tail)
-        views = [data, memoryview(stored)] if tail else [data]
-        done = 0
-        while views:  # preadv may return short: go on from where it stopped
-            n = os.preadv(fd, views, done)
-            if n == 0:
-                raise CorruptChunkError(f"{where} was truncated while being read. {_DAMAGED}")
-            done += n
-            while views and n >= len(views[0]):
-                n -= len(views.pop(0))
-            if views and n:
-                views[0] = views[0][n:]
-    finally:
+    except BaseException:
         os.close(fd)
-    if tail:
-        have = crc32c(buf)
-        want = int.from_bytes(stored, "little")
-        if have != want:
-            raise CorruptChunkError(
-                f"{where} fails its checksum (stored crc32c {want:08x}, data {have:08x}). "
-                f"{_DAMAGED}"
-            )
+        raise
+    return fd
+
+
+def _pread(fd: int, views: list[memoryview], offset: int, where: str) -> None:
+    """Fill ``views`` from ``offset`` on (``preadv`` may return short: go on from there)."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            raise CorruptChunkError(f"{where} was truncated while being read. {_DAMAGED}")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _check(have: int, stored: bytearray, where: str) -> None:
+    want = int.from_bytes(stored, "little")
+    if have != want:
+        raise CorruptChunkError(
+            f"{where} fails its checksum (stored crc32c {want:08x}, data {have:08x}). {_DAMAGED}"
+        )
+
+
+def _count(n: int) -> None:
+    global _bytes_read
     with _count_lock:
-        _bytes_read += nbytes + tail
-    return result
+        _bytes_read += n
 
 
 _DAMAGED = (

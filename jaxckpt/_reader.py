@@ -184,6 +184,10 @@ class Reader:
         """
         items, packed = _pack.split(entries, items)
         yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
+        for item in items:  # every box first: a chunk shared by boxes is read once for all
+            entry = entries[item.key]
+            if self._in_place(entry):
+                self._inplace.expect(entry, item.offsets, item.sizes)
         yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
                              max_inflight_bytes=max_inflight_bytes, size=self._cost)  # fmt: skip
 

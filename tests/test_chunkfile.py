@@ -3,6 +3,7 @@ for every box of every chunk grid (edge chunks included), and treat each file as
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -91,21 +92,78 @@ def test_in_place_reads_are_counted_and_a_shared_chunk_is_read_once(tmp_path):
     np.testing.assert_array_equal(np.concatenate([g for _, g in got]), data[:4])
 
 
-def test_partial_chunk_buffers_are_reused_without_mixing_data(tmp_path):
-    """A resharded read reuses the buffer of a chunk whose parts were all taken: every box
-    still gets its own bytes, and no more buffers exist than were in flight at once."""
-    rng = np.random.default_rng(1)
-    data = rng.standard_normal((64, 48)).astype(np.float32)
-    entry = _write(tmp_path, data, (8, 16), "crc32c")
-    # boxes straddling chunk rows and columns (a transposed mesh), read one at a time
-    items = [ReadItem("a/b", (r, c), (8, 24)) for r in range(4, 56, 8) for c in (0, 24)]
+@st.composite
+def _tiling(draw):
+    """An array, its chunk grid and boxes tiling it along cuts of their own (a reshard)."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 10)) for _ in range(ndim))
+    chunks = tuple(draw(st.integers(1, s)) for s in shape)
+    cuts = [sorted(draw(st.sets(st.integers(1, s - 1), max_size=3))) if s > 1 else []
+            for s in shape]  # fmt: skip
+    return shape, chunks, cuts, draw(st.integers(1, 64)), draw(st.integers(1, 4096))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_tiling())
+def test_boxes_straddling_chunks_get_their_bytes_each_chunk_read_once(tmp_path_factory, case):
+    """Any tiling of any chunk grid, read in blocks of any size within any read-ahead budget:
+    every box holds exactly its bytes, and with every box in flight no chunk is read twice."""
+    shape, chunks, cuts, block, budget = case
+    data = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    root = tmp_path_factory.mktemp("c")
+    entry = _write(root, data, chunks, "crc32c")
+    bounds = [list(zip([0, *c], [*c, s])) for c, s in zip(cuts, shape)]
+    items = [ReadItem("a/b", tuple(a for a, _ in box), tuple(b - a for a, b in box))
+             for box in itertools.product(*bounds)]  # fmt: skip
+    old, _chunkfile._BLOCK = _chunkfile._BLOCK, block
+    try:
+        for ahead in (budget, 1 << 30):
+            before = _reader.file_bytes_read()
+            reader = _reader.Reader(Location(root))
+            for item, got in reader.read({"a/b": entry}, items, max_inflight_bytes=ahead):
+                want = data[tuple(slice(o, o + n) for o, n in zip(item.offsets, item.sizes))]
+                np.testing.assert_array_equal(got, want)
+            read = _reader.file_bytes_read() - before
+            assert all(len(v.args[3]) == 0 for v in reader._inplace._gathering.values())
+            assert all(b.nbytes <= max(block, 4) for b in reader._inplace._scratch)
+        grid = [-(-s // c) for s, c in zip(shape, chunks)]
+        assert read == math.prod(grid) * (math.prod(chunks) * 4 + 4)  # all in flight: once each
+    finally:
+        _chunkfile._BLOCK = old
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), max_size=4).map(tuple), limit=st.integers(1, 400),
+       itemsize=st.sampled_from([1, 2, 4, 8]))  # fmt: skip
+def test_blocks_tile_the_chunk_file_in_order(shape, limit, itemsize):
+    covered = np.zeros(shape, np.int64)
+    at = 0
+    for offset, region in _chunkfile._blocks(shape, itemsize, limit):
+        n = math.prod(b - a for a, b in region)
+        assert offset == at and (n * itemsize <= limit or n == 1)  # contiguous, in file order
+        covered[tuple(slice(a, b) for a, b in region)] += 1
+        flat = np.arange(math.prod(shape)).reshape(shape)[tuple(slice(a, b) for a, b in region)]
+        assert (np.diff(flat.reshape(-1)) == 1).all()  # one run of the file
+        at += n * itemsize
+    assert (covered == 1).all() and at == math.prod(shape) * itemsize
+
+
+def test_damaged_chunk_shared_by_two_boxes_fails_both_naming_it(tmp_path):
+    data = np.arange(64, dtype=np.float32).reshape(8, 8)
+    entry = _write(tmp_path, data, (4, 8), "crc32c")
+    chunk = tmp_path / "arrays" / "a.b" / "c" / "1" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[5] ^= 1
+    chunk.write_bytes(bytes(raw))
+    items = [ReadItem("a/b", (0, 0), (8, 4)), ReadItem("a/b", (0, 4), (8, 4))]
     reader = _reader.Reader(Location(tmp_path))
-    budget = 8 * 24 * 4 + 2 * 8 * 16 * 4  # about one box and its partial chunks in flight
-    for item, got in reader.read({"a/b": entry}, items, max_inflight_bytes=budget):
-        (r, c), (h, w) = item.offsets, item.sizes
-        np.testing.assert_array_equal(got, data[r : r + h, c : c + w])
-    spare = sum(len(v) for v in reader._inplace._spare.values())
-    assert 0 < spare <= 8  # reused: 4 partial chunks per box, 28 boxes
+    for item in items:  # each box alone: both need half of the damaged chunk
+        with pytest.raises(
+            jaxckpt.CorruptChunkError, match=r"Key 'a/b': chunk \(1,0\) of arrays/a.b .*checksum"
+        ):
+            list(reader.read({"a/b": entry}, [item]))
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"chunk \(1,0\).*verify"):
+        list(reader.read({"a/b": entry}, items))
 
 
 @pytest.fixture(params=[True, False], ids=["in-place", "tensorstore"])
