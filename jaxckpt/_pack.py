@@ -192,7 +192,8 @@ def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
         lo = min(entries[i.key].offset for i in mine)
         hi = max(entries[i.key].offset + entries[i.key].size for i in mine)
         try:  # opening lists the pack's chunks first: a missing one is reported here
-            fut = reader._store(pack.as_array())[lo:hi].read() if hi > lo else None
+            array = pack.as_array()  # read like any array: in place from local files
+            fut = reader._start(array, ReadItem(array.key, (lo,), (hi - lo,))) if hi > lo else None
         except CorruptChunkError as e:
             raise _corrupt(reader, pack, [i.key for i in mine], e) from e
         n = (hi - lo) * dtype_from_name(pack.storage_dtype).itemsize
@@ -211,8 +212,8 @@ def _slices(reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[R
     data = np.empty(0, dtype_from_name(pack.storage_dtype))
     if fut is not None:
         try:
-            data = fut.result()
-        except ValueError as e:
+            data = fut()
+        except CorruptChunkError as e:
             raise _corrupt(reader, pack, [i.key for i in items], e) from e
     for item in items:
         e = entries[item.key]
@@ -227,7 +228,8 @@ def _slices(reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[R
 def _corrupt(reader: Any, pack: PackEntry, keys: list[str], e: Exception) -> CorruptChunkError:
     msg = str(e)
     gone = "NOT_FOUND" in msg or "is missing" in msg  # a read, or the listing before it
-    what = "is missing" if gone else "fails its checksum" if "igest" in msg else "cannot be read"
+    bad = "igest" in msg or "checksum" in msg  # tensorstore's words, or jaxckpt._chunkfile's
+    what = "is missing" if gone else "fails its checksum" if bad else "cannot be read"
     others = sorted(set(keys) - {keys[0]})
     also = f" (and {len(others)} more keys packed with it: {others[:3]!r})" if others else ""
     return CorruptChunkError(
