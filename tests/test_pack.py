@@ -16,6 +16,7 @@ from helpers import assert_tree_equal, mesh, put
 from test_s3 import BUCKET, s3  # noqa: F401 (the moto server fixture)
 
 import jaxckpt
+from jaxckpt import _chunkfile
 from jaxckpt._cli import main
 
 DATA = Path(__file__).with_name("data")
@@ -40,7 +41,7 @@ def mixed() -> dict:
     m = mesh((4, 2), ("data", "model"))
     return {
         "w": put(jnp.arange(64.0).reshape(8, 8), m, "data", "model"),  # small but sharded
-        "big": put(jnp.arange(1 << 17, dtype=jnp.float32).reshape(512, 256), m, "data"),
+        "big": put(jnp.arange(1 << 19, dtype=jnp.float32).reshape(1024, 512), m, "data"),
         "b": put(jnp.arange(8, dtype=jnp.bfloat16) / 3, m, None),
         "q": np.arange(7, dtype=ml_dtypes.uint4),
         "i4": jnp.arange(-3, 3, dtype=jnp.int4),
@@ -71,6 +72,32 @@ def test_2000_leaves_are_a_handful_of_files_and_round_trip(tmp_path):
     assert_tree_equal(jaxckpt.restore(tmp_path / "c", tree), tree)
     host = jaxckpt.restore(tmp_path / "c")
     assert host["g19"]["p099"].tobytes() == np.full(256, 1999, np.float32).tobytes()
+
+
+def test_an_array_split_into_small_chunks_is_packed_and_reads_back_onto_any_mesh(tmp_path):
+    """512 KiB in four 128 KiB shards would be four small files: packed, unlike the same bytes
+    replicated (one 512 KiB file) or sharded into chunks above pack_bytes."""
+    m = mesh((4, 2), ("data", "model"))
+    x = jnp.arange(1 << 17, dtype=jnp.float32).reshape(512, 256)
+    tree = {
+        "split": put(x, m, "data"),
+        "whole": put(x, m, None),
+        "coarse": put(jnp.concatenate([x, x]), m, None, "model"),
+    }  # coarse: chunks of 512 KiB, above pack_bytes
+    jaxckpt.save(tmp_path / "c", tree)
+    entries = jaxckpt.metadata(tmp_path / "c").entries
+    assert {k for k, e in entries.items() if e.pack} == {"split"}
+    before = _chunkfile.bytes_read()
+    other = {k: put(v, m, None, "data") for k, v in tree.items()}  # another mesh axis
+    got = jaxckpt.restore(tmp_path / "c", other)
+    assert_tree_equal(got, tree)
+    assert got["split"].sharding == other["split"].sharding
+    # Every chunk read once and in place, the pack's too: 4 files, each with its crc32c.
+    assert _chunkfile.bytes_read() - before == x.nbytes * 4 + 4 * 4
+    # The bound follows pack_bytes: with 64 KiB, 128 KiB chunks are files of their own.
+    jaxckpt.save(tmp_path / "d", tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=64 << 10))
+    assert not any(e.pack for e in jaxckpt.metadata(tmp_path / "d").entries.values()
+                   if isinstance(e, jaxckpt.ArrayEntry))  # fmt: skip
 
 
 def test_without_packing_the_layout_is_format_v1(tmp_path):

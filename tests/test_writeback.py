@@ -127,7 +127,7 @@ def test_packed_leaves_get_their_pack_files_hinted(tmp_path, monkeypatch):
     monkeypatch.setattr(_pack, "DEFAULT_PACK_BYTES", 1 << 18)  # undo the module's autouse fixture
     m = mesh((4, 2), ("data", "model"))
     state = {f"p{i}": put(np.full((16,), i, np.float32), m) for i in range(20)}
-    state["w"] = put(np.ones((512, 256), np.float32), m, "data", "model")  # 512 KiB: its own
+    state["w"] = put(np.ones((1024, 1024), np.float32), m, "data", "model")  # 512 KiB shards
     before = _writeback.started()
     jaxckpt.save(tmp_path / "ck", state)
     files = _chunk_files(tmp_path / "ck")
