@@ -259,15 +259,16 @@ def _read_parts(folder: Path, idx: tuple[int, ...], entry: ArrayEntry,
     dtype = dtype_from_name(entry.storage_dtype)
     tail = 4 if entry.checksum == "crc32c" else 0
     nbytes = math.prod(entry.chunks) * dtype.itemsize
-    fd = _open_chunk(folder, idx, nbytes + tail, where)
+    size = max(min(nbytes, _BLOCK), dtype.itemsize)  # the largest block (see _blocks)
     try:
         buf = scratch.pop()
-    except IndexError:
+    except IndexError:  # none spare: every buffer is in a read running now
         buf = None
-    size = max(min(nbytes, _BLOCK), dtype.itemsize)  # the largest block (see _blocks)
     if buf is None or buf.nbytes < size:
         buf = np.empty(size, np.uint8)
+    fd = -1
     try:
+        fd = _open_chunk(folder, idx, nbytes + tail, where)
         crc = 0
         for offset, region in _blocks(entry.chunks, dtype.itemsize, _BLOCK):
             shape = tuple(b - a for a, b in region)
@@ -281,7 +282,8 @@ def _read_parts(folder: Path, idx: tuple[int, ...], entry: ArrayEntry,
         if tail:
             _pread(fd, [memoryview(stored)], nbytes, where)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         scratch.append(buf)
     if tail:
         _check(crc, stored, where)
