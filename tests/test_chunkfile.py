@@ -90,6 +90,14 @@ def test_in_place_reads_are_counted_and_a_shared_chunk_is_read_once(tmp_path):
     got = list(_reader.Reader(Location(tmp_path)).read({"a/b": entry}, items))
     assert _reader.file_bytes_read() - before == chunk
     np.testing.assert_array_equal(np.concatenate([g for _, g in got]), data[:4])
+    # A budget of one box: the first box's wait starts the read for it alone, the second box
+    # reads the chunk again (what the class docstring promises, no deadlock, right bytes).
+    before = _reader.file_bytes_read()
+    reader = _reader.Reader(Location(tmp_path))
+    got = list(reader.read({"a/b": entry}, items, max_inflight_bytes=1))
+    assert _reader.file_bytes_read() - before == 2 * chunk
+    np.testing.assert_array_equal(np.concatenate([g for _, g in got]), data[:4])
+    assert not reader._inplace._gathering and not reader._inplace._due  # nothing left behind
 
 
 @st.composite
