@@ -1,7 +1,7 @@
 """Where a restore's time goes: reads (tensorstore: file, crc32c, decode), the copy, the
 device transfer, and Python per leaf. Run from the repository root::
 
-    .venv/bin/python benchmarks/profile_restore.py --workload big --runs 3
+    .venv/bin/python benchmarks/profile_restore.py --workload big --runs 3 [--reshard]
 
 Each part is timed alone on the same boxes the restore reads, in one process after a warm-up
 restore (so the page cache is warm): ``restore`` end to end; ``read`` storage's reads of the
@@ -48,10 +48,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workload", default="big", choices=sorted(_state.LAYOUTS))
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--reshard", action="store_true", help="restore onto the (2,4) mesh instead")
     args = p.parse_args()
     path = os.path.join(tempfile.mkdtemp(prefix="jaxckpt-prof-"), "ckpt")
     jaxckpt.save(path, _state.build(args.workload))
-    target = _state.abstract(args.workload)
+    target = _state.abstract(
+        args.workload, _state.RESHARD_MESH if args.reshard else _state.SAVE_MESH
+    )
     restore = lambda: jax.block_until_ready(jaxckpt.restore(path, target))  # noqa: E731
     restore()  # warm: page cache, contexts, compilations
 
