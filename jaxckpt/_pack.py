@@ -77,8 +77,9 @@ def plan_packs(
     Arrays that some process holds whole, of at most ``pack_bytes`` (or of at most
     ``SPLIT_PACK_FACTOR * pack_bytes`` in chunks of at most ``pack_bytes``) and never above
     ``max_chunk_bytes``, are grouped by storage dtype and holder processes, in key order, and
-    cut into packs of at most ``max_chunk_bytes`` (one chunk each). A group spreads over up to one pack per holder
-    process (each still at least ``pack_bytes``), so several processes share the writing.
+    cut into packs of at most ``max_chunk_bytes`` (one chunk each). A group spreads over up to
+    one pack per holder process (each still at least ``pack_bytes``), so several processes
+    share the writing.
     ``pack_bytes <= 0`` packs nothing.
 
     Returns:
