@@ -135,11 +135,6 @@ class InPlace:
                 key = (entry.path, idx)
                 self._due[key] = self._due.get(key, 0) + 1
 
-    def cost(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
-        """Host bytes the box holds while in flight: itself (a partial chunk's block buffer is
-        per read thread, at most ``_BLOCK`` bytes, not per box)."""
-        return math.prod(sizes) * dtype_from_name(entry.storage_dtype).itemsize
-
     def start(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...],
               out: np.ndarray) -> Callable[[], np.ndarray]:  # fmt: skip
         """Start reading the box ``offsets``/``sizes`` of ``entry`` into ``out``; return a wait.
@@ -163,8 +158,8 @@ class InPlace:
             key = (entry.path, idx)
             chunk = self._gathering.get(key)
             if chunk is None:
-                chunk = self._gathering[key] = _Shared((folder, idx, entry, [], where))
-            chunk.args[3].append((view, src[:-1]))
+                chunk = self._gathering[key] = _Shared(key, folder, entry, where)
+            chunk.parts.append((view, src[:-1]))
             shared.append(chunk)
             due = self._due.get(key, 0) - (not whole)  # a whole chunk was not expected: 0
             if due > 0:
@@ -176,7 +171,7 @@ class InPlace:
         def wait() -> np.ndarray:
             for chunk in shared:
                 if chunk.future is None:  # its other boxes are not started yet: read it now
-                    self._submit((chunk.args[2].path, chunk.args[1]))
+                    self._submit(chunk.key)
             error = None
             for f in itertools.chain(direct, (c.future for c in shared)):
                 try:  # wait for all, so no task still writes into ``out`` after we raise
@@ -191,20 +186,26 @@ class InPlace:
 
     def _submit(self, key: tuple[str, tuple[int, ...]]) -> None:
         chunk = self._gathering.pop(key)
-        chunk.future = _get_pool().submit(_read_parts, *chunk.args, self._scratch)
+        chunk.future = _get_pool().submit(
+            _read_parts, chunk.folder, chunk.key[1], chunk.entry, chunk.parts, chunk.where,
+            self._scratch,
+        )  # fmt: skip
 
     def _where(self, entry: ArrayEntry, idx: tuple[int, ...]) -> str:
         return f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in {self.describe}"
 
 
 class _Shared:
-    """A chunk read for the boxes that need part of it: ``_read_parts``'s arguments, gathered
-    while those boxes start, and its future once submitted."""
+    """A chunk read for the boxes that need part of it: the parts, gathered while those boxes
+    start, and the read's future once submitted."""
 
-    __slots__ = ("args", "future")
+    __slots__ = ("key", "folder", "entry", "where", "parts", "future")
 
-    def __init__(self, args: tuple) -> None:
-        self.args = args  # (folder, idx, entry, [(box view, chunk slices)], where)
+    def __init__(self, key: tuple[str, tuple[int, ...]], folder: Path, entry: ArrayEntry,
+                 where: str) -> None:  # fmt: skip
+        self.key = key  # (array path, chunk index)
+        self.folder, self.entry, self.where = folder, entry, where
+        self.parts: list[tuple[np.ndarray, tuple]] = []  # (view in a box, slices of the chunk)
         self.future: Future | None = None
 
 

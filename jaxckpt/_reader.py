@@ -189,7 +189,7 @@ class Reader:
             if self._in_place(entry):
                 self._inplace.expect(entry, item.offsets, item.sizes)
         yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
-                             max_inflight_bytes=max_inflight_bytes, size=self._cost)  # fmt: skip
+                             max_inflight_bytes=max_inflight_bytes)  # fmt: skip
 
     def _in_place(self, entry: ArrayEntry) -> bool:
         if not _chunkfile.supports(self.loc.local, entry):
@@ -197,12 +197,6 @@ class Reader:
         self._check_inside(entry)
         self.check_chunks(entry)
         return True
-
-    def _cost(self, entry: ArrayEntry, item: ReadItem) -> int:
-        """Host bytes ``item`` holds while in flight (the read-ahead bound counts these)."""
-        if self._in_place(entry):
-            return self._inplace.cost(entry, item.offsets, item.sizes)
-        return math.prod(item.sizes) * dtype_from_name(entry.storage_dtype).itemsize
 
     def _start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], np.ndarray]:
         if self._in_place(entry):  # local files: read in place, one copy
@@ -238,23 +232,18 @@ class Reader:
 
 def pipelined(entries: dict[str, Any], items: Iterable[ReadItem],
               start: Callable[[ReadItem], Callable[[], np.ndarray]], *,
-              max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-              size: Callable[[Any, ReadItem], int] | None = None) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
     """Start each item's read in order (``start(item)`` returns a call that waits for its data),
     yielding the oldest first whenever starting the next would put more than
     ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader
-    (jaxckpt's, Orbax's, safetensors') reads ahead through this one loop.
-
-    ``size(entry, item)``: the host bytes an item holds in flight (default: its box's bytes).
+    (jaxckpt's, Orbax's, safetensors') reads ahead through this one loop. An item holds its
+    box's bytes in flight (a partial chunk read in place adds a block per read thread, not per
+    item: ``jaxckpt._chunkfile``).
     """
     pending: collections.deque = collections.deque()
     inflight = 0
     for item in items:
-        entry = entries[item.key]
-        if size is not None:
-            n = size(entry, item)
-        else:
-            n = math.prod(item.sizes) * dtype_from_name(entry.storage_dtype).itemsize
+        n = math.prod(item.sizes) * dtype_from_name(entries[item.key].storage_dtype).itemsize
         while pending and inflight + n > max_inflight_bytes:
             done, m, result = pending.popleft()
             inflight -= m
