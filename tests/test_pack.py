@@ -83,7 +83,8 @@ def test_an_array_split_into_small_chunks_is_packed_and_reads_back_onto_any_mesh
         "split": put(x, m, "data"),
         "whole": put(x, m, None),
         "coarse": put(jnp.concatenate([x, x]), m, None, "model"),
-    }  # coarse: chunks of 512 KiB, above pack_bytes
+        "large": put(jnp.concatenate([x, x, x, x]).reshape(1024, 512), m, "data", "model"),
+    }  # coarse: chunks of 512 KiB, above pack_bytes; large: 256 KiB shards but 2 MiB, above 4x
     jaxckpt.save(tmp_path / "c", tree)
     entries = jaxckpt.metadata(tmp_path / "c").entries
     assert {k for k, e in entries.items() if e.pack} == {"split"}
@@ -92,8 +93,8 @@ def test_an_array_split_into_small_chunks_is_packed_and_reads_back_onto_any_mesh
     got = jaxckpt.restore(tmp_path / "c", other)
     assert_tree_equal(got, tree)
     assert got["split"].sharding == other["split"].sharding
-    # Every chunk read once and in place, the pack's too: 4 files, each with its crc32c.
-    assert _chunkfile.bytes_read() - before == x.nbytes * 4 + 4 * 4
+    # Every chunk read once and in place, the pack's too: 12 files, each with its crc32c.
+    assert _chunkfile.bytes_read() - before == x.nbytes * 8 + 12 * 4
     # The bound follows pack_bytes: with 64 KiB, 128 KiB chunks are files of their own.
     jaxckpt.save(tmp_path / "d", tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=64 << 10))
     assert not any(e.pack for e in jaxckpt.metadata(tmp_path / "d").entries.values()
