@@ -20,6 +20,10 @@ from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._names import storage_name
 from jaxckpt._plan import SavePlan, WriteItem, check_boxes, chunk_boxes, chunk_shape, raise_if
 
+# Boxes held by several processes are cut into a chunk per process, down to this size: smaller
+# chunks would cost a file each for a share of a read that is small anyway (chunk_limit).
+SHARED_CHUNK_MIN_BYTES = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ArrayPlan:
@@ -142,6 +146,7 @@ def create_global_save_plan(
     prng = prng or {}
     entries: dict[str, Any] = {}
     layouts = {}
+    holders: dict[int, int] = {}  # id(layout) -> processes holding each box: one pass per layout
     taken: set[str] = set()
     for key, leaf in leaves.items():
         if not _is_array(leaf):
@@ -154,9 +159,10 @@ def create_global_save_plan(
         else:
             lay, sharding = _layout.host_layout(shape, process_count), None
         layouts[key] = lay
+        limit = chunk_limit(lay, dtype.itemsize, max_chunk_bytes, holders)
         entries[key] = ArrayEntry(
             key=key, shape=shape, dtype=dtype.name, storage_dtype=_manifest.storage_dtype_name(dtype),
-            chunks=chunk_shape(lay.box, dtype.itemsize, max_chunk_bytes),
+            chunks=chunk_shape(lay.box, dtype.itemsize, limit),
             path=storage_name(key, taken), prng_impl=prng.get(key), sharding=sharding,
         )  # fmt: skip
     packed, packs = _pack.plan_packs(
@@ -196,6 +202,28 @@ def create_global_save_plan(
                           packs={p.entry.key: p.members for p in pack_plans})  # fmt: skip
     validate_global_plan(plan)
     return plan
+
+
+def chunk_limit(
+    lay: _layout.Layout, itemsize: int, max_chunk_bytes: int, seen: dict[int, int] | None = None
+) -> int:
+    """The largest chunk for ``lay``'s boxes: ``max_chunk_bytes``, or less for shared boxes.
+
+    A box that ``h`` processes hold (a replicated array, a data-parallel axis across hosts) is
+    restored by ``h`` processes that share its reads, each reading ``1/h`` of it
+    (``jaxckpt._load_planner``). A chunk is the unit of a read (it is checksummed whole), so
+    such a box is cut into chunks of at most ``1/h`` of it, though not below
+    ``SHARED_CHUNK_MIN_BYTES``: then a restore on as many processes reads each byte once.
+    """
+    h = seen.get(id(lay)) if seen is not None else None
+    if h is None:
+        h = len(np.unique(lay.processes[lay.groups[0]])) if lay.groups.size else 1
+        if seen is not None:
+            seen[id(lay)] = h
+    if h <= 1:
+        return max_chunk_bytes
+    share = math.prod(lay.box) * itemsize // h
+    return min(max_chunk_bytes, max(share, SHARED_CHUNK_MIN_BYTES))
 
 
 def _digest(manifest: Manifest, layouts: Any, lowest: bool) -> str:

@@ -294,7 +294,9 @@ def _identity(x: Any) -> Any:
 def _shared_read_sharding(shape: tuple[int, ...], where: Any) -> Any:
     """A sharding that splits dim 0 over all of ``where``'s devices, if ``where`` puts one box
     on devices of several processes (else ``None``): read under it, each byte is read once."""
-    devices = sorted(where.device_set, key=lambda d: d.id)
+    # Each process's devices side by side: its share is one run of rows, which is whole chunks
+    # when the save cut the array into a chunk per process (jaxckpt._global_plan.chunk_limit).
+    devices = sorted(where.device_set, key=lambda d: (d.process_index, d.id))
     if not shape or shape[0] % len(devices) or math.prod(shape) == 0:
         return None
     if where.memory_kind not in (None, devices[0].default_memory().kind):

@@ -119,7 +119,9 @@ class DefaultSavePlanner(SavePlanner):
         planned bytes; ``"lowest"`` to the lowest process/device.
       max_chunk_bytes: shards larger than this are written as several chunks (split along
         their outer dimension), which bounds memory per write and lets restores onto another
-        mesh read less.
+        mesh read less. A shard that several processes hold (replicated across hosts) is cut
+        into a chunk per process too (at least 1 MiB each), so that they can share its reads
+        on restore (docs/multihost.md).
       enable_plan_caching: reuse the plan for the same structure, shapes, dtypes, shardings
         and options.
       pack_bytes: arrays of at most this many bytes (or of at most 4x as many, in shards of

@@ -322,9 +322,7 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         state = {
             k: jax.make_array_from_callback(v.shape, rep, v.__getitem__) for k, v in vals.items()
         }
-        jaxckpt.save(
-            work / "rep", state, planner=jaxckpt.DefaultSavePlanner(max_chunk_bytes=2 << 20)
-        )
+        jaxckpt.save(work / "rep", state)  # default chunks: a replicated box gets one per process
         del state
         for name, sharding, planner in (("shared", rep, None), ("mixed", fsdp, None),
                 ("unshared", rep, jaxckpt.DefaultLoadPlanner(share_reads=False))):  # fmt: skip

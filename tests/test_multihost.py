@@ -208,6 +208,8 @@ def test_replicated_boxes_are_read_once_across_processes(groups):
     _ok(four, "restore_2_shared")  # 2 -> 4 processes, shared reads, bit-exact
     _ok(four, "shared_replicated")
     whole = four[0]["data"]["rep_bytes"]
+    # Saved with the default planner: each 32 MiB replicated array in a chunk per process.
+    assert jaxckpt.metadata(groups["work"] / "rep").entries["r0"].chunks == (512, 4096)
     shared = [r["data"]["rep_read_shared"] for r in four]
     assert all(r <= 0.3 * whole for r in shared), (shared, whole)
     assert sum(shared) <= 1.1 * whole, (shared, whole)

@@ -184,3 +184,29 @@ def test_unreplicated_bytes_count_towards_the_balance():
     plan = _plan_for(tree)
     replicated_writers = {it.device for it in plan.items if it.key != "big"}
     assert replicated_writers == {1, 2, 3, 4, 5, 6, 7}
+
+
+def test_boxes_held_by_several_processes_get_a_chunk_per_process():
+    # A chunk is the unit of a read; a box that h processes hold is restored by h processes
+    # that share its reads, so it is cut into h chunks (down to SHARED_CHUNK_MIN_BYTES).
+    from jax.sharding import PartitionSpec as P
+
+    from jaxckpt import _global_plan, _layout
+
+    ids = np.arange(8).reshape(4, 2)  # 4 processes x 2 devices: mesh axis "a" is the process
+    procs = ids // 2
+    lay = lambda shape, spec: _layout.named_layout(shape, (4, 2), ("a", "b"), spec, ids, procs)  # noqa: E731
+    limit = _global_plan.chunk_limit
+    big = 64 << 20
+    rep = lay((2048, 4096), P())  # 32 MiB, on every process
+    assert limit(rep, 4, big) == 8 << 20
+    assert _plan.chunk_shape(rep.box, 4, limit(rep, 4, big)) == (512, 4096)
+    assert limit(rep, 4, 4 << 20) == 4 << 20  # max_chunk_bytes still bounds it
+    fsdp = lay((2048, 4096), P("a"))  # a row block per process, replicated within one
+    assert limit(fsdp, 4, big) == big
+    tp = lay((2048, 4096), P(None, "b"))  # columns within a process, replicated across
+    assert limit(tp, 4, big) == 4 << 20
+    small = lay((512, 1024), P())  # 2 MiB over 4 processes: not below 1 MiB a chunk
+    assert limit(small, 4, big) == _global_plan.SHARED_CHUNK_MIN_BYTES == 1 << 20
+    one = _layout.named_layout((2048, 4096), (4, 2), ("a", "b"), P(), ids, np.zeros_like(ids))
+    assert limit(one, 4, big) == big  # one process: nothing to share
