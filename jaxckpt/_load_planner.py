@@ -153,8 +153,11 @@ class DefaultLoadPlanner(LoadPlanner):
         self._via = {}  # key -> the sharding it is read under, when reads are shared
         if self.share_reads and jax.process_count() > 1:
             for key, (_, where) in self.wants.items():
-                if isinstance(where, jax.sharding.Sharding):
-                    via = _shared_read_sharding(tuple(manifest.entries[key].shape), where)
+                entry = manifest.entries[key]
+                # A pack is read whole by each process that needs it (jaxckpt._pack), so a
+                # packed array gains nothing from a split read.
+                if isinstance(where, jax.sharding.Sharding) and entry.pack is None:
+                    via = _shared_read_sharding(tuple(entry.shape), tuple(entry.chunks), where)
                     if via is not None:
                         self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
@@ -291,13 +294,23 @@ def _identity(x: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=1024)  # O(devices) per call: once per distinct layout
-def _shared_read_sharding(shape: tuple[int, ...], where: Any) -> Any:
-    """A sharding that splits dim 0 over all of ``where``'s devices, if ``where`` puts one box
-    on devices of several processes (else ``None``): read under it, each byte is read once."""
-    # Each process's devices side by side: its share is one run of rows, which is whole chunks
-    # when the save cut the array into a chunk per process (jaxckpt._global_plan.chunk_limit).
+def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where: Any) -> Any:
+    """A sharding that splits one dimension over all of ``where``'s devices, if ``where`` puts
+    one box on devices of several processes (else ``None``): read under it, each byte is read
+    once.
+
+    The dimension is the first the saved chunk grid splits (a chunk is the unit of a read, and
+    the save cuts a shared box into a chunk per process along it), else the first the devices
+    divide; ``None`` when no dimension divides by the device count.
+    """
+    # Each process's devices side by side: its share is one run along that dimension, which is
+    # whole chunks when the save cut the array into a chunk per process
+    # (jaxckpt._global_plan.chunk_limit).
     devices = sorted(where.device_set, key=lambda d: (d.process_index, d.id))
-    if not shape or shape[0] % len(devices) or math.prod(shape) == 0:
+    n = len(devices)
+    split = [d for d in range(len(shape)) if chunks[d] < shape[d]]
+    dims = [d for d in split + list(range(len(shape))) if shape[d] % n == 0]
+    if not dims or math.prod(shape) == 0:
         return None
     if where.memory_kind not in (None, devices[0].default_memory().kind):
         return None  # the reshard runs a computation: keep host memory kinds out of it
@@ -307,7 +320,8 @@ def _shared_read_sharding(shape: tuple[int, ...], where: Any) -> Any:
     if all(len(p) == 1 for p in holders.values()):
         return None
     mesh = jax.sharding.Mesh(np.array(devices), ("jaxckpt_read",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("jaxckpt_read"))
+    spec = (None,) * dims[0] + ("jaxckpt_read",)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 @functools.cache

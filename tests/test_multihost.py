@@ -218,6 +218,11 @@ def test_replicated_boxes_are_read_once_across_processes(groups):
     assert all(r <= 0.3 * whole for r in mixed) and sum(mixed) <= 1.1 * whole, mixed
     # Turned off, every process reads the whole state.
     assert all(r["data"]["rep_read_unshared"] >= whole for r in four)
+    # Leading dimensions 16 devices do not divide: cut and read along the next one, once.
+    assert four[0]["data"]["odd_chunks"] == {"conv": [3, 3, 64, 512], "vocab": [1001, 256]}
+    odd = four[0]["data"]["odd_bytes"]
+    odd_read = [r["data"]["odd_read"] for r in four]
+    assert all(r <= 0.3 * odd for r in odd_read) and sum(odd_read) <= 1.1 * odd, (odd_read, odd)
 
 
 def test_failure_on_one_process_raises_on_every_process(groups):
