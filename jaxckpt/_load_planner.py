@@ -293,6 +293,16 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def shared_read_dim(shape: tuple[int, ...], chunks: tuple[int, ...], n: int) -> int | None:
+    """The dimension a shared read splits over ``n`` devices: the first that the chunk grid
+    splits and ``n`` divides, else the first ``n`` divides; ``None`` if none (or empty)."""
+    if math.prod(shape) == 0:
+        return None
+    split = [d for d in range(len(shape)) if chunks[d] < shape[d]]
+    dims = [d for d in split + list(range(len(shape))) if shape[d] % n == 0]
+    return dims[0] if dims else None
+
+
 @functools.lru_cache(maxsize=1024)  # O(devices) per call: once per distinct layout
 def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where: Any) -> Any:
     """A sharding that splits one dimension over all of ``where``'s devices, if ``where`` puts
@@ -307,10 +317,8 @@ def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where
     # whole chunks when the save cut the array into a chunk per process
     # (jaxckpt._global_plan.chunk_limit).
     devices = sorted(where.device_set, key=lambda d: (d.process_index, d.id))
-    n = len(devices)
-    split = [d for d in range(len(shape)) if chunks[d] < shape[d]]
-    dims = [d for d in split + list(range(len(shape))) if shape[d] % n == 0]
-    if not dims or math.prod(shape) == 0:
+    dim = shared_read_dim(shape, chunks, len(devices))
+    if dim is None:
         return None
     if where.memory_kind not in (None, devices[0].default_memory().kind):
         return None  # the reshard runs a computation: keep host memory kinds out of it
@@ -320,7 +328,7 @@ def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where
     if all(len(p) == 1 for p in holders.values()):
         return None
     mesh = jax.sharding.Mesh(np.array(devices), ("jaxckpt_read",))
-    spec = (None,) * dims[0] + ("jaxckpt_read",)
+    spec = (None,) * dim + ("jaxckpt_read",)
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 

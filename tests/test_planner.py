@@ -1,11 +1,14 @@
 """The save planner: dedup, balance, validation and the plan cache."""
 
 import dataclasses
+import math
 
+import hypothesis
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
+from hypothesis import strategies as st
 
 import jaxckpt
 from jaxckpt import _plan
@@ -210,3 +213,40 @@ def test_boxes_held_by_several_processes_get_a_chunk_per_process():
     assert limit(small, 4, big) == _global_plan.SHARED_CHUNK_MIN_BYTES == 1 << 20
     one = _layout.named_layout((2048, 4096), (4, 2), ("a", "b"), P(), ids, np.zeros_like(ids))
     assert limit(one, 4, big) == big  # one process: nothing to share
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    shape=st.lists(st.sampled_from([1, 3, 6, 64, 96, 1001, 1024, 4096]), min_size=1, max_size=4),
+    procs=st.sampled_from([2, 3, 4, 8]),
+    per=st.sampled_from([1, 2, 4]),
+    max_chunk=st.sampled_from([1 << 20, 4 << 20, 64 << 20]),
+)
+def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chunk):
+    # Save and restore together: a replicated array saved on `procs` processes and restored
+    # replicated on as many. Each process reads the chunks its share of the split dimension
+    # overlaps (a chunk is read whole): about its share, and the array about once in all.
+    from jax.sharding import PartitionSpec as P
+
+    from jaxckpt import _global_plan, _layout, _load_planner
+
+    shape = tuple(shape)
+    ids = np.arange(procs * per).reshape(procs, per)
+    lay = _layout.named_layout(shape, ids.shape, ("a", "b"), P(), ids, ids // per)
+    total = math.prod(shape) * 4
+    limit = _global_plan.chunk_limit(lay, 4, max_chunk)
+    assert limit == min(max_chunk, max(total // procs, _global_plan.SHARED_CHUNK_MIN_BYTES))
+    chunks = _plan.chunk_shape(lay.box, 4, limit)
+    assert math.prod(chunks) * 4 <= limit or all(c % 2 for c in chunks)  # halved to the limit
+    dim = _load_planner.shared_read_dim(shape, chunks, procs * per)
+    hypothesis.assume(dim is not None)
+    across = total // shape[dim]  # bytes of one index along dim (the slab spans the others)
+    c, share, read = chunks[dim], shape[dim] // procs, []
+    for p in range(procs):
+        lo, hi = p * share // c * c, min(-(-(p + 1) * share // c) * c, shape[dim])
+        read.append((hi - lo) * across)  # the whole chunks the share overlaps
+    chunk = c * across
+    assert sum(read) <= total + (procs - 1) * chunk, (read, total, chunks)
+    assert max(read) <= total // procs + 2 * chunk, (read, total, chunks)
+    if procs != 3 and c * procs <= shape[dim]:  # chunks no larger than a share: exactly once
+        assert sum(read) == total and len(set(read)) == 1, (read, total, chunks)
