@@ -295,11 +295,14 @@ def _identity(x: Any) -> Any:
 
 def shared_read_dim(shape: tuple[int, ...], chunks: tuple[int, ...], n: int) -> int | None:
     """The dimension a shared read splits over ``n`` devices: the first that the chunk grid
-    splits and ``n`` divides, else the first ``n`` divides; ``None`` if none (or empty)."""
+    splits and ``n`` divides, or ``None``.
+
+    Only a dimension of several chunks: a chunk is read whole, so splitting one chunk between
+    processes would not save a byte, only add the all-gather.
+    """
     if math.prod(shape) == 0:
         return None
-    split = [d for d in range(len(shape)) if chunks[d] < shape[d]]
-    dims = [d for d in split + list(range(len(shape))) if shape[d] % n == 0]
+    dims = [d for d in range(len(shape)) if chunks[d] < shape[d] and shape[d] % n == 0]
     return dims[0] if dims else None
 
 
@@ -309,9 +312,8 @@ def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where
     one box on devices of several processes (else ``None``): read under it, each byte is read
     once.
 
-    The dimension is the first the saved chunk grid splits (a chunk is the unit of a read, and
-    the save cuts a shared box into a chunk per process along it), else the first the devices
-    divide; ``None`` when no dimension divides by the device count.
+    The dimension is one the saved chunk grid splits (:func:`shared_read_dim`): a chunk is the
+    unit of a read, and the save cuts a shared box into a chunk per process along it.
     """
     # Each process's devices side by side: its share is one run along that dimension, which is
     # whole chunks when the save cut the array into a chunk per process

@@ -250,3 +250,21 @@ def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chu
     assert max(read) <= total // procs + 2 * chunk, (read, total, chunks)
     if procs != 3 and c * procs <= shape[dim]:  # chunks no larger than a share: exactly once
         assert sum(read) == total and len(set(read)) == 1, (read, total, chunks)
+
+
+@pytest.mark.parametrize(
+    "shape, chunks, n, dim",
+    [
+        ((64, 64), (16, 64), 8, 0),
+        ((64, 64), (64, 16), 8, 1),  # cut along columns: read along columns
+        ((3, 3, 256, 512), (3, 3, 64, 512), 16, 2),  # a conv kernel
+        ((1001, 1024), (1001, 256), 16, 1),  # a vocabulary the devices do not divide
+        ((64, 64), (64, 64), 8, None),  # one chunk: every process reads it whole anyway
+        ((1001, 64), (143, 64), 8, None),  # no dimension of several chunks divides
+        ((0, 64), (1, 64), 8, None),
+    ],
+)
+def test_shared_reads_split_a_dimension_of_several_chunks(shape, chunks, n, dim):
+    from jaxckpt import _load_planner
+
+    assert _load_planner.shared_read_dim(shape, chunks, n) == dim
