@@ -239,7 +239,8 @@ def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chu
     chunks = _plan.chunk_shape(lay.box, 4, limit)
     assert math.prod(chunks) * 4 <= limit or all(c % 2 for c in chunks)  # halved to the limit
     dim = _load_planner.shared_read_dim(shape, chunks, procs * per)
-    hypothesis.assume(dim is not None)
+    if dim is None:  # not shared: each process reads what it needs (the table test below)
+        return
     across = total // shape[dim]  # bytes of one index along dim (the slab spans the others)
     c, share, read = chunks[dim], shape[dim] // procs, []
     for p in range(procs):
