@@ -61,6 +61,9 @@ class FakeArray(jax.Array):
     def addressable_shards(self) -> list[FakeShard]:
         return [FakeShard(d) for d in self._local]
 
+    def is_deleted(self) -> bool:  # the planner refuses donated (deleted) arrays
+        return False
+
 
 def simulated_state(processes: int, per_process: int, arrays: int) -> dict:
     n = processes * per_process

@@ -269,3 +269,21 @@ def test_shared_reads_split_a_dimension_of_several_chunks(shape, chunks, n, dim)
     from jaxckpt import _load_planner
 
     assert _load_planner.shared_read_dim(shape, chunks, n) == dim
+
+
+def test_the_simulated_job_benchmark_still_plans():
+    # benchmarks/_plan_bench.py drives the real planner with stand-in devices and arrays; it
+    # broke once unnoticed when the planner began asking leaves is_deleted(). 16 processes x 8
+    # devices, 30 arrays (this module saves without packs: one_array_per_leaf).
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import _plan_bench
+    finally:
+        sys.path.pop(0)
+    got = _plan_bench.run(processes=16, arrays=30)
+    assert got["boxes"] == 20 * 16 * 8 + 10  # 128 shards of each sharded array, 10 replicated
+    # process 0 writes its 8 shards of each sharded array, and its few of the replicated ones
+    assert 20 * 8 <= got["local_items"] <= 20 * 8 + 2, got
