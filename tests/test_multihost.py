@@ -223,6 +223,10 @@ def test_replicated_boxes_are_read_once_across_processes(groups):
     odd = four[0]["data"]["odd_bytes"]
     odd_read = [r["data"]["odd_read"] for r in four]
     assert all(r <= 0.3 * odd for r in odd_read) and sum(odd_read) <= 1.1 * odd, (odd_read, odd)
+    # Tensor-parallel within hosts x data-parallel across: saved and restored so, read once.
+    tp = four[0]["data"]["tp_bytes"]
+    tp_read = [r["data"]["tp_read"] for r in four]
+    assert all(r <= 0.3 * tp for r in tp_read) and sum(tp_read) <= 1.1 * tp, (tp_read, tp)
 
 
 def test_failure_on_one_process_raises_on_every_process(groups):
