@@ -157,7 +157,10 @@ class DefaultLoadPlanner(LoadPlanner):
                 # A pack is read whole by each process that needs it (jaxckpt._pack), so a
                 # packed array gains nothing from a split read.
                 if isinstance(where, jax.sharding.Sharding) and entry.pack is None:
-                    via = _shared_read_sharding(tuple(entry.shape), tuple(entry.chunks), where)
+                    # The unit of a read: a chunk, or where parts are read alone (safetensors)
+                    # a row: split the rows, each process's part one byte range.
+                    unit = (1, *entry.shape[1:]) if entry.partial_reads else tuple(entry.chunks)
+                    via = _shared_read_sharding(tuple(entry.shape), unit, where)
                     if via is not None:
                         self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
@@ -295,7 +298,7 @@ def _identity(x: Any) -> Any:
 
 def shared_read_dim(shape: tuple[int, ...], chunks: tuple[int, ...], n: int) -> int | None:
     """The dimension a shared read splits over ``n`` devices: the first that the chunk grid
-    splits and ``n`` divides, or ``None``.
+    ``chunks`` (the unit of a read) splits and ``n`` divides, or ``None``.
 
     Only a dimension of several chunks: a chunk is read whole, so splitting one chunk between
     processes would not save a byte, only add the all-gather.

@@ -94,6 +94,9 @@ class ArrayEntry:
     # pack array at ``path``, in C order; ``chunks`` is then the array's shape (one "chunk").
     pack: PackEntry | None = None
     offset: int = 0
+    # Not stored: set by sources whose reads of part of a chunk fetch only that part (safetensors:
+    # no chunks, no checksums), so a shared restore may split any dimension, not only a chunked one.
+    partial_reads: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def size(self) -> int:

@@ -155,6 +155,7 @@ def _build(loc: _location.Location, kv: ts.KvStore, files: list[str]) -> tuple[M
             chunks=tuple(max(1, s) for s in t.shape),
             path=t.file,
             checksum="none",
+            partial_reads=True,  # any byte range of a tensor is read alone
         )  # fmt: skip
         for name, t in tensors.items()
     }

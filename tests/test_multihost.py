@@ -227,6 +227,10 @@ def test_replicated_boxes_are_read_once_across_processes(groups):
     tp = four[0]["data"]["tp_bytes"]
     tp_read = [r["data"]["tp_read"] for r in four]
     assert all(r <= 0.3 * tp for r in tp_read) and sum(tp_read) <= 1.1 * tp, (tp_read, tp)
+    # safetensors weights, replicated: each process reads its rows (plus the file's header).
+    st = four[0]["data"]["st_bytes"]
+    st_read = [r["data"]["st_read"] for r in four]
+    assert all(r <= 0.3 * st for r in st_read) and sum(st_read) <= 1.1 * st, (st_read, st)
 
 
 def test_failure_on_one_process_raises_on_every_process(groups):
