@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst", metavar="DST")
     c.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
     c.add_argument("--progress", action="store_true", help="show progress on stderr from the start")
+    c.add_argument("--max-chunk-bytes", type=_positive_bytes, metavar="N",
+                   help="largest chunk written (default 64 MiB; smaller for restores on many hosts)")  # fmt: skip
     c.set_defaults(run=run_convert)
     return p
 
@@ -100,3 +102,16 @@ if __name__ == "__main__":  # pragma: no cover
 
 
 __all__ = ["main"]
+
+
+def _positive_bytes(text: str) -> int:
+    """A byte count on the command line: a positive integer (argparse reports the rest)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive number of bytes (e.g. 8388608)"
+        )
+    return n

@@ -129,7 +129,8 @@ def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values
 
 def run_convert(args: argparse.Namespace) -> int:
     m = _convert_mod._convert(args.src, args.dst, overwrite=args.overwrite, stream=sys.stderr,
-                              progress=True if args.progress else None)  # fmt: skip
+                              progress=True if args.progress else None,
+                              max_chunk_bytes=args.max_chunk_bytes)  # fmt: skip
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     print(f"wrote {args.dst}: {plural(len(arrays), 'array')}, "
           f"{plural(len(m.entries) - len(arrays), 'value')}, "

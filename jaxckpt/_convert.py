@@ -27,7 +27,8 @@ _INFLIGHT = 256 << 20
 _QUIET_S = 2.0  # no progress line for runs shorter than this
 
 
-def convert(src: str, dst: str, *, overwrite: bool = False) -> Manifest:
+def convert(src: str, dst: str, *, overwrite: bool = False,
+            max_chunk_bytes: int | None = None) -> Manifest:  # fmt: skip
     """Write the checkpoint or weights at ``src`` as a jaxckpt checkpoint at ``dst``.
 
     ``src`` is anything :func:`restore` reads: a jaxckpt checkpoint, an Orbax checkpoint
@@ -38,6 +39,10 @@ def convert(src: str, dst: str, *, overwrite: bool = False) -> Manifest:
       src: the source path or URL.
       dst: where to write the jaxckpt checkpoint (path or URL).
       overwrite: replace a checkpoint at ``dst`` (the old one stays until the new is committed).
+      max_chunk_bytes: the largest chunk written (blocks of whole rows; default 64 MiB). A chunk
+        is read whole, so a checkpoint that many hosts restore, each a part of every array
+        (FSDP across hosts, or replicated with reads shared), reads less in smaller chunks:
+        e.g. 8 MiB for a pod (docs/multihost.md).
 
     Returns:
       The written checkpoint's :class:`Manifest`.
@@ -46,6 +51,7 @@ def convert(src: str, dst: str, *, overwrite: bool = False) -> Manifest:
       CheckpointNotFoundError: nothing jaxckpt reads is at ``src``.
       CheckpointExistsError: ``dst`` holds a checkpoint and ``overwrite=False``.
       ManifestError, CorruptChunkError: the source is damaged (names the file and key).
+      ValueError: ``max_chunk_bytes`` is not a positive number of bytes.
 
     Example:
       >>> import numpy as np, jaxckpt, tempfile
@@ -56,11 +62,18 @@ def convert(src: str, dst: str, *, overwrite: bool = False) -> Manifest:
       >>> jaxckpt.restore(d + "/ckpt")["embed.weight"].shape
       (4, 2)
     """
-    return _convert(src, dst, overwrite=overwrite, stream=sys.stderr, progress=None)
+    return _convert(src, dst, overwrite=overwrite, stream=sys.stderr, progress=None,
+                    max_chunk_bytes=max_chunk_bytes)  # fmt: skip
 
 
-def _convert(src: str, dst: str, *, overwrite: bool, stream: TextIO,
-             progress: bool | None) -> Manifest:  # fmt: skip
+def _convert(src: str, dst: str, *, overwrite: bool, stream: TextIO, progress: bool | None,
+             max_chunk_bytes: int | None = None) -> Manifest:  # fmt: skip
+    limit = BLOCK_BYTES if max_chunk_bytes is None else max_chunk_bytes
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(
+            f"max_chunk_bytes must be a positive number of bytes, not {max_chunk_bytes!r} "
+            f"(e.g. 8 << 20 for 8 MiB chunks)"
+        )
     source, reader = _sources.open_source(_location.Location(src))
     taken: set[str] = set()
     entries: dict[str, Any] = {}
@@ -69,7 +82,7 @@ def _convert(src: str, dst: str, *, overwrite: bool, stream: TextIO,
             e = ArrayEntry(key=key, shape=e.shape, dtype=e.dtype,
                            storage_dtype=_manifest.storage_dtype_name(
                                _manifest.dtype_from_name(e.dtype)),
-                           chunks=_row_blocks(e), path=storage_name(key, taken),
+                           chunks=_row_blocks(e, limit), path=storage_name(key, taken),
                            prng_impl=e.prng_impl, sharding=e.sharding)  # fmt: skip
         entries[key] = e
     created = {"jaxckpt": _version(), "converted_from": _sources.source_kind(reader)}
@@ -101,14 +114,14 @@ def _convert(src: str, dst: str, *, overwrite: bool, stream: TextIO,
     return manifest
 
 
-def _row_blocks(e: ArrayEntry) -> tuple[int, ...]:
-    """A chunk shape of whole trailing dimensions and as many leading rows as fit a block."""
+def _row_blocks(e: ArrayEntry, limit: int) -> tuple[int, ...]:
+    """A chunk shape of whole trailing dimensions and as many leading rows as fit ``limit``."""
     itemsize = _manifest.dtype_from_name(e.dtype).itemsize
     chunks: list[int] = []
     for i, s in enumerate(e.shape):
         inner = math.prod(e.shape[i + 1 :]) * itemsize
-        if inner <= BLOCK_BYTES:
-            rows = BLOCK_BYTES // max(1, inner)
+        if inner <= limit:
+            rows = limit // max(1, inner)
             return (*chunks, max(1, min(s, rows)), *(max(1, d) for d in e.shape[i + 1 :]))
         chunks.append(1)
     return tuple(chunks)

@@ -67,3 +67,27 @@ def test_convert_a_jaxckpt_checkpoint_rechunks_it(tmp_path):
     jaxckpt.convert(str(tmp_path / "a"), str(tmp_path / "b"))
     assert jaxckpt.metadata(tmp_path / "b").entries["w"].chunks == (4, 4)
     assert_tree_equal(jaxckpt.restore(tmp_path / "a"), jaxckpt.restore(tmp_path / "b"))
+
+
+def test_convert_writes_chunks_of_at_most_max_chunk_bytes(tmp_path, capsys):
+    # Finer chunks for checkpoints that many hosts restore in parts: a chunk is read whole.
+    w = {"embed": np.arange(1000 * 64, dtype=np.float32).reshape(1000, 64)}  # 250 KiB
+    st.save_file(w, tmp_path / "m.safetensors")
+    m = jaxckpt.convert(str(tmp_path / "m.safetensors"), str(tmp_path / "a"),
+                        max_chunk_bytes=16 << 10)  # fmt: skip
+    assert m.entries["embed"].chunks == (64, 64)  # 64 rows of 256 bytes: 16 KiB
+    assert jaxckpt.metadata(tmp_path / "a").entries["embed"].grid == (16, 1)
+    assert jaxckpt.restore(tmp_path / "a")["embed"].tobytes() == w["embed"].tobytes()
+    rc = main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "b"),
+               "--max-chunk-bytes", "4096"])  # fmt: skip
+    assert rc == 0 and jaxckpt.metadata(tmp_path / "b").entries["embed"].chunks == (16, 64)
+    capsys.readouterr()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"max_chunk_bytes must be a positive number"):
+            jaxckpt.convert(str(tmp_path / "m.safetensors"), str(tmp_path / "c"),
+                            max_chunk_bytes=bad)  # fmt: skip
+    assert not (tmp_path / "c").exists()  # refused before anything was written
+    rc = main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "c"),
+               "--max-chunk-bytes", "0"])  # fmt: skip
+    assert rc == 2 and "'0' is not a positive number of bytes" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
