@@ -310,31 +310,40 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         check_state(jaxckpt.restore(work / "ckpt2", target("four")))
 
     def shared_replicated():
-        # 256 MiB fully replicated over 4 processes x 4 devices: each process reads a quarter.
+        # Replicated state over 4 processes x 4 devices, saved and restored with the default
+        # planners: each process reads a quarter of each array (the save cuts a replicated box
+        # into a chunk per process, and the restore splits the dimension it cut).
+        from jax.experimental import multihost_utils
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         mesh = Mesh(np.array(jax.devices()).reshape(4, 4), ("a", "b"))
         rep = NamedSharding(mesh, PartitionSpec())
-        fsdp = NamedSharding(mesh, PartitionSpec("a"))  # across hosts, replicated within
-        vals = {
-            f"r{i}": np.random.default_rng(i).random((2048, 4096), np.float32) for i in range(8)
-        }
-        state = {
-            k: jax.make_array_from_callback(v.shape, rep, v.__getitem__) for k, v in vals.items()
-        }
-        jaxckpt.save(work / "rep", state)  # default chunks: a replicated box gets one per process
-        del state
-        for name, sharding, planner in (("shared", rep, None), ("mixed", fsdp, None),
-                ("unshared", rep, jaxckpt.DefaultLoadPlanner(share_reads=False))):  # fmt: skip
+
+        def save(path: Path, values: dict, sharding) -> None:
+            jaxckpt.save(path, {k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
+                                for k, v in values.items()})  # fmt: skip
+
+        def restore_read(path: Path, values: dict, sharding, planner=None) -> int:
+            """Bytes this process reads restoring ``values`` onto ``sharding``, bit-exact."""
             before = file_bytes("bytes_read")
-            out = jaxckpt.restore(work / "rep", {k: sharding for k in vals}, planner=planner)
-            data[f"rep_read_{name}"] = file_bytes("bytes_read") - before
+            out = jaxckpt.restore(path, {k: sharding for k in values}, planner=planner)
+            read = file_bytes("bytes_read") - before
             for k, arr in out.items():
                 assert arr.sharding == sharding, (k, arr.sharding)
                 for shard in arr.addressable_shards:
-                    got = np.asarray(shard.data)
-                    assert got.tobytes() == vals[k][shard.index].tobytes(), (name, k, shard.index)
-            del out
+                    got = np.asarray(shard.data).tobytes()
+                    assert got == values[k][shard.index].tobytes(), (path.name, k, shard.index)
+            return read
+
+        # 256 MiB fully replicated; onto FSDP across hosts x replicated within; sharing off.
+        vals = {
+            f"r{i}": np.random.default_rng(i).random((2048, 4096), np.float32) for i in range(8)
+        }
+        save(work / "rep", vals, rep)
+        fsdp = NamedSharding(mesh, PartitionSpec("a"))
+        for name, sharding, planner in (("shared", rep, None), ("mixed", fsdp, None),
+                ("unshared", rep, jaxckpt.DefaultLoadPlanner(share_reads=False))):  # fmt: skip
+            data[f"rep_read_{name}"] = restore_read(work / "rep", vals, sharding, planner)
         data["rep_bytes"] = sum(v.nbytes for v in vals.values())
         # Leading dimensions the 16 devices do not divide (a 3x3 conv kernel, a vocabulary of
         # 1001): the save cuts them along the next dimension, and the read splits the same one.
@@ -342,43 +351,22 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
             "conv": np.random.default_rng(8).random((3, 3, 256, 512), np.float32),
             "vocab": np.random.default_rng(9).random((1001, 1024), np.float32),
         }
-        state = {
-            k: jax.make_array_from_callback(v.shape, rep, v.__getitem__) for k, v in odd.items()
-        }
-        jaxckpt.save(work / "odd", state)
-        del state
-        before = file_bytes("bytes_read")
-        out = jaxckpt.restore(work / "odd", {k: rep for k in odd})
-        data["odd_read"] = file_bytes("bytes_read") - before
+        save(work / "odd", odd, rep)
+        data["odd_read"] = restore_read(work / "odd", odd, rep)
         data["odd_chunks"] = {
             k: list(jaxckpt.metadata(work / "odd").entries[k].chunks) for k in odd
         }
-        for k, arr in out.items():
-            assert arr.sharding == rep, (k, arr.sharding)
-            for shard in arr.addressable_shards:
-                assert np.asarray(shard.data).tobytes() == odd[k][shard.index].tobytes(), k
         data["odd_bytes"] = sum(v.nbytes for v in odd.values())
         # Tensor-parallel within a host, data-parallel across: each column block is held by one
-        # device of every process. Saved and restored so, each process reads a quarter.
+        # device of every process.
         tp = NamedSharding(mesh, PartitionSpec(None, "b"))
         cols = {f"t{i}": vals[f"r{i}"] for i in range(2)}
-        state = {
-            k: jax.make_array_from_callback(v.shape, tp, v.__getitem__) for k, v in cols.items()
-        }
-        jaxckpt.save(work / "tp", state)
-        del state
-        before = file_bytes("bytes_read")
-        out = jaxckpt.restore(work / "tp", {k: tp for k in cols})
-        data["tp_read"] = file_bytes("bytes_read") - before
-        for k, arr in out.items():
-            assert arr.sharding == tp, (k, arr.sharding)
-            for shard in arr.addressable_shards:
-                assert np.asarray(shard.data).tobytes() == cols[k][shard.index].tobytes(), k
+        save(work / "tp", cols, tp)
+        data["tp_read"] = restore_read(work / "tp", cols, tp)
         data["tp_bytes"] = sum(v.nbytes for v in cols.values())
         # safetensors has no chunks: any byte range is read alone, so even one tensor's rows
         # are split between the processes.
         import safetensors.numpy
-        from jax.experimental import multihost_utils
 
         st = work / "st" / "model.safetensors"
         weights = {"w": vals["r0"][:1024], "b": vals["r1"][0, :2048]}
@@ -386,12 +374,7 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
             st.parent.mkdir()
             safetensors.numpy.save_file(weights, st)
         multihost_utils.sync_global_devices("safetensors written")
-        before = file_bytes("bytes_read")
-        out = jaxckpt.restore(st, {k: rep for k in weights})
-        data["st_read"] = file_bytes("bytes_read") - before
-        for k, arr in out.items():
-            for shard in arr.addressable_shards:
-                assert np.asarray(shard.data).tobytes() == weights[k][shard.index].tobytes(), k
+        data["st_read"] = restore_read(st, weights, rep)
         data["st_bytes"] = sum(v.nbytes for v in weights.values())
 
     checks.run("restore_2", restore_2)
