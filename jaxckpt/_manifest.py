@@ -12,7 +12,7 @@ import functools
 import json
 import math
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -94,9 +94,9 @@ class ArrayEntry:
     # pack array at ``path``, in C order; ``chunks`` is then the array's shape (one "chunk").
     pack: PackEntry | None = None
     offset: int = 0
-    # Not stored: set by sources whose reads of part of a chunk fetch only that part (safetensors:
-    # no chunks, no checksums), so a shared restore may split any dimension, not only a chunked one.
-    partial_reads: bool = dataclasses.field(default=False, compare=False)
+    # Not stored: True for sources whose reads of part of a chunk fetch only that part
+    # (safetensors' entries, a subclass), so a shared restore may split any dimension.
+    partial_reads: ClassVar[bool] = False
 
     @property
     def size(self) -> int:

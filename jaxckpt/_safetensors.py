@@ -18,13 +18,14 @@ they contain no ``/``, so a safetensors source is one flat level of keys.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import tensorstore as ts
@@ -147,7 +148,7 @@ def _build(loc: _location.Location, kv: ts.KvStore, files: list[str]) -> tuple[M
                 )
             tensors[name] = tensor
     entries = {
-        name: ArrayEntry(
+        name: _Entry(
             key=name,
             shape=t.shape,
             dtype=t.dtype,
@@ -155,7 +156,6 @@ def _build(loc: _location.Location, kv: ts.KvStore, files: list[str]) -> tuple[M
             chunks=tuple(max(1, s) for s in t.shape),
             path=t.file,
             checksum="none",
-            partial_reads=True,  # any byte range of a tensor is read alone
         )  # fmt: skip
         for name, t in tensors.items()
     }
@@ -243,6 +243,13 @@ def _tensor(where: str, f: str, name: str, d: Any, base: int) -> _Tensor:
             f"needs {need}"
         )
     return _Tensor(f, base + offs[0], base + offs[1], dtype, tuple(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry(ArrayEntry):
+    """A tensor's manifest entry: any byte range of it is read alone (no chunks, no checksum)."""
+
+    partial_reads: ClassVar[bool] = True
 
 
 class Reader:
