@@ -97,13 +97,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
-__all__ = ["main"]
-
-
 def _positive_bytes(text: str) -> int:
     """A byte count on the command line: a positive integer (argparse reports the rest)."""
     try:
@@ -115,3 +108,10 @@ def _positive_bytes(text: str) -> int:
             f"{text!r} is not a positive number of bytes (e.g. 8388608)"
         )
     return n
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+
+
+__all__ = ["main"]

@@ -9,6 +9,7 @@ the manifest, built from the source's, is written last (the usual commit). Runs 
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import time
 from collections.abc import Iterator
@@ -69,11 +70,12 @@ def convert(src: str, dst: str, *, overwrite: bool = False,
 def _convert(src: str, dst: str, *, overwrite: bool, stream: TextIO, progress: bool | None,
              max_chunk_bytes: int | None = None) -> Manifest:  # fmt: skip
     limit = BLOCK_BYTES if max_chunk_bytes is None else max_chunk_bytes
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+    if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 1:
         raise ValueError(
             f"max_chunk_bytes must be a positive number of bytes, not {max_chunk_bytes!r} "
             f"(e.g. 8 << 20 for 8 MiB chunks)"
         )
+    limit = int(limit)  # a numpy integer would reach the manifest's JSON
     source, reader = _sources.open_source(_location.Location(src))
     taken: set[str] = set()
     entries: dict[str, Any] = {}

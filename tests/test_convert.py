@@ -81,6 +81,9 @@ def test_convert_writes_chunks_of_at_most_max_chunk_bytes(tmp_path, capsys):
     rc = main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "b"),
                "--max-chunk-bytes", "4096"])  # fmt: skip
     assert rc == 0 and jaxckpt.metadata(tmp_path / "b").entries["embed"].chunks == (16, 64)
+    m = jaxckpt.convert(str(tmp_path / "m.safetensors"), str(tmp_path / "n"),
+                        max_chunk_bytes=np.int64(4096))  # fmt: skip
+    assert m.entries["embed"].chunks == (16, 64)  # numpy integers are byte counts too
     capsys.readouterr()
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"max_chunk_bytes must be a positive number"):
