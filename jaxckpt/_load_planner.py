@@ -154,11 +154,9 @@ class DefaultLoadPlanner(LoadPlanner):
         if self.share_reads and jax.process_count() > 1:
             for key, (_, where) in self.wants.items():
                 entry = manifest.entries[key]
-                # A pack is read whole by each process that needs it (jaxckpt._pack), so a
-                # packed array gains nothing from a split read.
-                if isinstance(where, jax.sharding.Sharding) and entry.pack is None:
-                    # The unit of a read: a chunk, or where parts are read alone (safetensors)
-                    # a row: split the rows, each process's part one byte range.
+                if isinstance(where, jax.sharding.Sharding):
+                    # The unit of a read: a chunk (a packed array's is its whole self, so it is
+                    # never split), or where parts are read alone (safetensors) a row.
                     unit = (1, *entry.shape[1:]) if entry.partial_reads else tuple(entry.chunks)
                     via = _shared_read_sharding(tuple(entry.shape), unit, where)
                     if via is not None:
