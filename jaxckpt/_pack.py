@@ -33,8 +33,10 @@ from jaxckpt._plan import ReadItem
 DEFAULT_PACK_BYTES = 256 << 10
 # A sharded array is written as a file per shard: 100 arrays of 390 KiB over 8 devices are 800
 # files of 49 KiB, and saved 5x slower than packed (docs/benchmarks.md). So an array up to this
-# many times pack_bytes is packed too when its chunks are each at most pack_bytes. Bounded,
-# because a packed array is read whole by each host that needs part of it.
+# many times pack_bytes is packed too when its shards are each at most pack_bytes. Bounded,
+# because a packed array is read whole by each host that needs part of it. Shards, not chunks:
+# a replicated array is cut into a chunk per holder process so that their reads are shared
+# (jaxckpt._global_plan.chunk_limit), and packing it would undo that.
 SPLIT_PACK_FACTOR = 4
 
 
@@ -75,7 +77,7 @@ def plan_packs(
     """Which arrays share which pack, at which offsets.
 
     Arrays that some process holds whole, of at most ``pack_bytes`` (or of at most
-    ``SPLIT_PACK_FACTOR * pack_bytes`` in chunks of at most ``pack_bytes``) and never above
+    ``SPLIT_PACK_FACTOR * pack_bytes`` in shards of at most ``pack_bytes``) and never above
     ``max_chunk_bytes``, are grouped by storage dtype and holder processes, in key order, and
     cut into packs of at most ``max_chunk_bytes`` (one chunk each). A group spreads over up to
     one pack per holder process (each still at least ``pack_bytes``), so several processes
@@ -92,9 +94,9 @@ def plan_packs(
     groups: dict[tuple[str, tuple[int, ...]], list[ArrayEntry]] = {}
     seen: dict[int, tuple[int, ...]] = {}  # layouts are shared between arrays: one pass each
     for key, e in entries.items():
-        if e.nbytes > limit or not (e.nbytes <= pack_bytes or _chunk_bytes(e) <= pack_bytes):
-            continue
         lay = layouts[key]
+        if e.nbytes > limit or not (e.nbytes <= pack_bytes or _shard_bytes(e, lay) <= pack_bytes):
+            continue
         who = seen.get(id(lay))
         if who is None:
             who = seen[id(lay)] = holders(lay)
@@ -130,8 +132,8 @@ def plan_packs(
     return packed, packs
 
 
-def _chunk_bytes(e: ArrayEntry) -> int:
-    return math.prod(e.chunks) * dtype_from_name(e.storage_dtype).itemsize
+def _shard_bytes(e: ArrayEntry, lay: Layout) -> int:
+    return math.prod(lay.box) * dtype_from_name(e.storage_dtype).itemsize
 
 
 def _pack_path(sdtype: str, taken: set[str]) -> str:

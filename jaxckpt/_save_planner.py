@@ -124,8 +124,8 @@ class DefaultSavePlanner(SavePlanner):
         on restore (docs/multihost.md).
       enable_plan_caching: reuse the plan for the same structure, shapes, dtypes, shardings
         and options.
-      pack_bytes: arrays of at most this many bytes (or of at most 4x as many, in chunks of
-        at most this many: their shards, unless ``max_chunk_bytes`` cuts them) are stored together in a few shared 1-D arrays ("packs", one file
+      pack_bytes: arrays of at most this many bytes (or of at most 4x as many, in shards of
+        at most this many) are stored together in a few shared 1-D arrays ("packs", one file
         or a few per dtype) instead of one zarr array each; ``0``
         stores every array on its own (and writes format version 1). ``None``:
         ``jaxckpt._pack.DEFAULT_PACK_BYTES`` (256 KiB).

@@ -215,6 +215,35 @@ def test_boxes_held_by_several_processes_get_a_chunk_per_process():
     assert limit(one, 4, big) == big  # one process: nothing to share
 
 
+def test_arrays_cut_for_shared_reads_stay_unpacked():
+    # A packed array is read whole by every process that needs it, so the pack rule counts
+    # shards: a replicated 4 MiB array cut into 1 MiB chunks for 4 processes' shared reads
+    # stays unpacked under pack_bytes=1 MiB, while the same array in 512 KiB shards that one
+    # process holds is packed (and a replicated one of at most pack_bytes still is).
+    from jax.sharding import PartitionSpec as P
+
+    from jaxckpt import _global_plan, _layout, _pack
+    from jaxckpt._manifest import ArrayEntry
+
+    ids = np.arange(8).reshape(4, 2)
+    shape = (1024, 1024)  # 4 MiB of float32
+    layouts = {
+        "replicated": _layout.named_layout(shape, (4, 2), ("a", "b"), P(), ids, ids // 2),
+        "sharded": _layout.named_layout(shape, (4, 2), ("a", "b"), P("a", "b"), ids, 0 * ids),
+        "small": _layout.named_layout((512, 512), (4, 2), ("a", "b"), P(), ids, ids // 2),
+    }
+    entries = {}
+    for key, lay in layouts.items():
+        limit = _global_plan.chunk_limit(lay, 4, 64 << 20)
+        chunks = _plan.chunk_shape(lay.box, 4, limit)
+        entries[key] = ArrayEntry(key, lay.shape, "float32", "float32", chunks, f"arrays/{key}")
+    assert entries["replicated"].chunks == (256, 1024)  # 1 MiB: a chunk per process
+    packed, _ = _pack.plan_packs(
+        entries, layouts, pack_bytes=1 << 20, max_chunk_bytes=64 << 20, taken=set()
+    )
+    assert sorted(packed) == ["sharded", "small"]
+
+
 @hypothesis.settings(max_examples=300, deadline=None)
 @hypothesis.given(
     shape=st.lists(st.sampled_from([1, 3, 6, 64, 96, 1001, 1024, 4096]), min_size=1, max_size=4),
