@@ -56,7 +56,9 @@ def _allocate(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def _copy_pool() -> ThreadPoolExecutor:
+def copy_pool() -> ThreadPoolExecutor:
+    """The threads that copy staged items (and dispatch device copies, see
+    ``DefaultSavePlanner.detach``)."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -112,7 +114,7 @@ class Arena:
             i = size.index(min(size))
             bins[i].append(job)
             size[i] += job[0].nbytes
-        for f in [_copy_pool().submit(_copy, b) for b in bins if b]:
+        for f in [copy_pool().submit(_copy, b) for b in bins if b]:
             f.result()
         return outs
 
