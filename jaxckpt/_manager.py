@@ -30,14 +30,14 @@ import operator
 import os
 import re
 import shutil
-import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 from jaxckpt import _catalog, _distributed, _location, _names, _staging
-from jaxckpt._api import SaveHandle, restore, save_async
+from jaxckpt._api import _SAVES, SaveHandle, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._load_planner import LoadPlanner
 from jaxckpt._manifest import MANIFEST
@@ -111,7 +111,7 @@ class CheckpointManager:
         self._loc = _location.Location(self.directory)
         self._metrics = MetricsFile(self._loc)
         self._primary = _distributed.process_index() == 0
-        self._pending: threading.Thread | None = None
+        self._pending: Future | None = None  # the commit of the save in flight
         self._error: BaseException | None = None
         self._closed = False
         if self._loc.local is not None:
@@ -165,10 +165,8 @@ class CheckpointManager:
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
         if self.async_save and not preempted:
-            # Not a daemon: at exit Python waits for it, so the last step is still committed.
-            self._pending = threading.Thread(target=self._finish, args=(step, handle, record),
-                                             name="jaxckpt-manager")  # fmt: skip
-            self._pending.start()
+            # On the save threads: at exit Python waits for it, so the last step is committed.
+            self._pending = _SAVES.submit(self._finish, step, handle, record)
         else:
             self._finish(step, handle, record)
             self.wait()
@@ -230,7 +228,7 @@ class CheckpointManager:
         """
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.join()
+            pending.result()
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -276,7 +274,7 @@ class CheckpointManager:
           CheckpointNotFoundError: no committed step (or not ``step``) in the directory.
         """
         if self._pending is not None:
-            self._pending.join()  # its error, if any, is raised by the next save() or wait()
+            self._pending.result()  # its error, if any, is raised by the next save() or wait()
         if step is None:
             step = self.latest_step()
             if step is None:

@@ -187,3 +187,15 @@ h = jaxckpt.save_async(sys.argv[1] + "/plain", {"w": np.ones(1 << 20, np.float32
     assert jaxckpt.CheckpointManager(tmp_path).all_steps() == [1]
     assert jaxckpt.restore(tmp_path / "00000001")["w"][-1] == (1 << 20) - 1
     assert jaxckpt.restore(tmp_path / "plain")["w"].sum() == 1 << 20
+
+
+def test_save_async_from_an_atexit_hook_commits_before_the_interpreter_ends(tmp_path):
+    # By then Python has joined the save threads and takes no new work: the save runs at once.
+    script = """
+import atexit, sys, numpy as np, jaxckpt
+atexit.register(lambda: jaxckpt.save_async(sys.argv[1], {"w": np.ones(1 << 20, np.float32)}))
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "c")], env=env, check=True,
+                   timeout=120)  # fmt: skip
+    assert jaxckpt.restore(tmp_path / "c")["w"].sum() == 1 << 20
