@@ -30,6 +30,16 @@ PathLike = str | os.PathLike
 _SAVES = ThreadPoolExecutor(32, "jaxckpt-save")
 
 
+def in_background(fn: Any, *args: Any) -> Future | None:
+    """Run ``fn(*args)`` on the save threads; ``None`` once it has run here instead, where the
+    interpreter is exiting (an ``atexit`` hook) and takes no new threads."""
+    try:
+        return _SAVES.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        fn(*args)
+        return None
+
+
 def save(path: PathLike, tree: Any, *, overwrite: bool = False,
          planner: SavePlanner | None = None) -> None:  # fmt: skip
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
@@ -219,10 +229,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
             finally:
                 _staging.POOL.give_back(arena)
 
-        try:
-            handle._future = _SAVES.submit(run_then_release)
-        except RuntimeError:  # the interpreter is exiting (an atexit hook): save before it ends
-            run_then_release()
+        handle._future = in_background(run_then_release)
     else:
         run()
     return handle

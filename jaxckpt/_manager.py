@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from jaxckpt import _catalog, _distributed, _location, _names, _staging
-from jaxckpt._api import _SAVES, SaveHandle, restore, save_async
+from jaxckpt._api import SaveHandle, in_background, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._load_planner import LoadPlanner
 from jaxckpt._manifest import MANIFEST
@@ -166,7 +166,7 @@ class CheckpointManager:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
         if self.async_save and not preempted:
             # On the save threads: at exit Python waits for it, so the last step is committed.
-            self._pending = _SAVES.submit(self._finish, step, handle, record)
+            self._pending = in_background(self._finish, step, handle, record)
         else:
             self._finish(step, handle, record)
             self.wait()

@@ -193,9 +193,12 @@ def test_save_async_from_an_atexit_hook_commits_before_the_interpreter_ends(tmp_
     # By then Python has joined the save threads and takes no new work: the save runs at once.
     script = """
 import atexit, sys, numpy as np, jaxckpt
-atexit.register(lambda: jaxckpt.save_async(sys.argv[1], {"w": np.ones(1 << 20, np.float32)}))
+def at_exit():
+    jaxckpt.save_async(sys.argv[1] + "/c", {"w": np.ones(1 << 20, np.float32)})
+    jaxckpt.CheckpointManager(sys.argv[1] + "/run").save(1, {"w": np.full(8, 2.0)})
+atexit.register(at_exit)
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "c")], env=env, check=True,
-                   timeout=120)  # fmt: skip
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=120)
     assert jaxckpt.restore(tmp_path / "c")["w"].sum() == 1 << 20
+    assert jaxckpt.CheckpointManager(tmp_path / "run").restore(1)["w"].sum() == 16
