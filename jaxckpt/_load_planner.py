@@ -229,6 +229,9 @@ class DefaultLoadPlanner(LoadPlanner):
                 items.append(ReadItem(key, offsets, sizes, tuple(devs)))
             if len(by_box) == 1 and next(iter(by_box))[1] == entry.shape:
                 self._whole.add(key)  # replicated on this host: placed by one batched put too
+            elif _even(where, entry.shape, by_box) and _default_memory(where):
+                nbytes = sum(math.prod(sizes) for _, sizes in by_box) * self.wants[key][0].itemsize
+                self.placement.expect_array(key, entry.shape, where, len(by_box), nbytes)
         self.plan = LoadPlan(tuple(items))
         return self.plan
 
@@ -272,6 +275,8 @@ class DefaultLoadPlanner(LoadPlanner):
                 values[key] = jax.device_put(parts[0][1])
             elif key in self._whole:
                 values[key] = placed[(key, _WHOLE)][0]  # put with the target sharding itself
+            elif key in self.placement.whole:
+                values[key] = placed[key][0]  # its boxes went in one call (Placement)
             else:
                 shards = placed.get(key, [])
                 via = self._via.get(key, where)
@@ -292,6 +297,23 @@ class DefaultLoadPlanner(LoadPlanner):
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _even(sharding: Any, shape: tuple[int, ...], boxes: Any) -> bool:
+    """Whether every box is ``sharding``'s shard shape (what ``make_array_from_callback``
+    takes), rather than an uneven edge."""
+    try:
+        want = tuple(sharding.shard_shape(shape))
+    except ValueError:
+        return False
+    return all(tuple(sizes) == want for _, sizes in boxes)
+
+
+def _default_memory(sharding: Any) -> bool:
+    """Whether ``sharding`` is in its devices' default memory (host memory kinds keep the
+    per-box placement, which names the kind for each device)."""
+    kind = sharding.memory_kind
+    return kind is None or kind == next(iter(sharding.device_set)).default_memory().kind
 
 
 def shared_read_dim(shape: tuple[int, ...], chunks: tuple[int, ...], n: int) -> int | None:

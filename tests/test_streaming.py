@@ -1,6 +1,7 @@
 """Streaming restore: boxes go to their devices as they are read, inside a host budget."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_equal, mesh, put
@@ -47,6 +48,48 @@ def test_restore_holds_at_most_its_budget_and_places_as_it_reads(big):
     assert planner.placement.peak_bytes <= budget // 4
     assert planner.placement.groups >= 8  # placed along the way, not all at the end
     assert all(b.sharding == target[k] for k, b in back.items())
+    assert not planner.placement.whole  # above half its budget: each box placed alone
+
+
+M24 = mesh((2, 4), ("data", "model"))
+
+
+@pytest.fixture
+def mid(tmp_path):
+    # 4 arrays of 2 MiB: above the size read whole and put in one call (1 MiB).
+    rng = np.random.default_rng(1)
+    state = {f"m{i}": put(rng.standard_normal((1024, 512)).astype(np.float32), M42, "data", "model")
+             for i in range(4)}  # fmt: skip
+    jaxckpt.save(tmp_path / "c", state)
+    return tmp_path / "c", state
+
+
+@pytest.mark.parametrize("budget", [None, 16 << 20])
+def test_an_array_within_half_the_budget_is_made_in_one_call(mid, budget):
+    # 16 MiB: 4 MiB for placement in groups of 1 MiB, so each array's 8 boxes of 256 KiB
+    # span two groups; the first group waits for the rest.
+    path, state = mid
+    planner = Watching() if budget is None else Watching(max_host_bytes=budget)
+    target = {k: NamedSharding(M24, P("model", "data")) for k in state}  # resharded too
+    back = jaxckpt.restore(path, target, planner=planner)
+    assert_tree_equal(jax.device_get(back), jax.device_get(state))
+    assert all(b.sharding == target[k] for k, b in back.items())
+    assert planner.placement.whole == set(state)
+    if budget is not None:
+        assert max(planner.held) <= budget // 4
+        assert planner.placement.groups >= 4  # one per array: placed along the way
+
+
+def test_a_cast_array_is_made_in_one_call_too(mid):
+    path, state = mid
+    planner = jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True)
+    target = {k: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding)
+              for k, x in state.items()}  # fmt: skip
+    back = jaxckpt.restore(path, target, planner=planner)
+    assert planner.placement.whole == set(state)
+    for k, b in back.items():
+        assert b.dtype == jnp.bfloat16 and b.sharding == state[k].sharding
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(state[k]).astype(jnp.bfloat16))
 
 
 def test_small_replicated_leaves_go_in_one_batched_put(tmp_path):
