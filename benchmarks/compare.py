@@ -48,6 +48,10 @@ MEMORY_MODES = {"jaxckpt": ["blocking", "async"], "orbax": ["async"],
 def _spawn(spec: dict, log: list[str]) -> dict | None:
     """Run one measurement in a fresh interpreter; ``None`` (and a log line) if it fails."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    # Start from a clean page cache: dirty data that an earlier process left (its write-back
+    # still running) would slow whoever writes next, and a save that syncs the file system
+    # (jaxckpt's syncfs) would wait for it too.
+    os.sync()
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(cmd[1]))
     what = " ".join(
