@@ -345,7 +345,7 @@ def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where
     dim = shared_read_dim(shape, chunks, len(devices))
     if dim is None:
         return None
-    if where.memory_kind not in (None, devices[0].default_memory().kind):
+    if not _default_memory(where):
         return None  # the reshard runs a computation: keep host memory kinds out of it
     holders = collections.defaultdict(set)
     for d, index in where.devices_indices_map(shape).items():

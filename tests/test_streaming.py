@@ -25,14 +25,18 @@ class Watching(jaxckpt.DefaultLoadPlanner):
         self.held.append(self.host_bytes)
 
 
+def _saved(path, name: str, n: int, shape: tuple[int, int], seed: int):
+    """``n`` random float32 arrays of ``shape`` on M42 (8 boxes each), saved at ``path``."""
+    rng = np.random.default_rng(seed)
+    state = {f"{name}{i}": put(rng.standard_normal(shape).astype(np.float32), M42, "data", "model")
+             for i in range(n)}  # fmt: skip
+    jaxckpt.save(path, state)
+    return path, state
+
+
 @pytest.fixture
 def big(tmp_path):
-    # 8 arrays of 256 KiB, each sharded into 8 boxes of 32 KiB.
-    rng = np.random.default_rng(0)
-    state = {f"w{i}": put(rng.standard_normal((256, 256)).astype(np.float32), M42, "data", "model")
-             for i in range(8)}  # fmt: skip
-    jaxckpt.save(tmp_path / "c", state)
-    return tmp_path / "c", state
+    return _saved(tmp_path / "c", "w", 8, (256, 256), 0)  # 256 KiB arrays, boxes of 32 KiB
 
 
 def test_restore_holds_at_most_its_budget_and_places_as_it_reads(big):
@@ -56,12 +60,8 @@ M24 = mesh((2, 4), ("data", "model"))
 
 @pytest.fixture
 def mid(tmp_path):
-    # 4 arrays of 2 MiB: above the size read whole and put in one call (1 MiB).
-    rng = np.random.default_rng(1)
-    state = {f"m{i}": put(rng.standard_normal((1024, 512)).astype(np.float32), M42, "data", "model")
-             for i in range(4)}  # fmt: skip
-    jaxckpt.save(tmp_path / "c", state)
-    return tmp_path / "c", state
+    # 2 MiB arrays: above the size read whole and put in one call (1 MiB).
+    return _saved(tmp_path / "c", "m", 4, (1024, 512), 1)
 
 
 @pytest.mark.parametrize("budget", [None, 16 << 20])
