@@ -165,7 +165,9 @@ def assemble(pack: PackEntry, members: Iterable[tuple[ArrayEntry, Any]]) -> np.n
     """The pack's bytes: each member's data (whole, logical dtype) at its offset."""
     out = np.empty(pack.size, dtype_from_name(pack.storage_dtype))
     for e, data in members:
-        flat = np.ascontiguousarray(data).reshape(-1)
+        # In the logical dtype first: a byte-swapped array (">f4") converts its values here,
+        # where a view to the storage dtype would reinterpret its bytes.
+        flat = np.ascontiguousarray(data, dtype=dtype_from_name(e.dtype)).reshape(-1)
         out[e.offset : e.offset + e.size] = (
             flat.view(out.dtype) if flat.dtype != out.dtype else flat
         )

@@ -1,11 +1,16 @@
 """Save -> restore is bit-exact for every sharding pattern, dtype and leaf kind."""
 
+import tempfile
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers import assert_tree_equal, mesh, put
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -188,3 +193,48 @@ def test_enum_values_are_stored_as_their_base_type(tmp_path):
     back = jaxckpt.restore(tmp_path / "c")
     assert back == {"mode": 2, "name": "alpha"}
     assert type(back["mode"]) is int and type(back["name"]) is str
+
+
+BYTE_ORDER_DTYPES = ["int8", "uint8", "bool", "int16", "uint16", "int32", "uint32", "int64",
+                     "uint64", "float16", "float32", "float64", "complex64", "complex128"]  # fmt: skip
+
+
+def _layout(base: np.ndarray, layout: str) -> np.ndarray:
+    """``base``'s values laid out in memory as ``layout`` says (values unchanged)."""
+    if layout == "fortran":
+        return np.asfortranarray(base)
+    if layout == "strided":  # every other element of a buffer twice as long
+        wide = np.empty((base.shape[0] * 2, *base.shape[1:]), base.dtype)
+        wide[::2] = base
+        return wide[::2]
+    if layout == "reversed":
+        return base[::-1].copy()[::-1]
+    if layout == "zero_stride":  # one stored row broadcast to every row
+        return np.broadcast_to(base[:1], base.shape)
+    return base
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dtype=st.sampled_from(BYTE_ORDER_DTYPES),
+    order=st.sampled_from(["<", ">", "="]),
+    layout=st.sampled_from(["c", "fortran", "strided", "reversed", "zero_stride"]),
+    shape=st.sampled_from([(6,), (3, 4), (2, 3, 2)]),
+    packed=st.booleans(),
+)
+def test_every_byte_order_and_layout_round_trips(tmp_path, dtype, order, layout, shape, packed):
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 100, size=shape).astype(dtype)
+    x = _layout(values.astype(np.dtype(dtype).newbyteorder(order)), layout)
+    expect = np.array(x)  # the values, whatever the bytes' order and layout
+    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "c"  # hypothesis reuses tmp_path
+    planner = jaxckpt.DefaultSavePlanner(pack_bytes=None if packed else 0)
+    jaxckpt.save(path, {"x": x}, planner=planner)
+    packs = jaxckpt.metadata(path).packs
+    assert bool(packs) == packed
+    back = jaxckpt.restore(path)["x"]
+    assert back.dtype == np.dtype(dtype) and back.shape == shape
+    np.testing.assert_array_equal(back, expect)
+    assert back.tobytes() == expect.astype(dtype).tobytes()  # bit-exact, in native order
