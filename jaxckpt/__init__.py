@@ -8,6 +8,7 @@ from jaxckpt._api import restore as restore
 from jaxckpt._api import save as save
 from jaxckpt._api import save_async as save_async
 from jaxckpt._convert import convert as convert
+from jaxckpt._errors import CheckpointChangedError as CheckpointChangedError
 from jaxckpt._errors import CheckpointError as CheckpointError
 from jaxckpt._errors import CheckpointExistsError as CheckpointExistsError
 from jaxckpt._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -36,6 +37,7 @@ from jaxckpt._save_planner import plan_cache_info as plan_cache_info
 
 __all__ = [
     "ArrayEntry",
+    "CheckpointChangedError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointManager",

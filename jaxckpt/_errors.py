@@ -12,6 +12,7 @@ expected, what was found, where (path, key, chunk) and what to do about it::
     ├── DtypeMismatchError        target dtype differs and casting was not asked for
     ├── UnsupportedLeafError      a leaf jaxckpt cannot store
     ├── CorruptChunkError         a chunk fails its checksum or is missing
+    │   └── CheckpointChangedError    the checkpoint was replaced while it was being read
     ├── PlanValidationError       a save plan is out of bounds, overlaps or leaves gaps
     └── DistributedError          processes disagree, time out, or one of them failed
 """
@@ -56,6 +57,10 @@ class UnsupportedLeafError(CheckpointError, TypeError):
 
 class CorruptChunkError(CheckpointError):
     """Chunk data is missing or fails its checksum."""
+
+
+class CheckpointChangedError(CorruptChunkError):
+    """The checkpoint was overwritten while it was read; retrying reads the new one whole."""
 
 
 class PlanValidationError(CheckpointError, ValueError):

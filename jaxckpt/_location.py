@@ -151,6 +151,22 @@ def kvstore(spec: dict) -> ts.KvStore:
 
 def read_manifest(loc: Location) -> bytes:
     """The bytes of ``manifest.json``, or :class:`CheckpointNotFoundError`."""
+    return read_stamped(loc)[0]
+
+
+# What identifies one committed manifest: (device, inode, size, mtime, ctime) of a local file,
+# the object store's generation elsewhere. A save never brings back an older generation, so
+# a stamp unchanged after a read means every byte read came from the manifest's generation.
+Stamp = tuple
+
+
+def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
+    """The bytes of ``manifest.json`` and the stamp of the very file they were read from.
+
+    Raises:
+      CheckpointNotFoundError: no manifest at ``loc``.
+      ManifestError: the manifest is a link or not a regular file.
+    """
     if loc.local is not None:
         path = loc.local / MANIFEST
         try:
@@ -159,17 +175,37 @@ def read_manifest(loc: Location) -> bytes:
                     f"{path} is a link or not a regular file; refusing to read it (it could lead "
                     f"outside the checkpoint). Copy the checkpoint without links (cp -rL)."
                 )
-            return path.read_bytes()
+            with open(path, "rb", opener=_no_follow) as f:
+                return f.read(), _file_stamp(os.fstat(f.fileno()))
         except (FileNotFoundError, NotADirectoryError):
             pass
     else:
         got = kvstore(loc.kvstore).read(MANIFEST).result()
         if got.state == "value":
-            return got.value
+            return got.value, (got.stamp.generation,)
     raise CheckpointNotFoundError(
         f"No checkpoint at {loc}: {MANIFEST} is missing. A directory without a manifest is an "
         f"unfinished or failed save; pick a committed one (e.g. CheckpointManager.latest_step())."
     )
+
+
+def manifest_changed(loc: Location, stamp: Stamp) -> bool:
+    """Whether ``manifest.json`` at ``loc`` is no longer the one ``stamp`` was taken from."""
+    if loc.local is not None:
+        try:
+            return _file_stamp(os.stat(loc.local / MANIFEST, follow_symlinks=False)) != stamp
+        except OSError:
+            return True
+    got = kvstore(loc.kvstore).read(MANIFEST, if_not_equal=stamp[0]).result()
+    return got.state != "unspecified"  # "unspecified": still the generation of ``stamp``
+
+
+def _file_stamp(st: os.stat_result) -> Stamp:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 def exists(loc: Location) -> bool:

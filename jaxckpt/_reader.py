@@ -21,8 +21,8 @@ import tensorstore as ts
 
 from jaxckpt import _chunkfile, _pack
 from jaxckpt._catalog import list_keys
-from jaxckpt._errors import CorruptChunkError, ManifestError
-from jaxckpt._location import _CONTEXT, Location
+from jaxckpt._errors import CheckpointChangedError, CorruptChunkError, ManifestError
+from jaxckpt._location import _CONTEXT, Location, Stamp, manifest_changed
 from jaxckpt._manifest import ArrayEntry, dtype_from_name
 from jaxckpt._plan import ReadItem
 from jaxckpt._storage import MAX_INFLIGHT_BYTES, _spec
@@ -33,8 +33,9 @@ _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked b
 class Reader:
     """Reads boxes of saved arrays; each array is opened once, reads run concurrently."""
 
-    def __init__(self, loc: Location) -> None:
+    def __init__(self, loc: Location, stamp: Stamp | None = None) -> None:
         self.loc = loc
+        self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
         self._open: dict[str, Any] = {}
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
@@ -182,14 +183,37 @@ class Reader:
         ``max_inflight_bytes`` of reads are in flight (at least one item); the caller owns each
         yielded array (storage keeps no reference to it).
         """
-        items, packed = _pack.split(entries, items)
-        yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
-        for item in items:  # every box first: a chunk shared by boxes is read once for all
-            entry = entries[item.key]
-            if self._in_place(entry):
-                self._inplace.expect(entry, item.offsets, item.sizes)
-        yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
-                             max_inflight_bytes=max_inflight_bytes)  # fmt: skip
+        try:
+            items, packed = _pack.split(entries, items)
+            yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
+            for item in items:  # every box first: a chunk shared by boxes is read once for all
+                entry = entries[item.key]
+                if self._in_place(entry):
+                    self._inplace.expect(entry, item.offsets, item.sizes)
+            yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
+                                 max_inflight_bytes=max_inflight_bytes)  # fmt: skip
+        except (CorruptChunkError, ManifestError) as e:  # a file gone: often a save replaced it
+            self.check_unchanged(e)
+            raise
+        self.check_unchanged()
+
+    def check_unchanged(self, cause: Exception | None = None) -> None:
+        """Raise :class:`CheckpointChangedError` if the checkpoint was replaced since its
+        manifest was read.
+
+        Called after each :meth:`read` (and on its errors): an overwrite swaps the whole
+        checkpoint at once and never brings an older one back, so a manifest still the one
+        read means every box yielded came from it. One ``stat`` (or one conditional object
+        read) per call, whatever the size of the read.
+        """
+        if self.stamp is None or not manifest_changed(self.loc, self.stamp):
+            return
+        raise CheckpointChangedError(
+            f"The checkpoint at {self.loc} was replaced (a save with overwrite=True) while it "
+            f"was being read, so what was read may mix two saves; nothing was returned. Retry: "
+            f"the next read gets the new checkpoint whole. To read an old one while a run "
+            f"overwrites, save each step to its own path (CheckpointManager does)."
+        ) from cause
 
     def _in_place(self, entry: ArrayEntry) -> bool:
         if not _chunkfile.supports(self.loc.local, entry):

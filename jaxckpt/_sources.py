@@ -33,7 +33,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, Any]:
     from jaxckpt import _orbax, _safetensors  # late: each is needed only for its format
 
     try:
-        raw = _location.read_manifest(loc)
+        raw, stamp = _location.read_stamped(loc)
     except CheckpointNotFoundError as missing:
         for module in (_orbax, _safetensors):
             try:
@@ -44,7 +44,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, Any]:
                 return found
         raise missing from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
-    return manifest, _reader.Reader(loc)
+    return manifest, _reader.Reader(loc, stamp)
 
 
 def source_kind(reader: Any) -> str:

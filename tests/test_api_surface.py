@@ -5,7 +5,7 @@ import inspect
 import jaxckpt
 
 PUBLIC = {
-    "ArrayEntry", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
+    "ArrayEntry", "CheckpointChangedError", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
     "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
     "DtypeMismatchError", "GlobalSavePlan", "KeyMismatchError", "LoadPlan", "LoadPlanner",
     "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",

@@ -1,0 +1,130 @@
+"""A read never mixes two saves: a checkpoint overwritten while it is read raises
+CheckpointChangedError (retry), or the read returns one generation whole."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from test_s3 import BUCKET, prefix, s3  # noqa: F401  (fixtures: the moto server)
+
+import jaxckpt
+
+LEAVES = 64
+UNPACKED = jaxckpt.DefaultSavePlanner(pack_bytes=0)
+
+
+def state(g: int) -> dict:
+    return {f"l{i:02d}": np.full(16384, g, np.int32) for i in range(LEAVES)}
+
+
+class OverwriteMidway(jaxckpt.DefaultLoadPlanner):
+    """Overwrites the checkpoint with generation 1 once the first box has been read.
+
+    One box read ahead at a time, so every later box is read after the overwrite.
+    """
+
+    read_ahead_bytes = 1
+
+    def __init__(self, path) -> None:
+        super().__init__()
+        self.path, self.done = path, False
+
+    def commit_tensor(self, item, array):
+        if not self.done:
+            self.done = True
+            jaxckpt.save(self.path, state(1), overwrite=True, planner=UNPACKED)
+        super().commit_tensor(item, array)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_overwrite_during_restore_raises_changed(tmp_path, where, request):
+    path = (
+        tmp_path / "c" if where == "local" else f"s3://{BUCKET}/{request.getfixturevalue('prefix')}"
+    )
+    jaxckpt.save(path, state(0), planner=UNPACKED)
+    with pytest.raises(
+        jaxckpt.CheckpointChangedError, match=r"replaced .* while it was being read.*Retry"
+    ):
+        jaxckpt.restore(path, planner=OverwriteMidway(path))
+    back = jaxckpt.restore(path)  # the retry reads the new generation whole
+    assert all((a == 1).all() for a in back.values())
+
+
+def test_every_read_checks_the_stamp(tmp_path):
+    """verify, export and convert read through Reader.read, which checks after each read."""
+    path = tmp_path / "c"
+    jaxckpt.save(path, state(0), planner=UNPACKED)
+    from jaxckpt import _location, _sources
+
+    _, reader = _sources.open_source(_location.Location(path))
+    m = jaxckpt.metadata(path)
+    jaxckpt.save(path, state(1), overwrite=True, planner=UNPACKED)
+    item = jaxckpt.ReadItem("l00", (0,), (16384,))
+    with pytest.raises(jaxckpt.CheckpointChangedError, match=str(path)):
+        list(reader.read(m.entries, [item]))
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import jaxckpt
+    path, until = sys.argv[1], float(sys.argv[2])
+    planner = jaxckpt.DefaultSavePlanner(pack_bytes=0)
+    g = 1
+    while time.time() < until:
+        jaxckpt.save(path, {f"l{i:02d}": np.full(16384, g, np.int32) for i in range(64)},
+                     overwrite=True, planner=planner)
+        g += 1
+    print(g)
+    """
+)
+
+
+def test_restores_racing_overwrites_in_another_process(tmp_path):
+    """Two real processes: every restore returns one generation whole or raises Changed."""
+    path = tmp_path / "c"
+    jaxckpt.save(path, state(0), planner=UNPACKED)
+    until = time.time() + 8
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(until)], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    whole = changed = 0
+    seen = set()
+    try:
+        while time.time() < until:
+            try:
+                back = jaxckpt.restore(path)
+            except jaxckpt.CheckpointChangedError:
+                changed += 1
+                continue
+            except jaxckpt.CheckpointNotFoundError:  # between rename steps without an atomic swap
+                continue
+            gens = {int(a[0]) for a in back.values()} | {int(a[-1]) for a in back.values()}
+            assert len(gens) == 1, f"a restore mixed generations {sorted(gens)}"
+            seen |= gens
+            whole += 1
+    finally:
+        out, _ = writer.communicate(timeout=120)
+    assert writer.returncode == 0
+    assert whole > 0 and int(out) > 2, (whole, changed, out)  # both sides really ran
+
+
+def test_stamp_survives_a_same_size_rewrite(tmp_path):
+    """An identical manifest written again (the plan cache reuses it) is still a new save."""
+    path = tmp_path / "c"
+    jaxckpt.save(path, state(0), planner=UNPACKED)
+    from jaxckpt import _location
+
+    loc = _location.Location(path)
+    raw, stamp = _location.read_stamped(loc)
+    assert not _location.manifest_changed(loc, stamp)
+    jaxckpt.save(path, state(0), overwrite=True, planner=UNPACKED)
+    assert _location.read_stamped(loc)[0] == raw  # the same bytes ...
+    assert _location.manifest_changed(loc, stamp)  # ... of another save
