@@ -1,5 +1,6 @@
 # make demo: train a sharded model, checkpoint it, restore onto other meshes.
 # make test: the whole test suite (what CI runs).
+# make test-floors: the suite again on the oldest supported versions (.ci/floors.txt).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,12 +11,25 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test lint bench
+# The floor environment: Python 3.11 and the exact versions in .ci/floors.txt.
+FLOORS_PYTHON ?= python3.11
+FLOORS_VENV ?= .venv-floors
+
+$(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
+	$(FLOORS_PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[test]'
+	touch $@
+
+.PHONY: demo test test-floors lint bench
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+test-floors: $(FLOORS_VENV)/.installed
+	$(FLOORS_VENV)/bin/python -m pytest
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

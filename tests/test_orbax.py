@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_equal, mesh, put
+from helpers import XFAIL_ORBAX_OCDBT_WITHOUT_FLAG, assert_tree_equal, mesh, put
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,7 +46,13 @@ def _orbax_restore(path, tree):
 
 
 @pytest.mark.parametrize(
-    "ocdbt,zarr3", [(True, True), (True, False), (False, True), (False, False)]
+    "ocdbt,zarr3",
+    [
+        pytest.param(True, True, marks=XFAIL_ORBAX_OCDBT_WITHOUT_FLAG),
+        pytest.param(True, False, marks=XFAIL_ORBAX_OCDBT_WITHOUT_FLAG),
+        (False, True),
+        (False, False),
+    ],
 )
 def test_restore_onto_other_mesh_one_device_and_host(tmp_path, ocdbt, zarr3):
     tree = _state()
@@ -75,6 +81,7 @@ def test_restore_onto_other_mesh_one_device_and_host(tmp_path, ocdbt, zarr3):
     assert host["params"]["b"].dtype == jnp.bfloat16
 
 
+@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_reads_only_the_keys_asked_for(tmp_path):
     path = tmp_path / "orbax"
     _save(path, _state(), ocdbt=True, zarr3=False)
@@ -83,6 +90,7 @@ def test_reads_only_the_keys_asked_for(tmp_path):
     assert list(got) == ["params"] and list(got["params"]) == ["w"]
 
 
+@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
     tree = _state()
     with ocp.StandardCheckpointer() as c:
@@ -101,6 +109,7 @@ def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
     assert "stores no checksums" in capsys.readouterr().out
 
 
+@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_multi_item_step_names_its_items(tmp_path):
     with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "extra")) as mgr:
         mgr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave({"a": jnp.ones(3)}),

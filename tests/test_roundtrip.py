@@ -186,7 +186,7 @@ def test_enum_values_are_stored_as_their_base_type(tmp_path):
     class Mode(enum.IntEnum):
         TRAIN = 2
 
-    class Name(str, enum.Enum):
+    class Name(str, enum.Enum):  # noqa: UP042 -- the str mix-in, not StrEnum, is the case here
         A = "alpha"
 
     jaxckpt.save(tmp_path / "c", {"mode": Mode.TRAIN, "name": Name.A})
