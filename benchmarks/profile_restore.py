@@ -32,7 +32,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _location, _reader  # noqa: E402
+from jaxckpt._storage import location as _location  # noqa: E402
+from jaxckpt._storage import reader as _reader
 
 
 def _median(fn, runs: int) -> float:

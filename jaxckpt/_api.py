@@ -15,11 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _distributed, _location, _pack, _sources, _staging, _storage
-from jaxckpt._global_plan import validate_global_plan
-from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
-from jaxckpt._manifest import Manifest
-from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner
+from jaxckpt._format.manifest import Manifest
+from jaxckpt._planning.global_plan import validate_global_plan
+from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
+from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
+from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import staging as _staging
+from jaxckpt._sources import detect as _sources
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import packs as _pack
+from jaxckpt._storage import writer as _storage
 
 logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import _pack
+from jaxckpt._planning import packing as _pack
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> Mesh:

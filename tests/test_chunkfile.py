@@ -1,4 +1,4 @@
-"""Local chunks read in place (jaxckpt._chunkfile) give exactly what tensorstore's decode gives,
+"""Local chunks read in place (jaxckpt._storage.chunkfile) give exactly what tensorstore's decode gives,
 for every box of every chunk grid (edge chunks included), and treat each file as hostile."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _chunkfile, _reader
-from jaxckpt._location import Location
-from jaxckpt._manifest import ArrayEntry
-from jaxckpt._plan import ReadItem
-from jaxckpt._storage import _spec
+from jaxckpt._format.manifest import ArrayEntry
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._storage import chunkfile as _chunkfile
+from jaxckpt._storage import reader as _reader
+from jaxckpt._storage.location import Location
+from jaxckpt._storage.writer import _spec
 
 DTYPES = ["float32", "bfloat16", "int8", "uint16", "complex64", "float64", "bool"]
 

@@ -16,10 +16,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _manifest, _placement, _tree
 from jaxckpt._errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
-from jaxckpt._manifest import ArrayEntry, Manifest
-from jaxckpt._plan import LoadPlan, ReadItem, index_to_box
+from jaxckpt._format import manifest as _manifest
+from jaxckpt._format.manifest import ArrayEntry, Manifest
+from jaxckpt._format.plan import LoadPlan, ReadItem, index_to_box
+from jaxckpt._planning import tree as _tree
+from jaxckpt._runtime import placement as _placement
 
 _HOST = "host"
 _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return one like it

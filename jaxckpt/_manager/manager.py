@@ -36,13 +36,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from jaxckpt import _catalog, _distributed, _location, _names, _staging
 from jaxckpt._api import SaveHandle, in_background, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from jaxckpt._load_planner import LoadPlanner
-from jaxckpt._manifest import MANIFEST
-from jaxckpt._preemption import PreemptionWatcher
-from jaxckpt._retention import METRICS, MetricsFile, json_metrics, steps_to_delete
+from jaxckpt._format import names as _names
+from jaxckpt._format.manifest import MANIFEST
+from jaxckpt._manager.retention import METRICS, MetricsFile, json_metrics, steps_to_delete
+from jaxckpt._planning.load_planner import LoadPlanner
+from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import staging as _staging
+from jaxckpt._runtime.preemption import PreemptionWatcher
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
 DIGITS = 8

@@ -8,10 +8,12 @@ import re
 import sys
 from collections.abc import Iterator
 
-from jaxckpt import _catalog, _location, _tree
 from jaxckpt._api import metadata
-from jaxckpt._cli_text import UsageError, human_bytes, plural
-from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
+from jaxckpt._cli.text import UsageError, human_bytes, plural
+from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
+from jaxckpt._planning import tree as _tree
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import location as _location
 
 
 def _entry_json(e: ArrayEntry | ValueEntry) -> dict:

@@ -30,12 +30,12 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _location
 from jaxckpt._errors import CorruptChunkError, ManifestError
-from jaxckpt._manifest import ArrayEntry, Manifest, dtype_from_name
-from jaxckpt._plan import ReadItem
-from jaxckpt._reader import pipelined
-from jaxckpt._sources import MAX_INFLIGHT_BYTES, read_small
+from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._sources.detect import MAX_INFLIGHT_BYTES, read_small
+from jaxckpt._storage import location as _location
+from jaxckpt._storage.reader import pipelined
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # larger headers are treated as damage, not allocated

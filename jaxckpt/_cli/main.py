@@ -24,10 +24,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxckpt._cli_export import run_convert, run_export
-from jaxckpt._cli_inspect import run_inspect, run_ls
-from jaxckpt._cli_text import UsageError, one_line
-from jaxckpt._cli_verify import run_verify
+from jaxckpt._cli.export import run_convert, run_export
+from jaxckpt._cli.inspect import run_inspect, run_ls
+from jaxckpt._cli.text import UsageError, one_line
+from jaxckpt._cli.verify import run_verify
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 
 
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       >>> import jax.numpy as jnp, jaxckpt, tempfile
       >>> d = tempfile.mkdtemp() + "/c"
       >>> jaxckpt.save(d, {"w": jnp.zeros((4, 2))})
-      >>> from jaxckpt._cli import main
+      >>> from jaxckpt._cli.main import main
       >>> main(["verify", d])  # doctest: +ELLIPSIS
       OK: ...
       0

@@ -13,12 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _convert as _convert_mod
-from jaxckpt import _location, _safetensors, _sources, _tree
-from jaxckpt._cli_text import Progress, UsageError, human_bytes, plural
+from jaxckpt._cli.text import Progress, UsageError, human_bytes, plural
 from jaxckpt._errors import CorruptChunkError
-from jaxckpt._manifest import ArrayEntry, ValueEntry, dtype_from_name
-from jaxckpt._plan import ReadItem
+from jaxckpt._format.manifest import ArrayEntry, ValueEntry, dtype_from_name
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._planning import tree as _tree
+from jaxckpt._sources import convert as _convert_mod
+from jaxckpt._sources import detect as _sources
+from jaxckpt._sources import safetensors as _safetensors
+from jaxckpt._storage import location as _location
 
 # safetensors dtype names (the reader's table, inverted); other dtypes are skipped with a message.
 _SAFETENSORS = {v: k for k, v in _safetensors.DTYPES.items()}

@@ -16,8 +16,8 @@ from typing import Any
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from jaxckpt._manifest import MANIFEST
-from jaxckpt._names import FILE_NAME_BYTES, LOCK_SUFFIX
+from jaxckpt._format.manifest import MANIFEST
+from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
 
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
 # Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs

@@ -36,16 +36,16 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _writeback
-from jaxckpt._catalog import OWN_KEY, fsync_dir, list_keys
 from jaxckpt._errors import (
     CheckpointError,
     CheckpointExistsError,
 )
-from jaxckpt._location import _CONTEXT, Location, kvstore
-from jaxckpt._manifest import MANIFEST, ArrayEntry, Manifest
-from jaxckpt._names import TMP, staging_name
-from jaxckpt._plan import WriteItem
+from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest
+from jaxckpt._format.names import TMP, staging_name
+from jaxckpt._format.plan import WriteItem
+from jaxckpt._storage import writeback as _writeback
+from jaxckpt._storage.catalog import OWN_KEY, fsync_dir, list_keys
+from jaxckpt._storage.location import _CONTEXT, Location, kvstore
 
 MAX_INFLIGHT_BYTES = 1 << 30
 

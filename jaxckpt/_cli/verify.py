@@ -12,11 +12,15 @@ from typing import Any
 
 import tensorstore as ts
 
-from jaxckpt import _location, _pack, _reader, _sources, _storage
-from jaxckpt._cli_text import Progress, human_bytes, one_line, plural
+from jaxckpt._cli.text import Progress, human_bytes, one_line, plural
 from jaxckpt._errors import CorruptChunkError
-from jaxckpt._manifest import ArrayEntry
-from jaxckpt._plan import ReadItem
+from jaxckpt._format.manifest import ArrayEntry
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._sources import detect as _sources
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import packs as _pack
+from jaxckpt._storage import reader as _reader
+from jaxckpt._storage import writer as _storage
 
 _VERIFY_THREADS = 8
 

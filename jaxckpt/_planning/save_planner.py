@@ -18,15 +18,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _manifest, _pack, _staging, _tree
 from jaxckpt._errors import UnsupportedLeafError
-from jaxckpt._global_plan import GlobalSavePlan, _is_array, create_global_save_plan
-from jaxckpt._manifest import Manifest, ValueEntry
-from jaxckpt._plan import (
+from jaxckpt._format import manifest as _manifest
+from jaxckpt._format.manifest import Manifest, ValueEntry
+from jaxckpt._format.plan import (
     SavePlan,
     WriteItem,
     index_to_box,
 )
+from jaxckpt._planning import packing as _pack
+from jaxckpt._planning import tree as _tree
+from jaxckpt._planning.global_plan import GlobalSavePlan, _is_array, create_global_save_plan
+from jaxckpt._runtime import staging as _staging
 
 
 class SavePlanner(abc.ABC):
@@ -128,7 +131,7 @@ class DefaultSavePlanner(SavePlanner):
         at most this many) are stored together in a few shared 1-D arrays ("packs", one file
         or a few per dtype) instead of one zarr array each; ``0``
         stores every array on its own (and writes format version 1). ``None``:
-        ``jaxckpt._pack.DEFAULT_PACK_BYTES`` (256 KiB).
+        ``jaxckpt._planning.packing.DEFAULT_PACK_BYTES`` (256 KiB).
     """
 
     def __init__(self, *, dedup: str = "balanced", max_chunk_bytes: int = 64 << 20,

@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxckpt import _location, _reader, _storage
 from jaxckpt._errors import CheckpointNotFoundError, ManifestError
-from jaxckpt._manifest import MANIFEST, Manifest
+from jaxckpt._format.manifest import MANIFEST, Manifest
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import reader as _reader
+from jaxckpt._storage import writer as _storage
 
 MAX_INFLIGHT_BYTES = _storage.MAX_INFLIGHT_BYTES
 
@@ -30,7 +32,8 @@ def open_source(loc: _location.Location) -> tuple[Manifest, Any]:
       CheckpointNotFoundError: nothing jaxckpt reads is there.
       ManifestError: a foreign checkpoint's metadata is malformed, unsafe or unsupported.
     """
-    from jaxckpt import _orbax, _safetensors  # late: each is needed only for its format
+    from jaxckpt._sources import orbax as _orbax  # late: each is needed only for its format
+    from jaxckpt._sources import safetensors as _safetensors
 
     try:
         raw, stamp = _location.read_stamped(loc)

@@ -32,13 +32,13 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _location
 from jaxckpt._errors import CorruptChunkError, ManifestError
-from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry, is_supported_dtype
-from jaxckpt._plan import ReadItem
-from jaxckpt._reader import pipelined
-from jaxckpt._sources import MAX_INFLIGHT_BYTES, read_small
-from jaxckpt._tree import SEP
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry, is_supported_dtype
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._planning.tree import SEP
+from jaxckpt._sources.detect import MAX_INFLIGHT_BYTES, read_small
+from jaxckpt._storage import location as _location
+from jaxckpt._storage.reader import pipelined
 
 METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"

@@ -16,9 +16,9 @@ from pathlib import Path
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
-from jaxckpt._location import Location, kvstore
-from jaxckpt._manifest import MANIFEST
-from jaxckpt._names import staging_name
+from jaxckpt._format.manifest import MANIFEST
+from jaxckpt._format.names import staging_name
+from jaxckpt._storage.location import Location, kvstore
 
 OWN_KEY = re.compile(r"^(manifest\.json$|(g[0-9a-f]{8}/)?arrays/)")
 

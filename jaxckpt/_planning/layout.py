@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt._plan import index_to_box
+from jaxckpt._format.plan import index_to_box
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

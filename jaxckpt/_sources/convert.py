@@ -17,11 +17,14 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from jaxckpt import _location, _manifest, _sources, _storage
-from jaxckpt._global_plan import _version
-from jaxckpt._manifest import ArrayEntry, Manifest
-from jaxckpt._names import storage_name
-from jaxckpt._plan import ReadItem, WriteItem, chunk_boxes
+from jaxckpt._format import manifest as _manifest
+from jaxckpt._format.manifest import ArrayEntry, Manifest
+from jaxckpt._format.names import storage_name
+from jaxckpt._format.plan import ReadItem, WriteItem, chunk_boxes
+from jaxckpt._planning.global_plan import _version
+from jaxckpt._sources import detect as _sources
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import writer as _storage
 
 BLOCK_BYTES = 64 << 20
 _INFLIGHT = 256 << 20

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from jaxckpt._errors import PlanValidationError
-from jaxckpt._manifest import dtype_from_name
+from jaxckpt._format.manifest import dtype_from_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

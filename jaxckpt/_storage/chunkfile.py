@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxckpt._errors import CorruptChunkError
-from jaxckpt._manifest import ArrayEntry, dtype_from_name
+from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 
 try:
     import google_crc32c

@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _chunkfile, _pack
-from jaxckpt._catalog import list_keys
 from jaxckpt._errors import CheckpointChangedError, CorruptChunkError, ManifestError
-from jaxckpt._location import _CONTEXT, Location, Stamp, manifest_changed
-from jaxckpt._manifest import ArrayEntry, dtype_from_name
-from jaxckpt._plan import ReadItem
-from jaxckpt._storage import MAX_INFLIGHT_BYTES, _spec
+from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._storage import chunkfile as _chunkfile
+from jaxckpt._storage import packs as _pack
+from jaxckpt._storage.catalog import list_keys
+from jaxckpt._storage.location import _CONTEXT, Location, Stamp, manifest_changed
+from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, _spec
 
 _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
 
@@ -179,7 +180,7 @@ class Reader:
              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
         """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
 
-        Packed items come first, each needed pack read once (``jaxckpt._pack``). At most
+        Packed items come first, each needed pack read once (``jaxckpt._storage.packs``). At most
         ``max_inflight_bytes`` of reads are in flight (at least one item); the caller owns each
         yielded array (storage keeps no reference to it).
         """

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _location
 from jaxckpt._errors import UnsupportedLeafError
+from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
 METRICS = "metrics.json"

@@ -15,10 +15,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _layout, _manifest, _pack
-from jaxckpt._manifest import ArrayEntry, Manifest, ValueEntry
-from jaxckpt._names import storage_name
-from jaxckpt._plan import SavePlan, WriteItem, check_boxes, chunk_boxes, chunk_shape, raise_if
+from jaxckpt._format import manifest as _manifest
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
+from jaxckpt._format.names import storage_name
+from jaxckpt._format.plan import (
+    SavePlan,
+    WriteItem,
+    check_boxes,
+    chunk_boxes,
+    chunk_shape,
+    raise_if,
+)
+from jaxckpt._planning import layout as _layout
+from jaxckpt._planning import packing as _pack
 
 # Boxes held by several processes are cut into a chunk per process, down to this size: smaller
 # chunks would cost a file each for a share of a read that is small anyway (chunk_limit).
@@ -140,7 +149,7 @@ def create_global_save_plan(
 
     Arrays are assigned largest shard first (the seed's greedy, by bytes); see
     :class:`jaxckpt._layout.Balancer`. Arrays of at most ``pack_bytes`` share packs
-    (:func:`jaxckpt._pack.plan_packs`), each written whole by the least-loaded process that
+    (:func:`jaxckpt._planning.packing.plan_packs`), each written whole by the least-loaded process that
     holds all its members.
     """
     prng = prng or {}
@@ -245,6 +254,6 @@ def _digest(manifest: Manifest, layouts: Any, lowest: bool) -> str:
 
 
 def _version() -> str:
-    from jaxckpt import __version__
+    from jaxckpt._version import __version__
 
     return __version__

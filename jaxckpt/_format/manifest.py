@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt._errors import ManifestError
-from jaxckpt._names import is_storage_path
+from jaxckpt._format.names import is_storage_path
 
 FORMAT = "jaxckpt"
 VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
