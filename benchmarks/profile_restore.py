@@ -64,11 +64,11 @@ def main() -> None:
     planner.set_up_planner(target, manifest)
     items = planner.create_local_plan().items
     loc = _location.Location(path)
-    boxes = [a for _, a in _reader.Reader(loc).read(manifest.entries, items)]
+    boxes = [a for _, a in _reader.CheckpointReader(loc).read(manifest.entries, items)]
     nbytes = sum(b.nbytes for b in boxes)
 
     def read():
-        for _ in _reader.Reader(loc).read(manifest.entries, items):
+        for _ in _reader.CheckpointReader(loc).read(manifest.entries, items):
             pass
 
     import google_crc32c

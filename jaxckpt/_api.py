@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from jaxckpt._format.manifest import Manifest
-from jaxckpt._planning.global_plan import validate_global_plan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
 from jaxckpt._runtime import distributed as _distributed
@@ -162,8 +161,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     def plan() -> tuple[Any, Any]:
         planner.set_up_planner(tree, process_index=sync.process, process_count=sync.count)
         global_plan = planner.create_global_plan()
-        if type(planner).create_global_plan is not DefaultSavePlanner.create_global_plan:
-            validate_global_plan(global_plan)  # the default validates (and caches) its own
+        planner.check_global_plan(global_plan)
         return global_plan, planner.finish_plan(global_plan)
 
     global_plan, local = sync.run("plan", plan)

@@ -137,7 +137,7 @@ def test_restore_reads_only_overlapping_chunks(tmp_path):
     item = ReadItem("x", (4, 0), (2, 64), (dev.id,))
 
     before = _file_bytes_read()
-    reader = _reader.Reader(_location.Location(tmp_path / "c"))
+    reader = _reader.CheckpointReader(_location.Location(tmp_path / "c"))
     [(_, data)] = list(reader.read(jaxckpt.metadata(tmp_path / "c").entries, [item]))
     read = _file_bytes_read() - before
     assert read < whole / 4, (read, whole)  # one of eight chunks (plus metadata)

@@ -131,7 +131,7 @@ def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    m = _convert_mod._convert(args.src, args.dst, overwrite=args.overwrite, stream=sys.stderr,
+    m = _convert_mod.convert_checkpoint(args.src, args.dst, overwrite=args.overwrite, stream=sys.stderr,
                               progress=True if args.progress else None,
                               max_chunk_bytes=args.max_chunk_bytes)  # fmt: skip
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]

@@ -41,7 +41,7 @@ _VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array 
 def run_verify(args: argparse.Namespace) -> int:
     loc = _location.Location(args.path)
     m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
-    foreign = _sources.source_kind(reader) != "jaxckpt"  # no checksums: every byte is read
+    foreign = reader.kind != "jaxckpt"  # no checksums: every byte is read
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     stored = _pack.storage_entries(m)  # what has files: unpacked arrays and packs
     members: dict[str, list[str]] = {}  # pack key -> the keys packed in it
@@ -95,7 +95,7 @@ def run_verify(args: argparse.Namespace) -> int:
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
         print(f"OK: {args.path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
-              f"{human_bytes(nbytes)} read, " + (f"every chunk readable ({_sources.source_kind(reader)} "
+              f"{human_bytes(nbytes)} read, " + (f"every chunk readable ({reader.kind} "
               f"stores no checksums)" if foreign else "every checksum matches"))  # fmt: skip
         return 0
     bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
@@ -133,7 +133,7 @@ def _zarr_json_problem(loc: _location.Location, e: ArrayEntry) -> str | None:
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
         ts.open(
-            _storage._spec(loc.child(e.path), e), open=True, context=_location._CONTEXT
+            _storage.array_spec(loc.child(e.path), e), open=True, context=_location.CONTEXT
         ).result()
     except ValueError as err:
         msg = str(err)

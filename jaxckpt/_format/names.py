@@ -20,6 +20,7 @@ import re
 import string
 
 ARRAYS = "arrays"
+SEP = "/"  # joins the parts of a key path: "params/w"
 TMP = ".tmp-"  # marks a save's (or a delete's) hidden sibling: .NAME.tmp-XXXXXXXX
 MAX_NAME = 200  # bytes of a generated storage name, de-duplication suffix included
 FILE_NAME_BYTES = 255  # the usual limit on one file name (ext4, xfs, btrfs, APFS, NTFS)

@@ -2,7 +2,7 @@
 
 Computed identically on every process from the shardings alone (``create_global_save_plan``),
 so nothing is gathered; the processes only compare its ``digest``. The planner that builds it
-from a tree, and the protocol around it, are in ``jaxckpt._save_planner``.
+from a tree, and the protocol around it, are in ``jaxckpt._planning.save_planner``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from jaxckpt._format.plan import (
 )
 from jaxckpt._planning import layout as _layout
 from jaxckpt._planning import packing as _pack
+from jaxckpt._version import __version__
 
 # Boxes held by several processes are cut into a chunk per process, down to this size: smaller
 # chunks would cost a file each for a share of a read that is small anyway (chunk_limit).
@@ -131,7 +132,7 @@ def validate_global_plan(plan: GlobalSavePlan) -> None:
     raise_if(errors)
 
 
-def _is_array(leaf: Any) -> bool:
+def is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray))
 
 
@@ -158,7 +159,7 @@ def create_global_save_plan(
     holders: dict[int, int] = {}  # id(layout) -> processes holding each box: one pass per layout
     taken: set[str] = set()
     for key, leaf in leaves.items():
-        if not _is_array(leaf):
+        if not is_array(leaf):
             entries[key] = ValueEntry(key, leaf)
             continue
         shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
@@ -201,7 +202,7 @@ def create_global_save_plan(
     for p in pack_plans:
         arrays[p.entry.key] = ArrayPlan(p.entry.as_array(), (p.entry.size,), np.zeros((1, 1), np.int64),
                                         np.array([p.process]), np.array([-1]))  # fmt: skip
-    created = {"jax": jax.__version__, "jaxckpt": _version(), "process_count": process_count}
+    created = {"jax": jax.__version__, "jaxckpt": __version__, "process_count": process_count}
     manifest = Manifest(tree=tree, entries=entries, created=created,
                         version=_manifest.VERSION if packs else 1,
                         packs={p.entry.path: p.entry for p in pack_plans})  # fmt: skip
@@ -251,9 +252,3 @@ def _digest(manifest: Manifest, layouts: Any, lowest: bool) -> str:
             for part in (lay.offsets, lay.groups, lay.device_ids, lay.processes):
                 h.update(np.ascontiguousarray(part).tobytes())
     return h.hexdigest()[:16]
-
-
-def _version() -> str:
-    from jaxckpt._version import __version__
-
-    return __version__

@@ -292,7 +292,7 @@ class DefaultLoadPlanner(LoadPlanner):
         self.results, self.placement.placed = {}, {}
         if self.treedef is None:
             tree = _tree.unflatten(self.manifest.tree, values)
-            return None if tree is _tree._MISSING else tree
+            return None if tree is _tree.MISSING else tree
         leaves = [values.get(k, self.targets[k]) for k in self.targets]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 

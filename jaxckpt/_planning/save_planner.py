@@ -28,7 +28,12 @@ from jaxckpt._format.plan import (
 )
 from jaxckpt._planning import packing as _pack
 from jaxckpt._planning import tree as _tree
-from jaxckpt._planning.global_plan import GlobalSavePlan, _is_array, create_global_save_plan
+from jaxckpt._planning.global_plan import (
+    GlobalSavePlan,
+    create_global_save_plan,
+    is_array,
+    validate_global_plan,
+)
 from jaxckpt._runtime import staging as _staging
 
 
@@ -39,6 +44,7 @@ class SavePlanner(abc.ABC):
     2. ``create_global_plan() -> GlobalSavePlan``: every array box, who writes it, and the
        manifest. Computed identically on every process from the shardings alone, so nothing is
        gathered; the processes only agree on ``GlobalSavePlan.digest``.
+       ``check_global_plan(global_plan)`` then refuses a plan that does not tile its arrays.
     3. ``finish_plan(global_plan) -> SavePlan``: this process's share of the writes.
     4. ``resolve_data(item) -> np.ndarray``: the bytes of one item, asked for by storage
        (storage never sees the tree).
@@ -66,6 +72,15 @@ class SavePlanner(abc.ABC):
         Returns:
           The plan; ``save`` checks that its boxes tile every array (``PlanValidationError``).
         """
+
+    def check_global_plan(self, global_plan: GlobalSavePlan) -> None:
+        """2b. Refuse a plan whose boxes do not tile every array exactly once along its chunk
+        grid, before anything is written.
+
+        Raises:
+          PlanValidationError: naming the bad keys.
+        """
+        validate_global_plan(global_plan)
 
     @abc.abstractmethod
     def finish_plan(self, global_plan: GlobalSavePlan) -> SavePlan:
@@ -143,6 +158,7 @@ class DefaultSavePlanner(SavePlanner):
         self.max_chunk_bytes = max_chunk_bytes
         self.pack_bytes = _pack.DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes
         self.enable_plan_caching = enable_plan_caching
+        self._built: GlobalSavePlan | None = None  # the last plan built: checked already
 
     # 1.
     def set_up_planner(self, tree: Any, *, process_index: int, process_count: int) -> None:
@@ -213,6 +229,7 @@ class DefaultSavePlanner(SavePlanner):
             _stats["hits"] += 1
             fresh = dataclasses.replace(plan, manifest=self._with_values(plan.manifest))
             object.__setattr__(fresh, "_local", plan._local)  # same arrays: same items
+            self._built = fresh
             return fresh
         _stats["misses"] += 1
         plan = create_global_save_plan(
@@ -224,11 +241,17 @@ class DefaultSavePlanner(SavePlanner):
             _CACHE[cache_key] = plan
             while len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
+        self._built = plan
         return plan
+
+    def check_global_plan(self, global_plan: GlobalSavePlan) -> None:
+        """Plans this planner built were checked when built (then cached); others are checked."""
+        if global_plan is not self._built:
+            super().check_global_plan(global_plan)
 
     def _with_values(self, manifest: Manifest) -> Manifest:
         """A cached manifest with this tree's Python values, which are not part of the key."""
-        values = {k: ValueEntry(k, v) for k, v in self.leaves.items() if not _is_array(v)}
+        values = {k: ValueEntry(k, v) for k, v in self.leaves.items() if not is_array(v)}
         if not values:
             return manifest
         return dataclasses.replace(manifest, entries={**manifest.entries, **values})

@@ -18,8 +18,7 @@ from typing import Any
 import jax
 
 from jaxckpt._errors import KeyMismatchError, UnsupportedLeafError
-
-SEP = "/"
+from jaxckpt._format.names import SEP
 
 
 def _entry_str(entry: Any) -> str:
@@ -154,16 +153,16 @@ def unflatten(node: dict, values: dict[str, Any]) -> Any:
 
     Leaves whose key is not in ``values`` are dropped; a container that loses children becomes
     a dict of the children that remain (keyed as in the key path), and one that loses all of
-    them is dropped. ``_MISSING`` is returned for a dropped subtree.
+    them is dropped. ``MISSING`` is returned for a dropped subtree.
     """
     kind = node["type"]
     if kind == "leaf":
-        return values.get(node["key"], _MISSING)
+        return values.get(node["key"], MISSING)
     kids = [unflatten(c, values) for c in node["children"]]
     keys = node.get("keys") or [str(i) for i in range(len(kids))]
-    kept = [(k, v) for k, v in zip(keys, kids) if v is not _MISSING]
+    kept = [(k, v) for k, v in zip(keys, kids) if v is not MISSING]
     if not kept and kids:
-        return _MISSING
+        return MISSING
     if len(kept) < len(kids) or kind in ("namedtuple", "node"):
         return {k if kind == "dict" else str(k): v for k, v in kept}
     if kind == "dict":
@@ -178,7 +177,7 @@ class _Missing:
         return "<missing>"
 
 
-_MISSING = _Missing()
+MISSING = _Missing()
 
 
 def select(keys: list[str], wanted: list[str] | None) -> list[str]:

@@ -21,10 +21,10 @@ from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.names import storage_name
 from jaxckpt._format.plan import ReadItem, WriteItem, chunk_boxes
-from jaxckpt._planning.global_plan import _version
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
+from jaxckpt._version import __version__
 
 BLOCK_BYTES = 64 << 20
 _INFLIGHT = 256 << 20
@@ -66,11 +66,11 @@ def convert(src: str, dst: str, *, overwrite: bool = False,
       >>> jaxckpt.restore(d + "/ckpt")["embed.weight"].shape
       (4, 2)
     """
-    return _convert(src, dst, overwrite=overwrite, stream=sys.stderr, progress=None,
+    return convert_checkpoint(src, dst, overwrite=overwrite, stream=sys.stderr, progress=None,
                     max_chunk_bytes=max_chunk_bytes)  # fmt: skip
 
 
-def _convert(src: str, dst: str, *, overwrite: bool, stream: TextIO, progress: bool | None,
+def convert_checkpoint(src: str, dst: str, *, overwrite: bool, stream: TextIO, progress: bool | None,
              max_chunk_bytes: int | None = None) -> Manifest:  # fmt: skip
     limit = BLOCK_BYTES if max_chunk_bytes is None else max_chunk_bytes
     if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 1:
@@ -90,7 +90,7 @@ def _convert(src: str, dst: str, *, overwrite: bool, stream: TextIO, progress: b
                            chunks=_row_blocks(e, limit), path=storage_name(key, taken),
                            prng_impl=e.prng_impl, sharding=e.sharding)  # fmt: skip
         entries[key] = e
-    created = {"jaxckpt": _version(), "converted_from": _sources.source_kind(reader)}
+    created = {"jaxckpt": __version__, "converted_from": reader.kind}
     manifest = Manifest(tree=source.tree, entries=entries, created=created)
     arrays = {k: e for k, e in entries.items() if isinstance(e, ArrayEntry)}
     items = [ReadItem(k, off, size) for k, e in arrays.items() if 0 not in e.shape

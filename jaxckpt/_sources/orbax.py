@@ -34,11 +34,12 @@ import tensorstore as ts
 
 from jaxckpt._errors import CorruptChunkError, ManifestError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry, is_supported_dtype
+from jaxckpt._format.names import SEP
 from jaxckpt._format.plan import ReadItem
-from jaxckpt._planning.tree import SEP
-from jaxckpt._sources.detect import MAX_INFLIGHT_BYTES, read_small
 from jaxckpt._storage import location as _location
+from jaxckpt._storage.location import read_small
 from jaxckpt._storage.reader import pipelined
+from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
 
 METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -49,10 +50,10 @@ _ARRAYS = ("jax.Array", "np.ndarray")
 _EMPTY = {"Dict": "dict", "List": "list", "Tuple": "list", "NamedTuple": "dict"}
 # For the OCDBT database only: without a cache its b-tree nodes would be re-read per array.
 # Arrays open in jaxckpt's own context (no chunk cache).
-_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}}, _location._CONTEXT)
+_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}}, _location.CONTEXT)
 
 
-def open_source(loc: _location.Location) -> tuple[Manifest, Reader] | None:
+def open_source(loc: _location.Location) -> tuple[Manifest, OrbaxReader] | None:
     """The manifest and reader for an Orbax item or step at ``loc``, or ``None``."""
     if loc.local is not None and loc.local.is_file():
         return None
@@ -170,7 +171,7 @@ def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
     return to_json(root)
 
 
-def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manifest, Reader]:
+def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manifest, OrbaxReader]:
     leaves = _leaves(loc, doc)
     ocdbt, zarr3 = bool(doc.get("use_ocdbt")), bool(doc.get("use_zarr3"))
     fill_ok = doc.get("store_array_data_equal_to_fill_value") is False
@@ -198,10 +199,10 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
             if ocdbt:  # keys live inside the database: none can name a path outside it
                 database = _database(loc) if database is None else database
                 fut = ts.open(spec, kvstore=database / (name + "/"), open=True, read=True,
-                              context=_location._CONTEXT)  # fmt: skip
+                              context=_location.CONTEXT)  # fmt: skip
             else:
                 spec["kvstore"] = _kvstore(loc, name)
-                fut = ts.open(spec, open=True, read=True, context=_location._CONTEXT)
+                fut = ts.open(spec, open=True, read=True, context=_location.CONTEXT)
             opening[key] = (name, vtype, fut)
         else:
             raise ManifestError(
@@ -239,7 +240,7 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
             entries[key] = ValueEntry(key, v)
     entries = {k: entries[k] for k in order}
     created = {"source": "orbax", "use_ocdbt": ocdbt, "use_zarr3": zarr3}
-    return Manifest(tree=tree, entries=entries, created=created), Reader(loc, stores)
+    return Manifest(tree=tree, entries=entries, created=created), OrbaxReader(loc, stores)
 
 
 def _database(loc: _location.Location) -> ts.KvStore:
@@ -284,7 +285,7 @@ def _result(loc: _location.Location, key: str, name: str, fut: Any) -> np.ndarra
         ) from e
 
 
-class Reader:
+class OrbaxReader:
     """Reads boxes of an Orbax item's arrays through tensorstore (zarr, zarr3, OCDBT)."""
 
     kind = "orbax"

@@ -9,7 +9,7 @@ data, no two tensors sharing bytes, and each tensor's byte length equal to dtype
 Reads take only the bytes a box needs: a box of a C-order tensor is read as whole rows of
 its leading dimension when those rows hold at most 10% more than the box (a row-sharded
 target: one read per box), else one level down, row by row (a column-sharded target: one
-read per row of the box, exactly the bytes it needs). ``Reader.bytes_read`` counts them.
+read per row of the box, exactly the bytes it needs). ``SafetensorsReader.bytes_read`` counts them.
 
 On object stores (``s3://``, ``gs://``) name the ``.safetensors`` file or the index: a
 folder there is not listed. Tensor names are the keys, as in the file (``model.layers.0.self_attn.q_proj.weight``);
@@ -33,9 +33,10 @@ import tensorstore as ts
 from jaxckpt._errors import CorruptChunkError, ManifestError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._format.plan import ReadItem
-from jaxckpt._sources.detect import MAX_INFLIGHT_BYTES, read_small
 from jaxckpt._storage import location as _location
+from jaxckpt._storage.location import read_small
 from jaxckpt._storage.reader import pipelined
+from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # larger headers are treated as damage, not allocated
@@ -57,7 +58,7 @@ class _Tensor:
         self.file, self.begin, self.end, self.dtype, self.shape = file, begin, end, dtype, shape
 
 
-def open_source(loc: _location.Location) -> tuple[Manifest, Reader] | None:
+def open_source(loc: _location.Location) -> tuple[Manifest, SafetensorsReader] | None:
     """The manifest and reader for safetensors at ``loc``, or ``None`` if there are none."""
     url = str(loc).rstrip("/")
     if loc.local is not None and loc.local.is_file() or url.endswith((".safetensors", ".json")):
@@ -96,7 +97,9 @@ def _read(kv: ts.KvStore, name: str, begin: int, end: int | None) -> bytes | Non
     return got.value if got.state == "value" else None
 
 
-def _from_index(loc: _location.Location, kv: ts.KvStore, name: str) -> tuple[Manifest, Reader]:
+def _from_index(
+    loc: _location.Location, kv: ts.KvStore, name: str
+) -> tuple[Manifest, SafetensorsReader]:
     is_file = str(loc).endswith(".json")
     where = f"{loc}" if is_file else f"{loc}/{name}"
     raw = read_small(kv, _location.Location(str(loc).rpartition("/")[0]) if is_file else loc,
@@ -132,7 +135,9 @@ def _from_index(loc: _location.Location, kv: ts.KvStore, name: str) -> tuple[Man
     return manifest, reader
 
 
-def _build(loc: _location.Location, kv: ts.KvStore, files: list[str]) -> tuple[Manifest, Reader]:
+def _build(
+    loc: _location.Location, kv: ts.KvStore, files: list[str]
+) -> tuple[Manifest, SafetensorsReader]:
     tensors: dict[str, _Tensor] = {}
     sizes: dict[str, int | None] = {}
     for f in files:
@@ -162,7 +167,9 @@ def _build(loc: _location.Location, kv: ts.KvStore, files: list[str]) -> tuple[M
     tree = {"type": "dict", "keys": list(entries),
             "children": [{"type": "leaf", "key": k} for k in entries]}  # fmt: skip
     created = {"source": "safetensors", "files": files}
-    return Manifest(tree=tree, entries=entries, created=created), Reader(loc, kv, tensors, sizes)
+    return Manifest(tree=tree, entries=entries, created=created), SafetensorsReader(
+        loc, kv, tensors, sizes
+    )
 
 
 def _file_size(loc: _location.Location, kv: ts.KvStore, f: str) -> int | None:
@@ -252,7 +259,7 @@ class _Entry(ArrayEntry):
     partial_reads: ClassVar[bool] = True
 
 
-class Reader:
+class SafetensorsReader:
     """Reads boxes of safetensors tensors as byte ranges; ``bytes_read`` counts them."""
 
     kind = "safetensors"

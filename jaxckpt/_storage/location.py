@@ -22,7 +22,7 @@ from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
 # Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs
 # the staging dir's file system once before writing the manifest.
-_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
+CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
 
 
 class Location:
@@ -146,7 +146,7 @@ def _s3_options() -> dict:
 
 
 def kvstore(spec: dict) -> ts.KvStore:
-    return ts.KvStore.open(spec, context=_CONTEXT).result()
+    return ts.KvStore.open(spec, context=CONTEXT).result()
 
 
 def read_manifest(loc: Location) -> bytes:
@@ -214,3 +214,26 @@ def exists(loc: Location) -> bool:
         return True
     except CheckpointNotFoundError:
         return False
+
+
+def read_small(kv: Any, loc: Location, name: str, limit: int) -> bytes | None:
+    """The bytes of a metadata file ``name`` under ``loc`` (``None`` if absent), at most ``limit``.
+
+    Raises:
+      ManifestError: the file is larger than ``limit`` (treated as damage, never allocated).
+    """
+    size = None
+    if loc.local is not None:
+        try:
+            size = os.stat(loc.local / name).st_size
+        except OSError:
+            return None
+    if size is None or size <= limit:
+        got = kv.read(name).result()
+        data = got.value if got.state == "value" else None
+        if data is None or len(data) <= limit:
+            return data
+    raise ManifestError(
+        f"{loc}/{name} is larger than {limit} bytes, more than any real one: it is damaged or "
+        f"not what its name says. Nothing was read."
+    )

@@ -38,7 +38,7 @@ def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
     """Yield ``(item, data)`` for packed items, reading each needed pack once (the span of it
     the items need), at most ``max_inflight_bytes`` ahead.
 
-    ``reader`` is a ``jaxckpt._reader.Reader``: a pack is read as its plain 1-D array.
+    ``reader`` is a ``jaxckpt._storage.reader.CheckpointReader``: a pack is read as its plain 1-D array.
     """
     by_pack: dict[str, list[ReadItem]] = {}
     for item in items:

@@ -1,6 +1,6 @@
 """Reading a checkpoint's arrays: boxes of zarr v3 arrays, confined to the checkpoint.
 
-Storage's read side (``jaxckpt._storage`` writes and commits). The :class:`Reader` is given
+Storage's read side (``jaxckpt._storage`` writes and commits). The :class:`CheckpointReader` is given
 manifest entries and read items by the load planner's protocol and yields each box as numpy,
 reading ahead within a byte bound. Before an array is opened its chunk files are listed (one
 directory walk, or one object-store listing of the checkpoint) so that links out of the
@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import tensorstore as ts
@@ -25,14 +25,47 @@ from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import packs as _pack
 from jaxckpt._storage.catalog import list_keys
-from jaxckpt._storage.location import _CONTEXT, Location, Stamp, manifest_changed
-from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, _spec
+from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed
+from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, array_spec
 
 _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
 
 
-class Reader:
-    """Reads boxes of saved arrays; each array is opened once, reads run concurrently."""
+class Reader(Protocol):
+    """The read side of storage as restore, ``verify``, ``export`` and ``convert`` see it.
+
+    One implementation per format: :class:`CheckpointReader` (jaxckpt's zarr v3 arrays),
+    ``jaxckpt._sources.orbax.OrbaxReader`` and ``jaxckpt._sources.safetensors.SafetensorsReader``.
+    The load path calls, on each process:
+
+    1. ``jaxckpt._sources.detect.open_source(loc) -> (Manifest, Reader)``: the manifest (or
+       one built from the foreign format's metadata) and the reader of its data. Nothing of
+       the arrays is read yet.
+    2. ``read(entries, items, max_inflight_bytes=...)``, once or several times: yields
+       ``(item, box)`` for every ``ReadItem`` (a box of one entry of ``entries``), each box a
+       numpy array of the item's sizes in the entry's logical dtype, owned by the caller.
+       At most ``max_inflight_bytes`` of boxes are read ahead (at least one). Errors are
+       :class:`CorruptChunkError` (data missing or damaged) or :class:`ManifestError` (the
+       metadata promises what the files cannot hold), naming the key and what to do.
+
+    Invariants: a reader reads only below ``loc``; never allocates more than the bytes the
+    items ask for plus its read-ahead; never runs code from the checkpoint.
+    """
+
+    loc: Location
+    kind: str  # "jaxckpt", "orbax" or "safetensors": what the reader reads
+
+    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
+             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+        """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``."""
+        ...
+
+
+class CheckpointReader:
+    """Reads boxes of a jaxckpt checkpoint's arrays; each array is opened once, reads run
+    concurrently (the :class:`Reader` protocol)."""
+
+    kind = "jaxckpt"
 
     def __init__(self, loc: Location, stamp: Stamp | None = None) -> None:
         self.loc = loc
@@ -48,12 +81,12 @@ class Reader:
         if store is None:
             self._check_inside(entry)
             self.check_chunks(entry)
-            spec = _spec(self.loc.child(entry.path), entry)
+            spec = array_spec(self.loc.child(entry.path), entry)
             spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
             try:
                 # The manifest is the source of truth for the array's metadata: zarr.json is
                 # not read (one file less per array), and cannot change how bytes decode.
-                store = ts.open(spec, assume_metadata=True, context=_CONTEXT).result()
+                store = ts.open(spec, assume_metadata=True, context=CONTEXT).result()
             except ValueError as e:
                 raise CorruptChunkError(
                     f"Key {entry.key!r}: array {entry.path} in {self.loc} cannot be opened or does "

@@ -45,12 +45,12 @@ from jaxckpt._format.names import TMP, staging_name
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._storage import writeback as _writeback
 from jaxckpt._storage.catalog import OWN_KEY, fsync_dir, list_keys
-from jaxckpt._storage.location import _CONTEXT, Location, kvstore
+from jaxckpt._storage.location import CONTEXT, Location, kvstore
 
 MAX_INFLIGHT_BYTES = 1 << 30
 
 
-def _spec(kvstore: dict, entry: ArrayEntry) -> dict:
+def array_spec(kvstore: dict, entry: ArrayEntry) -> dict:
     codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if entry.checksum == "crc32c":
         codecs.append({"name": "crc32c"})
@@ -106,10 +106,10 @@ class Writer:
         entries = list(entries)
         futures = [
             ts.open(
-                {**_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True},
+                {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True},
                 create=create,
                 open=not create,
-                context=_CONTEXT,
+                context=CONTEXT,
             )  # fmt: skip
             for e in entries
         ]
