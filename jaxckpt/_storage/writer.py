@@ -67,9 +67,24 @@ def array_spec(kvstore: dict, entry: ArrayEntry) -> dict:
 
 
 class Writer:
-    """Writes one checkpoint: ``Writer(loc, overwrite)``, ``write(...)``, then ``commit(...)``.
+    """Writes one checkpoint. The storage side of the save protocol; ``jaxckpt.save`` calls,
+    with every process's ``Writer`` for the same ``loc``:
 
-    On any failure call ``abort()``: the temporary data goes, an existing checkpoint stays.
+    1. ``Writer(loc, overwrite=..., is_coordinator=..., broadcast=...)`` (all processes): the
+       coordinator checks the target (``CheckpointExistsError``, or foreign files) and makes
+       the hidden staging directory (local) or generation prefix (object stores, under
+       ``overwrite``); the others learn its name through ``broadcast``.
+    2. ``open_arrays(entries, create=True)`` (coordinator), then, after a barrier,
+       ``open_arrays(own entries, create=False)`` (the others): one zarr array per entry.
+    3. ``write(entries, items)`` (all processes): each item's box into its array, as whole
+       chunks (the planner aligned every box to the chunk grid, so no two processes touch one
+       chunk); at most ``max_inflight_bytes`` queued. Data comes from the planner only.
+    4. ``flush()`` (all processes): this process's bytes are durable.
+    5. After a barrier, ``commit(manifest)`` (coordinator): ``manifest.json`` is written last,
+       then made visible at once (rename, or the manifest is the commit on object stores).
+
+    On any failure, ``abort()`` (every process that made one): the temporary data goes; the
+    last committed checkpoint at ``loc`` is never touched.
     """
 
     def __init__(self, loc: Location, *, overwrite: bool, is_coordinator: bool = True,
