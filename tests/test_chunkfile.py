@@ -23,7 +23,7 @@ from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import reader as _reader
 from jaxckpt._storage.location import Location
-from jaxckpt._storage.writer import _spec
+from jaxckpt._storage.writer import array_spec
 
 DTYPES = ["float32", "bfloat16", "int8", "uint16", "complex64", "float64", "bool"]
 
@@ -32,7 +32,7 @@ def _write(root, data: np.ndarray, chunks, checksum) -> ArrayEntry:
     name = np.dtype(data.dtype).name
     entry = ArrayEntry(key="a/b", shape=data.shape, dtype=name, storage_dtype=name,
                        chunks=tuple(chunks), path="arrays/a.b", checksum=checksum)  # fmt: skip
-    spec = _spec({"driver": "file", "path": f"{root}/arrays/a.b/"}, entry)
+    spec = array_spec({"driver": "file", "path": f"{root}/arrays/a.b/"}, entry)
     store = ts.open({**spec, "store_data_equal_to_fill_value": True}, create=True).result()
     store.write(data).result()
     return entry

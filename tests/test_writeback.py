@@ -17,7 +17,7 @@ import jaxckpt
 from jaxckpt._format.manifest import ArrayEntry
 from jaxckpt._planning import packing as _pack
 from jaxckpt._storage import writeback as _writeback
-from jaxckpt._storage.writer import _spec
+from jaxckpt._storage.writer import array_spec
 
 needs_linux = pytest.mark.skipif(
     _writeback._sync_file_range is None, reason="sync_file_range is Linux-only"
@@ -109,7 +109,7 @@ def test_chunk_files_are_the_files_tensorstore_writes(tmp_path_factory, data):
     entry = ArrayEntry(key="a", shape=shape, dtype="uint8", storage_dtype="uint8", chunks=chunks,
                        path="arrays/a", checksum="crc32c")  # fmt: skip
     store = ts.open(
-        {**_spec({"driver": "file", "path": f"{root}/arrays/a/"}, entry),
+        {**array_spec({"driver": "file", "path": f"{root}/arrays/a/"}, entry),
          "store_data_equal_to_fill_value": True},
         create=True,
     ).result()  # fmt: skip
