@@ -36,13 +36,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from jaxckpt._api import SaveHandle, in_background, restore, save_async
+from jaxckpt._api import SaveHandle, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._format import names as _names
 from jaxckpt._format.manifest import MANIFEST
 from jaxckpt._manager.retention import METRICS, MetricsFile, json_metrics, steps_to_delete
 from jaxckpt._planning.load_planner import LoadPlanner
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
 from jaxckpt._storage import catalog as _catalog
@@ -170,7 +171,7 @@ class CheckpointManager:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
         if self.async_save and not preempted:
             # On the save threads: at exit Python waits for it, so the last step is committed.
-            self._pending = in_background(self._finish, step, handle, record)
+            self._pending = pools.in_background(self._finish, step, handle, record)
         else:
             self._finish(step, handle, record)
             self.wait()

@@ -34,7 +34,7 @@ from jaxckpt._planning.global_plan import (
     is_array,
     validate_global_plan,
 )
-from jaxckpt._runtime import staging as _staging
+from jaxckpt._runtime import pools
 
 
 class SavePlanner(abc.ABC):
@@ -315,7 +315,7 @@ class DefaultSavePlanner(SavePlanner):
         # at a time (jax 0.10.2): the first save_async of a process returned after 0.15 s
         # instead of 0.07 s (medians of 10 fresh processes, docs/benchmarks.md).
         put = functools.partial(jax.device_put, list(sources.values()), may_alias=False)
-        copies = dict(zip(sources, _staging.copy_pool().submit(put).result()))
+        copies = dict(zip(sources, pools.stage_pool().submit(put).result()))
 
         def read(item: WriteItem) -> np.ndarray:  # in the writer's thread
             copy = copies.get((item.key, item.device))

@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from jaxckpt._runtime import pools
 
 _ALIGN = 64  # bytes; every item starts on a cache line
 _GRANULE = 1 << 16  # arenas are sized in 64 KiB steps so small changes of state reuse one
 _MAPPED = 4 << 20  # arenas from this size on get a mapping of their own
 _SPLIT = 16 << 20  # a larger item is copied in row blocks of about this size, in parallel
-_COPIERS = max(2, min(8, os.cpu_count() or 2))  # numpy copies release the GIL
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def _aligned(n: int) -> int:
@@ -54,16 +51,6 @@ def _allocate(nbytes: int) -> np.ndarray:
         except (OSError, ValueError):
             pass
     return np.empty(nbytes, dtype=np.uint8)
-
-
-def copy_pool() -> ThreadPoolExecutor:
-    """The threads that copy staged items (and dispatch device copies, see
-    ``DefaultSavePlanner.detach``)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_COPIERS, "jaxckpt-stage")
-    return _pool
 
 
 class Arena:
@@ -108,13 +95,13 @@ class Arena:
             for out, data in jobs:
                 np.copyto(out, data, casting="no")
             return outs
-        bins: list[list] = [[] for _ in range(_COPIERS)]  # near-equal bytes per thread
-        size = [0] * _COPIERS
+        bins: list[list] = [[] for _ in range(pools.STAGE_THREADS)]  # near-equal bytes per thread
+        size = [0] * pools.STAGE_THREADS
         for job in sorted(jobs, key=lambda j: -j[0].nbytes):
             i = size.index(min(size))
             bins[i].append(job)
             size[i] += job[0].nbytes
-        for f in [copy_pool().submit(_copy, b) for b in bins if b]:
+        for f in [pools.stage_pool().submit(_copy, b) for b in bins if b]:
             f.result()
         return outs
 

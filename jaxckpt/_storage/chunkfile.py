@@ -28,13 +28,14 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
+from jaxckpt._runtime import pools
 
 try:
     import google_crc32c
@@ -83,7 +84,6 @@ _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 
 _FLAGS |= getattr(os, "O_CLOEXEC", 0)
 
 enabled = os.environ.get("JAXCKPT_DIRECT_READ", "1") != "0"  # tests flip it to compare paths
-_pool: ThreadPoolExecutor | None = None
 _count_lock = threading.Lock()
 _bytes_read = 0  # chunk-file bytes read here (tensorstore counts its own): see bytes_read()
 
@@ -144,7 +144,7 @@ class InPlace:
         ``out``, or raises :class:`CorruptChunkError` naming the key and chunk, once every read
         that writes into ``out`` has finished.
         """
-        pool = _get_pool()
+        pool = pools.read_pool()
         folder = self.root / entry.path
         direct: list[Future] = []
         shared: list[_Shared] = []
@@ -186,7 +186,7 @@ class InPlace:
 
     def _submit(self, key: tuple[str, tuple[int, ...]]) -> None:
         chunk = self._gathering.pop(key)
-        chunk.future = _get_pool().submit(
+        chunk.future = pools.read_pool().submit(
             _read_parts, chunk.folder, chunk.key[1], chunk.entry, chunk.parts, chunk.where,
             self._scratch,
         )  # fmt: skip
@@ -207,13 +207,6 @@ class _Shared:
         self.folder, self.entry, self.where = folder, entry, where
         self.parts: list[tuple[np.ndarray, tuple]] = []  # (view in a box, slices of the chunk)
         self.future: Future | None = None
-
-
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:  # as many reads in flight as tensorstore's file I/O default
-        _pool = ThreadPoolExecutor(max(4, min(64, os.cpu_count() or 4)), "jaxckpt-read")
-    return _pool
 
 
 def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[tuple]:

@@ -23,14 +23,15 @@ import itertools
 import os
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
+
+from jaxckpt._runtime import pools
 
 enabled = os.environ.get("JAXCKPT_EARLY_WRITEBACK", "1") != "0"
 _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back of dirty pages, do not wait for it
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 _started = 0  # files whose write-back was started in this process: see started()
 
 
@@ -92,7 +93,7 @@ class Hints:
     def _submit(self) -> None:
         if self._group:
             try:
-                self._tasks.append(_get_pool().submit(_when_written, self._group))
+                self._tasks.append(pools.writeback_pool().submit(_when_written, self._group))
             except RuntimeError:  # the interpreter is exiting (a save_async still writing)
                 pass  # no hint then: syncfs makes the files durable all the same
             self._group, self._bytes = [], 0
@@ -122,11 +123,3 @@ def _start(paths: list[str]) -> None:
             os.close(fd)
     with _lock:
         _started += n
-
-
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:  # few threads: each call only queues I/O, it does not wait for it
-            _pool = ThreadPoolExecutor(2, "jaxckpt-writeback")
-    return _pool
