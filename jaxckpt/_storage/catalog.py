@@ -52,7 +52,7 @@ def delete(loc: Location) -> None:
         names = [p.name for p in loc.local.iterdir()] if loc.local.is_dir() else [loc.local.name]
         foreign = [n for n in names if not OWN_KEY.match(n + "/") and n != MANIFEST]
         if foreign:
-            raise _foreign_error(loc, foreign[0])
+            raise _not_ours_to_delete(loc, foreign[0])
         doomed = loc.local.parent / staging_name(loc.local.name, f"{uuid.uuid4().hex[:8]}-deleted")
         os.rename(loc.local, doomed)
         fsync_dir(loc.local.parent)
@@ -61,12 +61,13 @@ def delete(loc: Location) -> None:
     kv = kvstore(loc.kvstore)
     foreign = [k for k in list_keys(loc) if not OWN_KEY.match(k)]
     if foreign:
-        raise _foreign_error(loc, foreign[0])
+        raise _not_ours_to_delete(loc, foreign[0])
     kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")).result()
     kv.delete_range(ts.KvStore.KeyRange()).result()
 
 
-def _foreign_error(loc: Location, name: str) -> CheckpointError:
+def _not_ours_to_delete(loc: Location, name: str) -> CheckpointError:
+    """A delete refused: ``name`` is not jaxckpt's, so ``loc`` is not a single checkpoint."""
     return CheckpointError(
         f"Refusing to delete {loc}: it holds {name!r}, which jaxckpt did not write, so it is "
         f"not a single checkpoint. Pass the checkpoint's own path (e.g. DIR/000100), or delete "

@@ -18,7 +18,6 @@ staging directory. ``JAXCKPT_EARLY_WRITEBACK=0`` turns it off (benchmarks compar
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import itertools
 import os
 import threading
@@ -27,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from jaxckpt._runtime import pools
+from jaxckpt._storage.libc import libc
 
 enabled = os.environ.get("JAXCKPT_EARLY_WRITEBACK", "1") != "0"
 _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back of dirty pages, do not wait for it
@@ -37,7 +37,7 @@ _started = 0  # files whose write-back was started in this process: see started(
 
 def _load() -> object | None:
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sync_file_range
+        fn = libc().sync_file_range
     except (OSError, AttributeError):
         return None  # not Linux: syncfs / sync alone, as before
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import dataclasses
 import errno
-import functools
 import hashlib
 import os
 import re
@@ -45,6 +43,7 @@ from jaxckpt._format.names import TMP, staging_name
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._storage import writeback as _writeback
 from jaxckpt._storage.catalog import OWN_KEY, fsync_dir, list_keys
+from jaxckpt._storage.libc import libc
 from jaxckpt._storage.location import CONTEXT, Location, kvstore
 
 MAX_INFLIGHT_BYTES = 1 << 30
@@ -320,7 +319,7 @@ def _check_target_dir(path: Path, overwrite: bool) -> None:
     names = sorted(p.name for p in path.iterdir())
     foreign = [n for n in names if n not in (MANIFEST, "arrays") and not _OWN_TMP.match(n)]
     if foreign:
-        raise _foreign_error(Location(path), foreign[0], committed=MANIFEST in names)
+        raise _not_ours_to_replace(Location(path), foreign[0], committed=MANIFEST in names)
     if names and not overwrite:
         if MANIFEST in names:
             raise _exists_error(Location(path))
@@ -343,7 +342,8 @@ def _remove_own(old: Path) -> None:
         pass  # not empty: what is left is not ours to delete
 
 
-def _foreign_error(loc: Location, name: str, *, committed: bool) -> CheckpointExistsError:
+def _not_ours_to_replace(loc: Location, name: str, *, committed: bool) -> CheckpointExistsError:
+    """A save refused: ``name`` at the target is not jaxckpt's (catalog refuses deletes alike)."""
     what = "a checkpoint and also" if committed else "no checkpoint but"
     return CheckpointExistsError(
         f"{loc} holds {what} {name!r}, which jaxckpt did not write; jaxckpt never replaces "
@@ -352,17 +352,12 @@ def _foreign_error(loc: Location, name: str, *, committed: bool) -> CheckpointEx
     )
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with renameat2(RENAME_EXCHANGE) where Linux allows."""
     at_fdcwd, rename_exchange = -100, 2
     try:
         return (
-            _libc().renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+            libc().renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
             == 0
         )
     except (OSError, AttributeError):
@@ -378,7 +373,7 @@ def _rename_noreplace(src: Path, dst: Path) -> bool:
     """
     at_fdcwd, rename_noreplace = -100, 1
     try:
-        rc = _libc().renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst),
+        rc = libc().renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst),
                                rename_noreplace)  # fmt: skip
         err = ctypes.get_errno() if rc else 0
     except AttributeError:
@@ -403,7 +398,7 @@ def _syncfs(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
-            if _libc().syncfs(fd) == 0:
+            if libc().syncfs(fd) == 0:
                 return
         finally:
             os.close(fd)
@@ -428,7 +423,7 @@ def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) 
         keys = list_keys(loc)
         foreign = [k for k in keys if not OWN_KEY.match(k)]
         if foreign:
-            raise _foreign_error(loc, foreign[0], committed=old.state == "value")
+            raise _not_ours_to_replace(loc, foreign[0], committed=old.state == "value")
     if old.state == "value":
         generation = _generation(old.value)
         if is_coordinator:  # leftovers of an earlier failed overwrite of the same checkpoint
