@@ -82,7 +82,7 @@ def simulated_state(processes: int, per_process: int, arrays: int) -> dict:
 
 def run(processes: int, per_process: int = 8, arrays: int = 1000) -> dict:
     """Plan a save of ``arrays`` arrays as process 0 of ``processes`` x ``per_process``."""
-    from jaxckpt import _save_planner
+    from jaxckpt._planning import save_planner as _save_planner
 
     tree = simulated_state(processes, per_process, arrays)
     gc.collect()

@@ -27,7 +27,7 @@ def _file_bytes_read() -> int:
     import tensorstore as ts
 
     found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    direct = sys.modules.get("jaxckpt._chunkfile")  # jaxckpt reads its own chunks in place
+    direct = sys.modules.get("jaxckpt._storage.chunkfile")  # jaxckpt reads its own chunks in place
     return sum(v.get("value", 0) for m in found for v in m["values"]) + (
         direct.bytes_read() if direct else 0
     )

@@ -32,7 +32,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _location, _reader  # noqa: E402
+from jaxckpt._storage import location as _location  # noqa: E402
+from jaxckpt._storage import reader as _reader
 
 
 def _median(fn, runs: int) -> float:
@@ -63,11 +64,11 @@ def main() -> None:
     planner.set_up_planner(target, manifest)
     items = planner.create_local_plan().items
     loc = _location.Location(path)
-    boxes = [a for _, a in _reader.Reader(loc).read(manifest.entries, items)]
+    boxes = [a for _, a in _reader.CheckpointReader(loc).read(manifest.entries, items)]
     nbytes = sum(b.nbytes for b in boxes)
 
     def read():
-        for _ in _reader.Reader(loc).read(manifest.entries, items):
+        for _ in _reader.CheckpointReader(loc).read(manifest.entries, items):
             pass
 
     import google_crc32c

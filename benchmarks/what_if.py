@@ -51,7 +51,8 @@ import jax  # noqa: E402
 import tensorstore as ts  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _storage, _writeback  # noqa: E402
+from jaxckpt._storage import writeback as _writeback
+from jaxckpt._storage import writer as _storage  # noqa: E402
 
 _ORIG = {"spec": _storage._spec, "syncfs": _storage._syncfs, "context": _storage._CONTEXT}
 _FLUSH: list[tuple[float, float]] = []  # (seconds, dirty MiB at the start) per flush

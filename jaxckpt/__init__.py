@@ -1,13 +1,10 @@
 """jaxckpt: fast, safe checkpoints of sharded JAX state, through tensorstore zarr v3."""
 
-__version__ = "0.1.0"
-
 from jaxckpt._api import SaveHandle as SaveHandle
 from jaxckpt._api import metadata as metadata
 from jaxckpt._api import restore as restore
 from jaxckpt._api import save as save
 from jaxckpt._api import save_async as save_async
-from jaxckpt._convert import convert as convert
 from jaxckpt._errors import CheckpointChangedError as CheckpointChangedError
 from jaxckpt._errors import CheckpointError as CheckpointError
 from jaxckpt._errors import CheckpointExistsError as CheckpointExistsError
@@ -20,20 +17,22 @@ from jaxckpt._errors import ManifestError as ManifestError
 from jaxckpt._errors import PlanValidationError as PlanValidationError
 from jaxckpt._errors import ShapeMismatchError as ShapeMismatchError
 from jaxckpt._errors import UnsupportedLeafError as UnsupportedLeafError
-from jaxckpt._global_plan import GlobalSavePlan as GlobalSavePlan
-from jaxckpt._load_planner import DefaultLoadPlanner as DefaultLoadPlanner
-from jaxckpt._load_planner import LoadPlanner as LoadPlanner
-from jaxckpt._manager import CheckpointManager as CheckpointManager
-from jaxckpt._manifest import ArrayEntry as ArrayEntry
-from jaxckpt._manifest import Manifest as Manifest
-from jaxckpt._manifest import ValueEntry as ValueEntry
-from jaxckpt._plan import LoadPlan as LoadPlan
-from jaxckpt._plan import ReadItem as ReadItem
-from jaxckpt._plan import SavePlan as SavePlan
-from jaxckpt._plan import WriteItem as WriteItem
-from jaxckpt._save_planner import DefaultSavePlanner as DefaultSavePlanner
-from jaxckpt._save_planner import SavePlanner as SavePlanner
-from jaxckpt._save_planner import plan_cache_info as plan_cache_info
+from jaxckpt._format.manifest import ArrayEntry as ArrayEntry
+from jaxckpt._format.manifest import Manifest as Manifest
+from jaxckpt._format.manifest import ValueEntry as ValueEntry
+from jaxckpt._format.plan import LoadPlan as LoadPlan
+from jaxckpt._format.plan import ReadItem as ReadItem
+from jaxckpt._format.plan import SavePlan as SavePlan
+from jaxckpt._format.plan import WriteItem as WriteItem
+from jaxckpt._manager.manager import CheckpointManager as CheckpointManager
+from jaxckpt._planning.global_plan import GlobalSavePlan as GlobalSavePlan
+from jaxckpt._planning.load_planner import DefaultLoadPlanner as DefaultLoadPlanner
+from jaxckpt._planning.load_planner import LoadPlanner as LoadPlanner
+from jaxckpt._planning.save_planner import DefaultSavePlanner as DefaultSavePlanner
+from jaxckpt._planning.save_planner import SavePlanner as SavePlanner
+from jaxckpt._planning.save_planner import plan_cache_info as plan_cache_info
+from jaxckpt._sources.convert import convert as convert
+from jaxckpt._version import __version__ as __version__
 
 __all__ = [
     "ArrayEntry",

@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxckpt._cli import main
+from jaxckpt._cli.main import main
 
 sys.exit(main())

@@ -10,34 +10,24 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from jaxckpt import _distributed, _location, _pack, _sources, _staging, _storage
-from jaxckpt._global_plan import validate_global_plan
-from jaxckpt._load_planner import DefaultLoadPlanner, LoadPlanner
-from jaxckpt._manifest import Manifest
-from jaxckpt._save_planner import DefaultSavePlanner, SavePlanner
+from jaxckpt._format.manifest import Manifest
+from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
+from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
+from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import pools
+from jaxckpt._runtime import staging as _staging
+from jaxckpt._sources import detect as _sources
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import packs as _pack
+from jaxckpt._storage import writer as _storage
 
 logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike
-# Background saves run here. An idle thread is reused: starting a thread per save_async cost
-# 5-10 ms of its return (the start waits until the new thread runs, while the device copies
-# keep both cores busy). Not daemons: at interpreter exit Python runs the queued saves and joins
-# these threads, so a program that ends right after save_async still commits.
-_SAVES = ThreadPoolExecutor(32, "jaxckpt-save")
-
-
-def in_background(fn: Any, *args: Any) -> Future | None:
-    """Run ``fn(*args)`` on the save threads; ``None`` once it has run here instead, where the
-    interpreter is exiting (an ``atexit`` hook) and takes no new threads."""
-    try:
-        return _SAVES.submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        fn(*args)
-        return None
 
 
 def save(path: PathLike, tree: Any, *, overwrite: bool = False,
@@ -157,8 +147,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     def plan() -> tuple[Any, Any]:
         planner.set_up_planner(tree, process_index=sync.process, process_count=sync.count)
         global_plan = planner.create_global_plan()
-        if type(planner).create_global_plan is not DefaultSavePlanner.create_global_plan:
-            validate_global_plan(global_plan)  # the default validates (and caches) its own
+        planner.check_global_plan(global_plan)
         return global_plan, planner.finish_plan(global_plan)
 
     global_plan, local = sync.run("plan", plan)
@@ -229,7 +218,7 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
             finally:
                 _staging.POOL.give_back(arena)
 
-        handle._future = in_background(run_then_release)
+        handle._future = pools.in_background(run_then_release)
     else:
         run()
     return handle

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
+from jaxckpt._storage import writer  # noqa: E402
 
 N_SMALL = 48  # many small arrays: many files, so deletes and writes take a while
 
@@ -96,8 +97,8 @@ def arm(trap: str, progress: str) -> None:
         moment(src, dst, "after")
         return done
 
-    noreplace = jaxckpt._storage._rename_noreplace
-    jaxckpt._storage._rename_noreplace = trapped_noreplace
+    noreplace = writer._rename_noreplace
+    writer._rename_noreplace = trapped_noreplace
 
     def trapped_unlink(path, *args, **kwargs):
         count["unlink"] += 1

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from packaging.version import Version
 
-from jaxckpt import _pack
+from jaxckpt._planning import packing as _pack
 
 
 def _orbax_version() -> Version:

@@ -131,7 +131,7 @@ def bytes_needed(path: str, stage: str, devices=None) -> tuple[int, int]:
     reads of a chunk were not merged) plus each array's ``zarr.json``. Host leaves need every
     chunk.
     """
-    from jaxckpt._plan import index_to_box
+    from jaxckpt._format.plan import index_to_box
 
     entries = jaxckpt.metadata(path).entries
     least = most = 0
@@ -160,7 +160,7 @@ def file_bytes(metric: str) -> int:
     import tensorstore as ts
 
     if metric == "bytes_read":  # tensorstore's count plus the chunks jaxckpt reads in place
-        from jaxckpt import _reader
+        from jaxckpt._storage import reader as _reader
 
         return _reader.file_bytes_read()
     found = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/file/{metric}")

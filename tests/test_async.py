@@ -14,7 +14,7 @@ import numpy as np
 from helpers import assert_tree_equal, mesh, put
 
 import jaxckpt
-from jaxckpt import _staging
+from jaxckpt._runtime import staging as _staging
 
 
 def _sharded_state(m, scale: float = 1.0) -> dict:

@@ -1,4 +1,4 @@
-"""Local chunks read in place (jaxckpt._chunkfile) give exactly what tensorstore's decode gives,
+"""Local chunks read in place (jaxckpt._storage.chunkfile) give exactly what tensorstore's decode gives,
 for every box of every chunk grid (edge chunks included), and treat each file as hostile."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _chunkfile, _reader
-from jaxckpt._location import Location
-from jaxckpt._manifest import ArrayEntry
-from jaxckpt._plan import ReadItem
-from jaxckpt._storage import _spec
+from jaxckpt._format.manifest import ArrayEntry
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._storage import chunkfile as _chunkfile
+from jaxckpt._storage import reader as _reader
+from jaxckpt._storage.location import Location
+from jaxckpt._storage.writer import array_spec
 
 DTYPES = ["float32", "bfloat16", "int8", "uint16", "complex64", "float64", "bool"]
 
@@ -31,7 +32,7 @@ def _write(root, data: np.ndarray, chunks, checksum) -> ArrayEntry:
     name = np.dtype(data.dtype).name
     entry = ArrayEntry(key="a/b", shape=data.shape, dtype=name, storage_dtype=name,
                        chunks=tuple(chunks), path="arrays/a.b", checksum=checksum)  # fmt: skip
-    spec = _spec({"driver": "file", "path": f"{root}/arrays/a.b/"}, entry)
+    spec = array_spec({"driver": "file", "path": f"{root}/arrays/a.b/"}, entry)
     store = ts.open({**spec, "store_data_equal_to_fill_value": True}, create=True).result()
     store.write(data).result()
     return entry
@@ -40,7 +41,7 @@ def _write(root, data: np.ndarray, chunks, checksum) -> ArrayEntry:
 def _read(root, entry: ArrayEntry, offsets, sizes, *, direct: bool) -> np.ndarray:
     old, _chunkfile.enabled = _chunkfile.enabled, direct
     try:
-        reader = _reader.Reader(Location(root))
+        reader = _reader.CheckpointReader(Location(root))
         [(_, got)] = reader.read({entry.key: entry}, [ReadItem(entry.key, offsets, sizes)])
     finally:
         _chunkfile.enabled = old
@@ -87,13 +88,13 @@ def test_in_place_reads_are_counted_and_a_shared_chunk_is_read_once(tmp_path):
     # Two boxes in flight that each need half of chunk 0 (a reshard): one read, both parts.
     items = [ReadItem("a/b", (0, 0), (2, 8)), ReadItem("a/b", (2, 0), (2, 8))]
     before = _reader.file_bytes_read()
-    got = list(_reader.Reader(Location(tmp_path)).read({"a/b": entry}, items))
+    got = list(_reader.CheckpointReader(Location(tmp_path)).read({"a/b": entry}, items))
     assert _reader.file_bytes_read() - before == chunk
     np.testing.assert_array_equal(np.concatenate([g for _, g in got]), data[:4])
     # A budget of one box: the first box's wait starts the read for it alone, the second box
     # reads the chunk again (what the class docstring promises, no deadlock, right bytes).
     before = _reader.file_bytes_read()
-    reader = _reader.Reader(Location(tmp_path))
+    reader = _reader.CheckpointReader(Location(tmp_path))
     got = list(reader.read({"a/b": entry}, items, max_inflight_bytes=1))
     assert _reader.file_bytes_read() - before == 2 * chunk
     np.testing.assert_array_equal(np.concatenate([g for _, g in got]), data[:4])
@@ -127,7 +128,7 @@ def test_boxes_straddling_chunks_get_their_bytes_each_chunk_read_once(tmp_path_f
     try:
         for ahead in (budget, 1 << 30):
             before = _reader.file_bytes_read()
-            reader = _reader.Reader(Location(root))
+            reader = _reader.CheckpointReader(Location(root))
             for item, got in reader.read({"a/b": entry}, items, max_inflight_bytes=ahead):
                 want = data[tuple(slice(o, o + n) for o, n in zip(item.offsets, item.sizes))]
                 np.testing.assert_array_equal(got, want)
@@ -164,7 +165,7 @@ def test_damaged_chunk_shared_by_two_boxes_fails_both_naming_it(tmp_path):
     raw[5] ^= 1
     chunk.write_bytes(bytes(raw))
     items = [ReadItem("a/b", (0, 0), (8, 4)), ReadItem("a/b", (0, 4), (8, 4))]
-    reader = _reader.Reader(Location(tmp_path))
+    reader = _reader.CheckpointReader(Location(tmp_path))
     for item in items:  # each box alone: both need half of the damaged chunk
         with pytest.raises(
             jaxckpt.CorruptChunkError, match=r"Key 'a/b': chunk \(1,0\) of arrays/a.b .*checksum"
@@ -224,7 +225,7 @@ def test_link_swapped_in_after_the_listing_is_not_followed(tmp_path):
     # must still not be followed: the file is opened with O_NOFOLLOW.
     path, chunk = _saved(tmp_path)
     entry = jaxckpt.metadata(path).entries["w"]
-    reader = _reader.Reader(Location(path))
+    reader = _reader.CheckpointReader(Location(path))
     reader.check_chunks(entry)
     secret = tmp_path / "secret"
     secret.write_bytes(chunk.read_bytes())  # same size and checksum: only the link is wrong

@@ -15,7 +15,7 @@ import pytest
 from helpers import mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 
 import jaxckpt
-from jaxckpt._cli import main
+from jaxckpt._cli.main import main
 
 
 def _tree() -> dict:
@@ -326,7 +326,7 @@ def test_cli_never_initialises_a_jax_backend(runs):
     # docs/cli.md promises the CLI is safe beside a job that holds the accelerators.
     code = (
         "import sys\n"
-        "from jaxckpt._cli import main\n"
+        "from jaxckpt._cli.main import main\n"
         "for cmd in ('inspect', 'verify'):\n"
         "    assert main([cmd, sys.argv[1]]) == 0\n"
         "assert main(['ls', sys.argv[2]]) == 0\n"

@@ -9,8 +9,8 @@ import pytest
 from helpers import XFAIL_ORBAX_OCDBT_WITHOUT_FLAG, assert_tree_equal, mesh, put
 
 import jaxckpt
-from jaxckpt import _convert
-from jaxckpt._cli import main
+from jaxckpt._cli.main import main
+from jaxckpt._sources import convert as _convert
 
 ocp = pytest.importorskip("orbax.checkpoint")
 st = pytest.importorskip("safetensors.numpy")

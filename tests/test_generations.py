@@ -60,7 +60,8 @@ def test_every_read_checks_the_stamp(tmp_path):
     """verify, export and convert read through Reader.read, which checks after each read."""
     path = tmp_path / "c"
     jaxckpt.save(path, state(0), planner=UNPACKED)
-    from jaxckpt import _location, _sources
+    from jaxckpt._sources import detect as _sources
+    from jaxckpt._storage import location as _location
 
     _, reader = _sources.open_source(_location.Location(path))
     m = jaxckpt.metadata(path)
@@ -120,7 +121,7 @@ def test_stamp_survives_a_same_size_rewrite(tmp_path):
     """An identical manifest written again (the plan cache reuses it) is still a new save."""
     path = tmp_path / "c"
     jaxckpt.save(path, state(0), planner=UNPACKED)
-    from jaxckpt import _location
+    from jaxckpt._storage import location as _location
 
     loc = _location.Location(path)
     raw, stamp = _location.read_stamped(loc)

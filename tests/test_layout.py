@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import _layout
-from jaxckpt._plan import index_to_box
+from jaxckpt._format.plan import index_to_box
+from jaxckpt._planning import layout as _layout
 
 MESHES = {
     "4x2": ((4, 2), ("a", "b")),

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_s3 import BUCKET, prefix, s3  # noqa: F401  (fixtures)
 
 import jaxckpt
-from jaxckpt._names import MAX_NAME, is_storage_path, storage_name
+from jaxckpt._format.names import MAX_NAME, is_storage_path, storage_name
 
 ODD = [
     "ünï©ødé", "Straße", "STRASSE", "straße", "a", "A", "é", "e\u0301",  # NFC and NFD
@@ -96,7 +96,8 @@ def test_long_checkpoint_names(tmp_path, name):
     assert os.listdir(tmp_path) == [name]  # no staging left behind
     mgr_dir = tmp_path / "runs"
     jaxckpt.save(mgr_dir / name, {"w": np.arange(2)})
-    from jaxckpt import _catalog, _location
+    from jaxckpt._storage import catalog as _catalog
+    from jaxckpt._storage import location as _location
 
     _catalog.delete(_location.Location(mgr_dir / name))
     assert os.listdir(mgr_dir) == []

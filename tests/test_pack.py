@@ -16,8 +16,8 @@ from helpers import assert_tree_equal, mesh, put
 from test_s3 import BUCKET, s3  # noqa: F401 (the moto server fixture)
 
 import jaxckpt
-from jaxckpt import _chunkfile
-from jaxckpt._cli import main
+from jaxckpt._cli.main import main
+from jaxckpt._storage import chunkfile as _chunkfile
 
 DATA = Path(__file__).with_name("data")
 

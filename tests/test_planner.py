@@ -11,8 +11,8 @@ from helpers import mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _plan
-from jaxckpt._plan import WriteItem
+from jaxckpt._format import plan as _plan
+from jaxckpt._format.plan import WriteItem
 
 M42 = mesh((4, 2), ("data", "model"))
 
@@ -194,7 +194,8 @@ def test_boxes_held_by_several_processes_get_a_chunk_per_process():
     # that share its reads, so it is cut into h chunks (down to SHARED_CHUNK_MIN_BYTES).
     from jax.sharding import PartitionSpec as P
 
-    from jaxckpt import _global_plan, _layout
+    from jaxckpt._planning import global_plan as _global_plan
+    from jaxckpt._planning import layout as _layout
 
     ids = np.arange(8).reshape(4, 2)  # 4 processes x 2 devices: mesh axis "a" is the process
     procs = ids // 2
@@ -222,8 +223,10 @@ def test_arrays_cut_for_shared_reads_stay_unpacked():
     # process holds is packed (and a replicated one of at most pack_bytes still is).
     from jax.sharding import PartitionSpec as P
 
-    from jaxckpt import _global_plan, _layout, _pack
-    from jaxckpt._manifest import ArrayEntry
+    from jaxckpt._format.manifest import ArrayEntry
+    from jaxckpt._planning import global_plan as _global_plan
+    from jaxckpt._planning import layout as _layout
+    from jaxckpt._planning import packing as _pack
 
     ids = np.arange(8).reshape(4, 2)
     shape = (1024, 1024)  # 4 MiB of float32
@@ -257,7 +260,9 @@ def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chu
     # overlaps (a chunk is read whole): about its share, and the array about once in all.
     from jax.sharding import PartitionSpec as P
 
-    from jaxckpt import _global_plan, _layout, _load_planner
+    from jaxckpt._planning import global_plan as _global_plan
+    from jaxckpt._planning import layout as _layout
+    from jaxckpt._planning import load_planner as _load_planner
 
     shape = tuple(shape)
     ids = np.arange(procs * per).reshape(procs, per)
@@ -295,7 +300,7 @@ def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chu
     ],
 )
 def test_shared_reads_split_a_dimension_of_several_chunks(shape, chunks, n, dim):
-    from jaxckpt import _load_planner
+    from jaxckpt._planning import load_planner as _load_planner
 
     assert _load_planner.shared_read_dim(shape, chunks, n) == dim
 

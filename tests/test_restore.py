@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._plan import ReadItem
+from jaxckpt._format.plan import ReadItem
 
 M42 = mesh((4, 2), ("data", "model"))
 
@@ -108,7 +108,7 @@ def test_array_target_for_a_saved_value_is_an_error(saved):
 
 
 def _file_bytes_read() -> int:
-    from jaxckpt import _reader
+    from jaxckpt._storage import reader as _reader
 
     return _reader.file_bytes_read()
 
@@ -131,12 +131,13 @@ def test_restore_reads_only_overlapping_chunks(tmp_path):
     assert _file_bytes_read() - before == whole
     np.testing.assert_array_equal(part["x"], x)
     # A one-shard read (a ReadItem of the planner protocol) touches only that shard's chunk.
-    from jaxckpt import _location, _reader
+    from jaxckpt._storage import location as _location
+    from jaxckpt._storage import reader as _reader
 
     item = ReadItem("x", (4, 0), (2, 64), (dev.id,))
 
     before = _file_bytes_read()
-    reader = _reader.Reader(_location.Location(tmp_path / "c"))
+    reader = _reader.CheckpointReader(_location.Location(tmp_path / "c"))
     [(_, data)] = list(reader.read(jaxckpt.metadata(tmp_path / "c").entries, [item]))
     read = _file_bytes_read() - before
     assert read < whole / 4, (read, whole)  # one of eight chunks (plus metadata)

@@ -20,8 +20,9 @@ import pytest
 from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
 
 import jaxckpt
-from jaxckpt import _catalog, _location
-from jaxckpt._cli import main
+from jaxckpt._cli.main import main
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import location as _location
 
 BUCKET = "ckpts"
 

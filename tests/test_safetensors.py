@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _location, _sources
-from jaxckpt._cli import main
+from jaxckpt._cli.main import main
+from jaxckpt._sources import detect as _sources
+from jaxckpt._storage import location as _location
 
 st = pytest.importorskip("safetensors.numpy")
 

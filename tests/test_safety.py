@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt._cli import main
-from jaxckpt._location import Location, kvstore
-from jaxckpt._manifest import Manifest
+from jaxckpt._cli.main import main
+from jaxckpt._format.manifest import Manifest
+from jaxckpt._storage.location import Location, kvstore
 
 # 1. overwrite never deletes foreign files -----------------------------------------------------
 
@@ -188,7 +188,7 @@ _LIMITED = textwrap.dedent(
     """
     import resource, sys
     import jaxckpt
-    from jaxckpt._cli import main
+    from jaxckpt._cli.main import main
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # far below what is declared
     path, how = sys.argv[1], sys.argv[2]
     try:
@@ -344,7 +344,7 @@ def test_any_mutation_of_a_valid_manifest_loads_or_is_a_manifest_error(tmp_path_
         loaded = Manifest.from_json(json.dumps(m).encode())
     except jaxckpt.ManifestError:
         return
-    from jaxckpt import _tree
+    from jaxckpt._planning import tree as _tree
 
     _tree.unflatten(loaded.tree, {k: e for k, e in loaded.entries.items()})
 

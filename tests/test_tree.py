@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_tree_equal
 
 import jaxckpt
-from jaxckpt import _tree
+from jaxckpt._planning import tree as _tree
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=["name"])

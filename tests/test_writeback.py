@@ -1,4 +1,4 @@
-"""Early write-back (jaxckpt._writeback): every chunk file a local save writes gets its hint,
+"""Early write-back (jaxckpt._storage.writeback): every chunk file a local save writes gets its hint,
 the hint changes no byte on disk, and it never follows a link, raises, or touches object stores."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _pack, _writeback
-from jaxckpt._manifest import ArrayEntry
-from jaxckpt._storage import _spec
+from jaxckpt._format.manifest import ArrayEntry
+from jaxckpt._planning import packing as _pack
+from jaxckpt._storage import writeback as _writeback
+from jaxckpt._storage.writer import array_spec
 
 needs_linux = pytest.mark.skipif(
     _writeback._sync_file_range is None, reason="sync_file_range is Linux-only"
@@ -108,7 +109,7 @@ def test_chunk_files_are_the_files_tensorstore_writes(tmp_path_factory, data):
     entry = ArrayEntry(key="a", shape=shape, dtype="uint8", storage_dtype="uint8", chunks=chunks,
                        path="arrays/a", checksum="crc32c")  # fmt: skip
     store = ts.open(
-        {**_spec({"driver": "file", "path": f"{root}/arrays/a/"}, entry),
+        {**array_spec({"driver": "file", "path": f"{root}/arrays/a/"}, entry),
          "store_data_equal_to_fill_value": True},
         create=True,
     ).result()  # fmt: skip

@@ -1,0 +1,141 @@
+"""``jaxckpt export`` and ``jaxckpt convert``: copy a checkpoint to another format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxckpt._cli.text import Progress, UsageError, human_bytes, plural
+from jaxckpt._errors import CorruptChunkError
+from jaxckpt._format.manifest import ArrayEntry, ValueEntry, dtype_from_name
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._planning import tree as _tree
+from jaxckpt._sources import convert as _convert_mod
+from jaxckpt._sources import detect as _sources
+from jaxckpt._sources import safetensors as _safetensors
+from jaxckpt._storage import location as _location
+
+# safetensors dtype names (the reader's table, inverted); other dtypes are skipped with a message.
+_SAFETENSORS = {v: k for k, v in _safetensors.DTYPES.items()}
+
+
+def run_export(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    kind = out.suffix.lower()
+    if kind not in (".safetensors", ".npz"):
+        raise UsageError(f"{out}: OUT must end in .safetensors or .npz (the format to write).")
+    if out.exists() and not args.force:
+        raise UsageError(f"{out} exists: pass --force to replace it, or choose another name.")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out}: directory {out.parent} does not exist; create it first.")
+    m, reader = _sources.open_source(_location.Location(args.path))
+    keys = _tree.select(list(m.entries), args.keys)
+    arrays, values, skipped = [], {}, []
+    for k in keys:
+        e = m.entries[k]
+        if isinstance(e, ValueEntry):
+            values[k] = e.value
+        elif _exportable(e, kind):
+            arrays.append(e)
+        else:
+            skipped.append(f"{k} ({e.dtype})")
+    if skipped:
+        hint = " (.safetensors holds bfloat16 and float8)" if kind == ".npz" else ""
+        print(f"jaxckpt export: skipped {plural(len(skipped), 'array')} {kind} cannot hold{hint}: "
+              f"{', '.join(skipped)}", file=sys.stderr)  # fmt: skip
+    progress = Progress("export", len(arrays), args.progress, sys.stderr)
+
+    def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:
+        whole = {e.key: ReadItem(e.key, (0,) * len(e.shape), e.shape) for e in arrays}
+        small = [whole[e.key] for e in arrays if e.pack is not None]  # each pack read once
+        packed = {i.key: a for i, a in reader.read(m.entries, small)}
+        for e in arrays:
+            if e.key in packed:
+                progress.step(e.key)
+                yield e, packed.pop(e.key)
+                continue
+            for _, a in reader.read(m.entries, [whole[e.key]]):
+                progress.step(e.key)
+                yield e, a
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if kind == ".npz":
+            _write_npz(tmp, data(), values)
+        else:
+            _write_safetensors(tmp, arrays, data(), values)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        progress.close()
+    print(
+        f"wrote {out}: {plural(len(arrays), 'array')}, {human_bytes(sum(e.nbytes for e in arrays))}"
+    )
+    return 0
+
+
+def _exportable(e: ArrayEntry, kind: str) -> bool:
+    if kind == ".safetensors":
+        return e.dtype in _SAFETENSORS
+    return dtype_from_name(e.dtype).kind in "biufc"  # bfloat16, float8, int4: kind "V"
+
+
+def _write_safetensors(path: Path, arrays: list[ArrayEntry],
+                       data: Iterator[tuple[ArrayEntry, np.ndarray]], values: dict) -> None:  # fmt: skip
+    """safetensors: 8-byte little-endian header length, JSON header, raw little-endian bytes."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for e in arrays:
+        header[e.key] = {"dtype": _SAFETENSORS[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [offset, offset + e.nbytes]}  # fmt: skip
+        offset += e.nbytes
+    meta = {"format": "pt", "jaxckpt": "1"}  # "pt" is what most readers expect to find
+    meta.update({f"value:{k}": json.dumps(v) for k, v in values.items()})
+    header["__metadata__"] = meta
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # align the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for e, a in data:
+            a = np.ascontiguousarray(a)
+            if a.dtype.byteorder == ">":
+                a = a.byteswap().view(a.dtype.newbyteorder("<"))
+            if a.nbytes != e.nbytes:
+                raise CorruptChunkError(
+                    f"Key {e.key!r}: read {a.nbytes} bytes, expected {e.nbytes}."
+                )
+            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+
+
+def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values: dict) -> None:
+    """An uncompressed ``.npz`` written one array at a time; load with ``np.load(OUT)``."""
+    with zipfile.ZipFile(path, "w", allowZip64=True) as z:
+        for e, a in data:
+            with z.open(e.key + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asarray(a), allow_pickle=False)
+        for k, v in values.items():
+            if v is None:
+                print(f"jaxckpt export: skipped value {k} (None has no .npz form)", file=sys.stderr)
+                continue
+            with z.open(k + ".npy", "w") as f:
+                np.lib.format.write_array(f, np.asarray(v), allow_pickle=False)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    m = _convert_mod.convert_checkpoint(args.src, args.dst, overwrite=args.overwrite, stream=sys.stderr,
+                              progress=True if args.progress else None,
+                              max_chunk_bytes=args.max_chunk_bytes)  # fmt: skip
+    arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
+    print(f"wrote {args.dst}: {plural(len(arrays), 'array')}, "
+          f"{plural(len(m.entries) - len(arrays), 'value')}, "
+          f"{human_bytes(sum(e.nbytes for e in arrays))} (from {m.created.get('converted_from')})")  # fmt: skip
+    return 0

@@ -1,0 +1,110 @@
+"""``jaxckpt inspect`` and ``jaxckpt ls``: what a checkpoint, or a directory of them, holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator
+
+from jaxckpt._api import metadata
+from jaxckpt._cli.text import UsageError, human_bytes, plural
+from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
+from jaxckpt._planning import tree as _tree
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import location as _location
+
+
+def _entry_json(e: ArrayEntry | ValueEntry) -> dict:
+    if isinstance(e, ValueEntry):
+        return {"key": e.key, "kind": "value", "value": e.value}
+    return {"key": e.key, "kind": "array", "shape": list(e.shape), "dtype": e.dtype,
+            "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "grid": list(e.grid),
+            "nbytes": e.nbytes, "path": e.path, "checksum": e.checksum,
+            "prng_impl": e.prng_impl, "sharding": e.sharding,
+            **({"offset": e.offset} if e.pack else {})}  # fmt: skip
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    m = metadata(args.path)
+    arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
+    total = sum(e.nbytes for e in arrays)
+    if args.json:
+        doc = {"path": args.path, "version": m.version, "created": m.created,
+               "arrays": len(arrays), "values": len(m.entries) - len(arrays), "nbytes": total,
+               "entries": [_entry_json(e) for e in m.entries.values()]}  # fmt: skip
+        print(json.dumps(doc, indent=1))
+        return 0
+    n_values = len(m.entries) - len(arrays)
+    print(f"{args.path}: {plural(len(arrays), 'array')} ({human_bytes(total)}), "
+          f"{plural(n_values, 'value')}, format v{m.version}")  # fmt: skip
+    rows = list(_tree_rows(m))
+    width = max((len(r[0]) for r in rows), default=0)
+    for name, cols in rows:
+        print(f"{name:<{width}}  {cols}".rstrip() if cols else name)
+    return 0
+
+
+def _tree_rows(m: Manifest) -> Iterator[tuple[str, str]]:
+    """(indented name, description) for each directory and entry, in saved order."""
+    shown: tuple[str, ...] = ()
+    for key, e in m.entries.items():
+        parts = key.split(_tree.SEP) if key else ["<root>"]
+        parents = tuple(parts[:-1])
+        common = 0
+        while common < min(len(shown), len(parents)) and shown[common] == parents[common]:
+            common += 1
+        for depth in range(common, len(parents)):
+            yield "  " * depth + parents[depth] + "/", ""
+        shown = parents
+        yield "  " * len(parents) + parts[-1], _describe(e)
+
+
+def _describe(e: ArrayEntry | ValueEntry) -> str:
+    if isinstance(e, ValueEntry):
+        return f"= {e.value!r}"
+    shape = ",".join(map(str, e.shape))
+    grid = "x".join(map(str, e.grid)) or "1"
+    chunk = ",".join(map(str, e.chunks))
+    dtype = f"key<{e.prng_impl}>:{e.dtype}" if e.prng_impl else e.dtype
+    where = f"packed in {e.path} at {e.offset}" if e.pack else f"chunks {grid} of [{chunk}]"
+    cols = [f"{dtype}[{shape}]", where, human_bytes(e.nbytes)]
+    if e.sharding:  # drop what is the same for nearly every array
+        cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))
+    return "  ".join(cols)
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    loc = _location.Location(args.path)
+    if _location.exists(loc):
+        raise UsageError(f"{args.path} is itself a checkpoint, not a directory of them: "
+                         f"`jaxckpt inspect {args.path}` shows what it holds.")  # fmt: skip
+    found = [(n, ok) for n, ok in _catalog.children(loc) if args.all or not n.startswith(".")]
+    rows = []
+    for name, committed in found:
+        child = loc.join(name)
+        rows.append({"name": name, "committed": committed, "nbytes": _size(child, committed)})
+    if args.json:
+        print(json.dumps({"path": args.path, "entries": rows}, indent=1))
+        return 0
+    if not rows:
+        print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)
+        return 0
+    width = max(4, *(len(r["name"]) for r in rows))
+    print(f"{'NAME':<{width}}  {'STATUS':<10}  SIZE")
+    for r in rows:
+        status = "committed" if r["committed"] else "incomplete"
+        size = "?" if r["nbytes"] is None else human_bytes(r["nbytes"])
+        print(f"{r['name']:<{width}}  {status:<10}  {size}")
+    return 0
+
+
+def _size(loc: _location.Location, committed: bool) -> int | None:
+    """Bytes on disk (local), or the arrays' bytes from the manifest (object stores)."""
+    if loc.local is not None:
+        return sum(f.stat().st_size for f in loc.local.rglob("*") if f.is_file())
+    if not committed:
+        return None
+    m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
+    return sum(e.nbytes for e in m.entries.values() if isinstance(e, ArrayEntry))

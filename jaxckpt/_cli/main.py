@@ -1,0 +1,117 @@
+"""The ``jaxckpt`` command line: inspect, verify, ls and export checkpoints.
+
+A thin layer over :func:`jaxckpt.metadata` and storage reading; it never touches a device.
+Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exporting),
+2 a usage error or a path that holds no checkpoint (one line on stderr, no traceback)::
+
+    jaxckpt inspect PATH [--json]          keys, shapes, dtypes, chunk grids, bytes
+    jaxckpt verify PATH                    read every chunk, check every checksum
+    jaxckpt ls DIR [--all] [--json]        the checkpoints (steps) in a directory
+    jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
+    jaxckpt convert SRC DST                Orbax / safetensors / jaxckpt -> a jaxckpt checkpoint
+
+PATH and SRC may also be an Orbax checkpoint or safetensors weights (see docs/migration.md).
+
+This module is the parser and the dispatch; the commands live in ``_cli_inspect`` (inspect,
+ls), ``_cli_verify`` (verify) and ``_cli_export`` (export, convert), their shared output
+helpers in ``_cli_text``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxckpt._cli.export import run_convert, run_export
+from jaxckpt._cli.inspect import run_inspect, run_ls
+from jaxckpt._cli.text import UsageError, one_line
+from jaxckpt._cli.verify import run_verify
+from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxckpt, tempfile
+      >>> d = tempfile.mkdtemp() + "/c"
+      >>> jaxckpt.save(d, {"w": jnp.zeros((4, 2))})
+      >>> from jaxckpt._cli.main import main
+      >>> main(["verify", d])  # doctest: +ELLIPSIS
+      OK: ...
+      0
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or argparse's own usage error (already printed)
+        return int(e.code or 0)
+    try:
+        return args.run(args)
+    except (UsageError, CheckpointError, OSError) as e:
+        code = 1 if isinstance(e, (CorruptChunkError, ManifestError)) else 2
+        print(f"jaxckpt {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print(f"jaxckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxckpt",
+        description="Inspect, verify, list and export jaxckpt checkpoints. PATH may be a local "
+        "directory or a file://, memory://, s3:// or gs:// URL.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("inspect", help="keys, shapes, dtypes, chunk grids and bytes")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("--json", action="store_true", help="print the listing as JSON")
+    c.set_defaults(run=run_inspect)
+    c = sub.add_parser("verify", help="read every chunk and check its checksum")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr")
+    c.set_defaults(run=run_verify)
+    c = sub.add_parser("ls", help="the checkpoints (e.g. steps) in a directory")
+    c.add_argument("path", metavar="DIR")
+    c.add_argument("--all", action="store_true", help="include hidden (temporary) directories")
+    c.add_argument("--json", action="store_true", help="print the listing as JSON")
+    c.set_defaults(run=run_ls)
+    c = sub.add_parser("export", help="copy arrays to OUT.safetensors or OUT.npz on this host")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("out", metavar="OUT", type=Path)
+    c.add_argument("--keys", nargs="+", metavar="KEY", help="only these keys or key prefixes")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr")
+    c.set_defaults(run=run_export)
+    c = sub.add_parser("convert", help="write an Orbax / safetensors / jaxckpt source as jaxckpt")
+    c.add_argument("src", metavar="SRC")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr from the start")
+    c.add_argument("--max-chunk-bytes", type=_positive_bytes, metavar="N",
+                   help="largest chunk written (default 64 MiB; smaller for restores on many hosts)")  # fmt: skip
+    c.set_defaults(run=run_convert)
+    return p
+
+
+def _positive_bytes(text: str) -> int:
+    """A byte count on the command line: a positive integer (argparse reports the rest)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive number of bytes (e.g. 8388608)"
+        )
+    return n
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+
+
+__all__ = ["main"]

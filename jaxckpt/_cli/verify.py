@@ -1,0 +1,145 @@
+"""``jaxckpt verify``: read every chunk, check every checksum, name what is damaged."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import math
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import tensorstore as ts
+
+from jaxckpt._cli.text import Progress, human_bytes, one_line, plural
+from jaxckpt._errors import CorruptChunkError
+from jaxckpt._format.manifest import ArrayEntry
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._sources import detect as _sources
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import packs as _pack
+from jaxckpt._storage import reader as _reader
+from jaxckpt._storage import writer as _storage
+
+_VERIFY_THREADS = 8
+
+
+def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
+    if 0 in e.shape:  # a zero-size array has no chunks
+        return
+    grid = [-(-s // c) for s, c in zip(e.shape, e.chunks)]
+    for idx in _reader.grid_indices(grid):  # lazily: a declared grid may be huge
+        offsets = tuple(i * c for i, c in zip(idx, e.chunks))
+        sizes = tuple(min(c, s - o) for o, s, c in zip(offsets, e.shape, e.chunks))
+        yield idx, ReadItem(e.key, offsets, sizes)
+
+
+_VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array is summarised
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    loc = _location.Location(args.path)
+    m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
+    foreign = reader.kind != "jaxckpt"  # no checksums: every byte is read
+    arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
+    stored = _pack.storage_entries(m)  # what has files: unpacked arrays and packs
+    members: dict[str, list[str]] = {}  # pack key -> the keys packed in it
+    for e in arrays:
+        if e.pack is not None:
+            members.setdefault(e.pack.key, []).append(e.key)
+    missing: dict[str, str] = {}  # found by listing, before any read: also bounds the jobs
+    for e in [] if foreign else stored.values():
+        try:
+            reader.check_chunks(e, slack=_VERIFY_SLACK)
+        except CorruptChunkError as err:
+            missing[e.key] = one_line(err)
+    checked = [e for e in stored.values() if e.key not in missing]
+    n_jobs = sum(math.prod(-(-s // c) for s, c in zip(e.shape, e.chunks)) for e in checked)
+    jobs = ((e, idx, item) for e in checked for idx, item in _chunk_items(e))  # lazily
+    progress = Progress("verify", n_jobs, args.progress, sys.stderr)
+
+    def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
+        try:
+            for _ in reader.read(stored, [job[2]]):
+                pass
+        except CorruptChunkError as err:
+            msg = one_line(err)
+            return next((w for w in ("fails its checksum", "is missing") if w in msg), msg)
+        return None
+
+    damaged: dict[str, list[str]] = {}
+    bad_chunks = 0
+    for key, msg in missing.items():
+        print(f"DAMAGED {_who(stored[key], members)}: {msg}")
+        for k in members.get(key, [key]):
+            damaged[k] = ["missing chunks"]
+        bad_chunks += 1
+    with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
+        files = [] if foreign else list(stored.values())
+        for e, problem in zip(files, pool.map(lambda e: _zarr_json_problem(loc, e), files)):
+            if problem is not None:
+                print(f"DAMAGED {_who(e, members)} metadata at {e.path}/zarr.json: {problem}")
+                for k in members.get(e.key, [e.key]):
+                    damaged.setdefault(k, []).append("zarr.json")
+        for (e, idx, _), problem in _bounded_map(pool, check, jobs):
+            progress.step(e.key)
+            if problem is not None:
+                chunk = ",".join(map(str, idx))
+                where = e.path if foreign else f"{e.path}/" + "/".join(["c", *map(str, idx)])
+                print(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
+                for k in members.get(e.key, [e.key]):
+                    damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
+                bad_chunks += 1
+    progress.close()
+    nbytes = sum(e.nbytes for e in arrays)
+    if not damaged:
+        print(f"OK: {args.path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
+              f"{human_bytes(nbytes)} read, " + (f"every chunk readable ({reader.kind} "
+              f"stores no checksums)" if foreign else "every checksum matches"))  # fmt: skip
+        return 0
+    bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
+                    for k, v in damaged.items())  # fmt: skip
+    print(f"DAMAGED: {args.path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
+          f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
+          f"earlier checkpoint, or restore the undamaged keys with "
+          f"jaxckpt.restore(..., keys=[...]).")  # fmt: skip
+    return 1
+
+
+def _bounded_map(pool: concurrent.futures.Executor, fn: Any, jobs: Iterator) -> Iterator[tuple]:
+    """``(job, fn(job))`` in order, with at most a few jobs per thread queued (Executor.map
+    would submit every job at once: a hostile grid of 2**30 chunks must not become 2**30
+    futures)."""
+    pending: collections.deque = collections.deque()
+    for job in jobs:
+        pending.append((job, pool.submit(fn, job)))
+        if len(pending) >= 4 * _VERIFY_THREADS:
+            job, fut = pending.popleft()
+            yield job, fut.result()
+    for job, fut in pending:
+        yield job, fut.result()
+
+
+def _who(e: ArrayEntry, members: dict[str, list[str]]) -> str:
+    keys = members.get(e.key)
+    if keys is None:
+        return e.key
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return f"{', '.join(keys[:5])}{more} (packed in {e.path})"
+
+
+def _zarr_json_problem(loc: _location.Location, e: ArrayEntry) -> str | None:
+    """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
+    try:
+        ts.open(
+            _storage.array_spec(loc.child(e.path), e), open=True, context=_location.CONTEXT
+        ).result()
+    except ValueError as err:
+        msg = str(err)
+        if "NOT_FOUND" in msg:
+            return "is missing"
+        for tail in (" [tensorstore_spec=", " [source locations=", " [http_"):
+            msg = msg.split(tail, 1)[0]
+        return f"does not match the manifest ({' '.join(msg.split())})"
+    return None

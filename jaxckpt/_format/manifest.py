@@ -1,0 +1,401 @@
+"""The manifest: what a checkpoint holds, as frozen dataclasses and versioned JSON.
+
+``manifest.json`` is written last and is the commit point of a checkpoint; its exact layout is
+specified in ``docs/format.md``. Reading one never runs code: it is parsed as JSON, every field
+is type-checked, and storage paths are confined to the checkpoint's own ``arrays/`` folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from jaxckpt._errors import ManifestError
+from jaxckpt._format.names import is_storage_path
+
+FORMAT = "jaxckpt"
+VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
+VERSIONS = (1, 2)  # the versions this jaxckpt reads
+MANIFEST = "manifest.json"
+
+# zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
+_NATIVE = {
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
+    "int4", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
+    "float8_e5m2fnuz",
+}  # fmt: skip
+# Logical dtypes stored bit-exactly as an unsigned integer view of the same width.
+_CARRIED = {
+    "uint4",
+    "uint2",
+    "int2",
+    "float4_e2m1fn",
+    "float8_e8m0fnu",
+    "float8_e3m4",
+    "float8_e4m3",
+}
+_MAX_NDIM = 64
+_MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
+
+
+@functools.cache
+def dtype_from_name(name: str) -> np.dtype:
+    """The numpy dtype for a manifest dtype name, refusing anything not on the list."""
+    if name not in _NATIVE and name not in _CARRIED:
+        raise ManifestError(f"dtype {name!r} is not one jaxckpt reads")
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def storage_dtype_name(dtype: np.dtype) -> str:
+    """The dtype the bytes are stored as: the dtype itself, or an unsigned carrier."""
+    name = np.dtype(dtype).name
+    if name in _NATIVE:
+        return name
+    if name in _CARRIED:
+        return f"uint{8 * np.dtype(dtype).itemsize}"
+    raise ValueError(name)
+
+
+def is_supported_dtype(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype).name in _NATIVE | _CARRIED
+    except TypeError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayEntry:
+    """One saved array: a zarr v3 array under ``path`` with a regular chunk grid.
+
+    ``dtype`` is the logical dtype; ``storage_dtype`` what the zarr array holds (they differ
+    only for carried dtypes). ``prng_impl`` is set for PRNG key arrays, whose key data is
+    stored (its trailing dimensions are part of ``shape``). ``sharding`` describes the source
+    layout for humans; restores never depend on it.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    storage_dtype: str
+    chunks: tuple[int, ...]
+    path: str
+    checksum: str = "crc32c"
+    prng_impl: str | None = None
+    sharding: str | None = None
+    # Packed (version 2): the array's elements are pack[offset : offset + size] of a shared 1-D
+    # pack array at ``path``, in C order; ``chunks`` is then the array's shape (one "chunk").
+    pack: PackEntry | None = None
+    offset: int = 0
+    # Not stored: True for sources whose reads of part of a chunk fetch only that part
+    # (safetensors' entries, a subclass), so a shared restore may split any dimension.
+    partial_reads: ClassVar[bool] = False
+
+    @property
+    def size(self) -> int:
+        """Elements of the array."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole array in its logical dtype."""
+        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each dimension."""
+        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunks))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackEntry:
+    """A 1-D zarr v3 array holding the flattened bytes of several small arrays (version 2).
+
+    Its members are the ``ArrayEntry``s whose ``pack`` is this entry; it is one chunk, or a few.
+    """
+
+    path: str
+    size: int
+    storage_dtype: str
+    chunks: int
+    checksum: str = "crc32c"
+
+    @property
+    def key(self) -> str:
+        """The name storage knows this pack by (never a key path of the tree)."""
+        return f"<pack {self.path}>"
+
+    def as_array(self) -> ArrayEntry:
+        """The pack as a plain 1-D array entry, which storage writes and reads like any other."""
+        return ArrayEntry(key=self.key, shape=(self.size,), dtype=self.storage_dtype,
+                          storage_dtype=self.storage_dtype, chunks=(self.chunks,), path=self.path,
+                          checksum=self.checksum)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueEntry:
+    """A Python scalar, string or ``None`` stored inline in the manifest."""
+
+    key: str
+    value: int | float | bool | str | None
+
+
+Entry = ArrayEntry | ValueEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Everything about a checkpoint except the array bytes."""
+
+    tree: dict
+    entries: dict[str, Entry]
+    created: dict = dataclasses.field(default_factory=dict)
+    version: int = VERSION
+    packs: dict[str, PackEntry] = dataclasses.field(default_factory=dict)  # by path
+
+    def to_json(self) -> bytes:
+        """``manifest.json``'s bytes: one line per top-level field and per entry."""
+        # One line per top-level field and per entry: readable with `less`, diffable, and
+        # encoded by json's C encoder (indent= would switch to the ~10x slower Python one).
+        dump = functools.partial(json.dumps, allow_nan=False)
+        head = {
+            "format": FORMAT,
+            "version": self.version,
+            "created": self.created,
+            "tree": self.tree,
+        }
+        if self.packs:
+            head["packs"] = {p: _pack_to_json(e) for p, e in self.packs.items()}
+        lines = [f" {dump(k)}: {dump(v)}," for k, v in head.items()]
+        entries = ",\n".join(
+            f"  {dump(k)}: {dump(_entry_to_json(e))}" for k, e in self.entries.items()
+        )
+        return ("{\n" + "\n".join(lines) + '\n "entries": {\n' + entries + "\n }\n}\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str = MANIFEST) -> Manifest:
+        """Parse and validate ``manifest.json``; nothing in it can run code or escape."""
+        try:
+            doc = json.loads(data)
+        except RecursionError:  # nested deeper than the decoder allows: never a real tree
+            raise ManifestError(
+                f"{where}: nested too deeply to be a jaxckpt manifest. The checkpoint is "
+                f"damaged or was not written by jaxckpt: restore an earlier one, or re-save."
+            ) from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(
+                f"{where} is not valid JSON ({e}). The checkpoint is damaged: restore an "
+                f"earlier one, or re-save."
+            ) from e
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ManifestError(f'{where} is not a jaxckpt manifest (no "format": "{FORMAT}").')
+        version = doc.get("version")
+        if type(version) is not int or version not in VERSIONS:
+            raise ManifestError(
+                f"{where} has format version {version!r}; this jaxckpt reads version "
+                f"{' or '.join(map(str, VERSIONS))}. Upgrade jaxckpt to read newer checkpoints."
+            )
+        raw = doc.get("entries")
+        if not isinstance(raw, dict):
+            raise ManifestError(f'{where}: "entries" must be an object.')
+        packs = _packs_from_json(doc.get("packs", {}) if version >= 2 else {}, where)
+        entries = {k: _entry_from_json(k, v, where, packs) for k, v in raw.items()}
+        paths = [e.path for e in entries.values() if isinstance(e, ArrayEntry) and not e.pack]
+        paths += packs
+        if len(set(paths)) != len(paths):
+            raise ManifestError(f"{where}: two keys share one storage path.")
+        tree = doc.get("tree")
+        _check_tree(tree, entries, where)
+        created = doc.get("created") if isinstance(doc.get("created"), dict) else {}
+        raise_if_bad_packs(entries, packs, where)
+        return cls(tree=tree, entries=entries, created=created, version=version, packs=packs)
+
+
+def _entry_to_json(e: Entry) -> dict:
+    if isinstance(e, ValueEntry):
+        v = e.value
+        if isinstance(v, float):  # repr round-trips exactly and spells nan/inf
+            return {"kind": "value", "type": "float", "value": repr(v)}
+        kind = "none" if v is None else type(v).__name__
+        return {"kind": "value", "type": kind, "value": v}
+    d = {"kind": "array", "shape": list(e.shape), "dtype": e.dtype,
+         "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "path": e.path,
+         "checksum": e.checksum}  # fmt: skip
+    if e.pack is not None:
+        d["offset"] = e.offset
+    if e.prng_impl:
+        d["prng_impl"] = e.prng_impl
+    if e.sharding:
+        d["sharding"] = e.sharding
+    return d
+
+
+def _bad(where: str, key: str, what: str) -> ManifestError:
+    return ManifestError(
+        f"{where}: entry {key!r} {what}. The manifest is damaged or was not written by "
+        f"jaxckpt; nothing was read."
+    )
+
+
+def _ints(x: Any) -> bool:
+    return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
+
+
+def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) -> Entry:
+    if not isinstance(d, dict):
+        raise _bad(where, key, "is not an object")
+    if d.get("kind") == "value":
+        return ValueEntry(key, _value_from_json(key, d, where))
+    if d.get("kind") != "array":
+        raise _bad(where, key, f"has unknown kind {d.get('kind')!r}")
+    shape, chunks, path = d.get("shape"), d.get("chunks"), d.get("path")
+    if not _ints(shape) or len(shape) > _MAX_NDIM:
+        raise _bad(where, key, f"has an invalid shape {shape!r}")
+    if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
+        raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
+    if not is_storage_path(path):
+        raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
+    dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
+    try:
+        logical = dtype_from_name(dtype)
+        dtype_from_name(sdtype)
+    except (ManifestError, TypeError):
+        raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}") from None
+    if sdtype != storage_dtype_name(logical):
+        raise _bad(
+            where, key, f"stores {dtype} as {sdtype}, expected {storage_dtype_name(logical)}"
+        )
+    if math.prod(shape) * logical.itemsize > _MAX_BYTES:
+        raise _bad(where, key, f"claims an absurd size {shape!r}")
+    if d.get("checksum", "crc32c") not in ("crc32c", "none"):
+        raise _bad(where, key, f"has unknown checksum {d.get('checksum')!r}")
+    impl = d.get("prng_impl")
+    if impl is not None and not (isinstance(impl, str) and re.fullmatch(r"[a-z0-9_]+", impl)):
+        raise _bad(where, key, f"has an invalid prng_impl {impl!r}")
+    sharding = d.get("sharding")
+    pack, offset = None, d.get("offset")
+    if offset is not None:  # packed: path names a pack, which holds [offset, offset + size)
+        pack = packs.get(path)
+        if type(offset) is not int or offset < 0 or pack is None:
+            raise _bad(where, key, f"has offset {offset!r} into {path!r}, which is not a pack")
+        if pack.storage_dtype != sdtype:
+            raise _bad(where, key, f"is {sdtype} but its pack {path} holds {pack.storage_dtype}")
+        if offset + math.prod(shape) > pack.size:
+            raise _bad(where, key, f"lies at [{offset}, {offset + math.prod(shape)}) outside its "
+                       f"pack {path} of {pack.size} elements")  # fmt: skip
+    return ArrayEntry(key=key, shape=tuple(shape), dtype=dtype, storage_dtype=sdtype,
+                      chunks=tuple(chunks), path=path, checksum=d.get("checksum", "crc32c"),
+                      prng_impl=impl, sharding=sharding if isinstance(sharding, str) else None,
+                      pack=pack, offset=offset or 0)  # fmt: skip
+
+
+def _pack_to_json(p: PackEntry) -> dict:
+    return {"shape": [p.size], "storage_dtype": p.storage_dtype, "chunks": [p.chunks],
+            "checksum": p.checksum}  # fmt: skip
+
+
+def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
+    if not isinstance(raw, dict):
+        raise ManifestError(f'{where}: "packs" must be an object.')
+    packs = {}
+    for path, d in raw.items():
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: pack {path!r} is not an object.")
+        shape, chunks, sdtype = d.get("shape"), d.get("chunks"), d.get("storage_dtype")
+        what = None
+        if not is_storage_path(path):
+            what = "has a storage path outside the checkpoint's arrays/"
+        elif not _ints(shape) or len(shape) != 1 or not _ints(chunks) or len(chunks) != 1:
+            what = f"has an invalid shape {shape!r} or chunk shape {chunks!r} (1-D expected)"
+        elif chunks[0] < 1 or not isinstance(sdtype, str) or sdtype not in _NATIVE:
+            what = f"has an invalid chunk size {chunks!r} or data type {sdtype!r}"
+        elif shape[0] * dtype_from_name(sdtype).itemsize > _MAX_BYTES:
+            what = f"claims an absurd size {shape!r}"
+        elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
+            what = f"has unknown checksum {d.get('checksum')!r}"
+        if what:
+            raise ManifestError(
+                f"{where}: pack {path!r} {what}. The manifest is damaged or was not written by "
+                f"jaxckpt; nothing was read."
+            )
+        packs[path] = PackEntry(path, shape[0], sdtype, chunks[0], d.get("checksum", "crc32c"))
+    return packs
+
+
+def pack_problems(entries: dict[str, Entry], packs: dict[str, PackEntry]) -> list[str]:
+    """Members outside their pack or overlapping another member, in O(n log n)."""
+    members: dict[str, list[tuple[int, int, str]]] = {}
+    for e in entries.values():
+        if isinstance(e, ArrayEntry) and e.pack is not None and e.size:
+            members.setdefault(e.path, []).append((e.offset, e.offset + e.size, e.key))
+    errors = []
+    for path, spans in members.items():
+        pack = packs.get(path)
+        if pack is None or pack != entries[spans[0][2]].pack:
+            errors.append(f"key {spans[0][2]!r} names pack {path!r}, which the manifest lacks")
+            continue
+        spans.sort()
+        if max(s[1] for s in spans) > pack.size:
+            errors.append(f"a member of pack {path!r} lies outside its {pack.size} elements")
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                errors.append(f"keys {a!r} and {b!r} overlap in pack {path!r}")
+                break
+    return errors
+
+
+def raise_if_bad_packs(entries: dict[str, Entry], packs: dict[str, PackEntry], where: str) -> None:
+    errors = pack_problems(entries, packs)
+    if errors:
+        raise ManifestError(
+            f"{where}: {'; '.join(errors[:5])}. The manifest is damaged or was not written by "
+            f"jaxckpt; nothing was read."
+        )
+
+
+def _value_from_json(key: str, d: dict, where: str) -> Any:
+    kind, v = d.get("type"), d.get("value")
+    if kind == "none":
+        return None
+    if kind == "float" and isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    if isinstance(kind, str) and (kind, type(v).__name__) in {("int", "int"), ("bool", "bool"),
+                                                                ("str", "str")}:  # fmt: skip
+        return v
+    raise _bad(where, key, f"has an invalid value of type {kind!r}")
+
+
+_MAX_DEPTH = 400  # tree nesting; _check_tree and unflatten recurse once per level
+
+
+def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
+    if depth > _MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
+        raise ManifestError(f"{where}: the tree structure is malformed.")
+    kind = node.get("type")
+    if kind == "leaf":
+        if not isinstance(node.get("key"), str) or node.get("key") not in entries:
+            raise ManifestError(f"{where}: the tree names key {node.get('key')!r} with no entry.")
+        return
+    if kind not in ("dict", "list", "tuple", "namedtuple", "node"):
+        raise ManifestError(f"{where}: unknown tree node type {kind!r}.")
+    kids = node.get("children")
+    keys = node.get("keys", [])
+    if not isinstance(kids, list) or not isinstance(keys, list):
+        raise ManifestError(f"{where}: the tree structure is malformed.")
+    if not all(type(k) in (str, int) for k in keys):  # dict keys: what JSON and a tree allow
+        bad = next(k for k in keys if type(k) not in (str, int))
+        raise ManifestError(f"{where}: a {kind} node has key {bad!r}; keys must be str or int.")
+    if kind != "list" and kind != "tuple" and len(keys) != len(kids):
+        raise ManifestError(f"{where}: a {kind} node has {len(keys)} keys, {len(kids)} children.")
+    for child in kids:
+        _check_tree(child, entries, where, depth + 1)

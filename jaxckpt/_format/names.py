@@ -1,0 +1,105 @@
+"""Names jaxckpt makes on storage: the arrays' storage paths and the hidden staging siblings.
+
+One rule per kind of name, used by every side that makes or checks one:
+
+* **storage paths** ``arrays/NAME``: the save side makes them with :func:`storage_name`, the
+  restore side accepts them with :func:`is_storage_path`. A generated NAME is ASCII letters,
+  digits, ``_``, ``.`` and ``-`` only (so no Unicode normalisation can change it), at most
+  :data:`MAX_NAME` bytes (far below the 255-byte file name limit), unique ignoring case (safe
+  on case-insensitive file systems), and a pure function of the key paths in tree order (every
+  process of a multi-host save, and the plan cache, compute the same names).
+* **staging names** ``.NAME.tmp-TAG``: the hidden sibling a local save writes into, and a
+  delete renames into; long NAMEs are shortened and hashed so the name always fits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import string
+
+ARRAYS = "arrays"
+SEP = "/"  # joins the parts of a key path: "params/w"
+TMP = ".tmp-"  # marks a save's (or a delete's) hidden sibling: .NAME.tmp-XXXXXXXX
+MAX_NAME = 200  # bytes of a generated storage name, de-duplication suffix included
+FILE_NAME_BYTES = 255  # the usual limit on one file name (ext4, xfs, btrfs, APFS, NTFS)
+SUFFIX_ROOM = len("-deleted")  # what may be appended to a staging name (e.g. "-old")
+LOCK_SUFFIX = ".__lock"  # tensorstore's file driver reserves names ending in this
+
+_SAFE = frozenset(string.ascii_letters + string.digits + "_.-")
+_STEM = 180  # characters kept of a key before its hash: 180 + "-" + 8 + "-NNNNNNN" < MAX_NAME
+# arrays/NAME, or gXXXXXXXX/arrays/NAME for a generation written by an object-store overwrite.
+# Everything jaxckpt ever wrote matches, so old checkpoints keep reading.
+_PATH_RE = re.compile(r"^(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+
+
+def storage_name(key: str, taken: set[str]) -> str:
+    """The storage path under ``arrays/`` for the array at ``key``; records it in ``taken``.
+
+    A key whose parts are already safe keeps its spelling (``"params/w"`` ->
+    ``arrays/params.w``). Any other key is spelled safely and gets 8 hex digits of its hash,
+    so that distinct keys rarely need the de-duplication suffix (``-1``, ``-2``, ... in tree
+    order), which resolves every remaining clash, also clashes that differ only in case.
+
+    Args:
+      key: the key path (``"/"``-joined).
+      taken: the lower-cased names already given in this checkpoint; updated.
+
+    Returns:
+      ``"arrays/NAME"``, which :func:`is_storage_path` accepts.
+
+    Example:
+      >>> taken = set()
+      >>> storage_name("params/w", taken), storage_name("Params/W", taken)
+      ('arrays/params.w', 'arrays/Params.W-1')
+      >>> storage_name("ünï©ødé", taken)
+      'arrays/_n___d_-cd219d66'
+    """
+    plain = key.replace("/", ".")
+    safe = "".join(c if c in _SAFE else "_" for c in plain)
+    safe = re.sub(r"\.{2,}", ".", safe).lstrip(".-").rstrip(".")
+    if not safe or safe != plain or len(safe) > _STEM or safe.endswith(LOCK_SUFFIX):
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        safe = f"{safe[:_STEM].rstrip('.') or '_'}-{digest}"
+    base = name = f"{ARRAYS}/{safe}"
+    n = 1
+    while name.lower() in taken:
+        name, n = f"{base}-{n}", n + 1
+    taken.add(name.lower())
+    return name
+
+
+def is_storage_path(path: object) -> bool:
+    """Whether a manifest's storage ``path`` is one jaxckpt writes: inside ``arrays/``.
+
+    Example:
+      >>> is_storage_path("arrays/params.w"), is_storage_path("arrays/../../etc")
+      (True, False)
+    """
+    return isinstance(path, str) and bool(_PATH_RE.match(path)) and ".." not in path
+
+
+def staging_name(name: str, tag: str) -> str:
+    """The hidden sibling ``.NAME.tmp-TAG`` of ``name``, short enough for any legal name.
+
+    It leaves :data:`SUFFIX_ROOM` bytes free under the 255-byte limit for a suffix such as
+    ``-old``; a longer NAME is cut (at a character boundary) and followed by ``~`` and 8 hex
+    digits of its hash. Both forms contain ``.tmp-``, the mark of jaxckpt's temporaries.
+
+    Example:
+      >>> staging_name("ckpt", "0a1b2c3d")
+      '.ckpt.tmp-0a1b2c3d'
+      >>> len(staging_name("x" * 255, "0a1b2c3d"))
+      247
+    """
+    plain = f".{name}{TMP}{tag}"
+    limit = FILE_NAME_BYTES - SUFFIX_ROOM
+    if len(os.fsencode(plain)) <= limit:
+        return plain
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+    room = limit - len(os.fsencode(f".~{digest}{TMP}{tag}"))
+    short = name
+    while len(os.fsencode(short)) > room:
+        short = short[:-1]
+    return f".{short}~{digest}{TMP}{tag}"

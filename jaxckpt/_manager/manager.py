@@ -1,0 +1,395 @@
+"""CheckpointManager: a directory of numbered checkpoints, saved in the background.
+
+Layout (every step is a plain checkpoint: ``jaxckpt.restore(DIR + "/00000100")`` reads it)::
+
+    DIR/
+      00000100/                  step 100: manifest.json + arrays/
+      00000200/
+      .00000300.tmp-1a2b3c4d/    a save in progress, or one a crash interrupted
+      metrics.json               {"format": 1, "steps": {"100": {"loss": 0.31}, ...}}
+
+Step directories are zero-padded to 8 digits, so ``ls`` lists them in order.
+
+Crash safety, on top of the commit protocol of ``save`` (a step appears, whole, when its
+directory is renamed into place):
+
+* ``latest_step()``/``all_steps()`` list only directories with a manifest; temporaries are
+  hidden (``.NAME.tmp-XXXX``) and removed when a manager is created on the directory.
+* retention deletes a step by renaming it to a hidden temporary first, so an interrupted
+  delete leaves no half-deleted step, and it never deletes the newest committed step; it runs
+  after a save commits and before the next save starts, so it never races a save.
+* metrics are JSON, written after the step commits (a crash in between leaves the step
+  without metrics, which best-N retention ranks last).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from jaxckpt._api import SaveHandle, restore, save_async
+from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from jaxckpt._format import names as _names
+from jaxckpt._format.manifest import MANIFEST
+from jaxckpt._manager.retention import METRICS, MetricsFile, json_metrics, steps_to_delete
+from jaxckpt._planning.load_planner import LoadPlanner
+from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import pools
+from jaxckpt._runtime import staging as _staging
+from jaxckpt._runtime.preemption import PreemptionWatcher
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import location as _location
+
+logger = logging.getLogger("jaxckpt")
+DIGITS = 8
+_STEP = re.compile(r"[0-9]+")
+_LEFTOVER = re.compile(r"\.([0-9]+)" + re.escape(_names.TMP) + r"[0-9a-f]+(-old|-[a-z]+)?")
+_METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
+
+
+class CheckpointManager:
+    """Saves a training run's state every few steps into ``directory``, keeps the best or the
+    newest few, and restores the latest.
+
+    Saves are asynchronous by default: ``save()`` returns once the state is copied to host
+    memory, and the write and commit run in the background. At most one save is in flight;
+    the next ``save()`` first waits for the previous one to commit (and re-raises its error).
+
+    Args:
+      directory: where the steps go (a local directory, created if missing, or a URL).
+      max_to_keep: keep this many steps (the newest, or the best with ``best_fn``);
+        ``None`` keeps all. The newest committed step is never deleted, so with ``best_fn``
+        it is kept on top of the best ones when it is not among them.
+      keep_every_n_steps: also keep, forever, every step that is a multiple of this.
+      save_interval_steps: ``save()`` saves only steps that are multiples of this (unless
+        ``force=True``, or at a preemption).
+      async_save: write in the background (default); ``False`` makes ``save()`` block until
+        the step is committed.
+      best_fn: ``metrics -> float``; with it, ``max_to_keep`` keeps the best steps instead of
+        the newest. Steps saved without metrics rank last.
+      best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
+      save_on_preemption: on SIGTERM (or JAX's multi-host preemption notice), the next
+        ``save()`` saves its step whatever the interval and waits for the commit;
+        ``reached_preemption(step)`` then tells the loop to stop.
+
+    Raises:
+      ValueError: an argument is out of range.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxckpt, tempfile
+      >>> with jaxckpt.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as mgr:
+      ...     for step in range(5):
+      ...         _ = mgr.save(step, {"w": jnp.full(3, step)}, metrics={"loss": 1 / (step + 1)})
+      ...     mgr.wait()
+      ...     mgr.all_steps(), mgr.restore()["w"].tolist()
+      ([3, 4], [4, 4, 4])
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
+                 keep_every_n_steps: int | None = None, save_interval_steps: int = 1,
+                 async_save: bool = True, best_fn: Callable[[Mapping[str, Any]], float] | None = None,
+                 best_mode: Literal["min", "max"] = "min",
+                 save_on_preemption: bool = False) -> None:  # fmt: skip
+        for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps),
+                            ("save_interval_steps", save_interval_steps)):  # fmt: skip
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        self.directory = os.fspath(directory)
+        self.max_to_keep = max_to_keep
+        self.keep_every_n_steps = keep_every_n_steps
+        self.save_interval_steps = save_interval_steps
+        self.async_save = async_save
+        self.best_fn = best_fn
+        self.best_mode = best_mode
+        self.last_save: SaveHandle | None = None
+        self._loc = _location.Location(self.directory)
+        self._metrics = MetricsFile(self._loc)
+        self._primary = _distributed.process_index() == 0
+        self._pending: Future | None = None  # the commit of the save in flight
+        self._error: BaseException | None = None
+        self._closed = False
+        if self._loc.local is not None:
+            self._loc.local.mkdir(parents=True, exist_ok=True)
+        if self._primary:
+            self._clean_up()
+        self._watcher = PreemptionWatcher() if save_on_preemption else None
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None,
+             force: bool = False) -> bool:  # fmt: skip
+        """Save ``tree`` as ``step`` if the step is due; call it at every step.
+
+        Args:
+          step: the training step (a non-negative int), the name of the checkpoint.
+          tree: the state, as for :func:`jaxckpt.save`. Its buffers may be donated or
+            overwritten as soon as this returns.
+          metrics: JSON-able numbers for this step (e.g. ``{"loss": 0.3}``, jax/numpy scalars
+            allowed), stored in ``metrics.json`` and used by ``best_fn``.
+          force: save even if ``step`` is not a multiple of ``save_interval_steps``.
+
+        Returns:
+          Whether a save was started (it is committed when ``wait()`` returns).
+
+        Raises:
+          CheckpointExistsError: ``step`` is already saved in the directory.
+          UnsupportedLeafError: a metric is not a JSON-able number or string.
+          CheckpointError: the previous save failed (its error, raised once), or the manager
+            is closed.
+        """
+        self._check_open()
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step}")
+        preempted = self.reached_preemption(step)
+        if not (force or preempted or step % self.save_interval_steps == 0):
+            return False
+        record = json_metrics(step, metrics)
+        if self.best_fn is not None and record is not None:
+            float(self.best_fn(record))  # fail here, not in the background, if it cannot rank
+        self.wait()
+        loc = self._loc.join(_name(step))
+        if _location.exists(loc):
+            raise CheckpointExistsError(
+                f"Step {step} is already saved in {self.directory} ({loc}). Save a later step, "
+                f"or restore it (CheckpointManager.restore({step})) and go on from there."
+            )
+        handle = save_async(str(loc), tree)
+        self.last_save = handle
+        if preempted:
+            logger.warning("preemption: saving step %d to %s before exiting", step, loc)
+        if self.async_save and not preempted:
+            # On the save threads: at exit Python waits for it, so the last step is committed.
+            self._pending = pools.in_background(self._finish, step, handle, record)
+        else:
+            self._finish(step, handle, record)
+            self.wait()
+        return True
+
+    def _finish(self, step: int, handle: SaveHandle, record: dict[str, Any] | None) -> None:
+        """After the commit: log, write metrics and apply retention (the primary process)."""
+        try:
+            handle.wait()
+        except BaseException as e:  # re-raised by the next save() or wait()
+            self._error = self._explain(step, handle, e)
+            return
+        t = handle.timings
+        logger.info("step %d committed: %.1f MB, %.2f GB/s (plan %.3f s, stage %.3f s, write "
+                    "%.3f s, commit %.3f s)", step, handle.nbytes / 1e6, handle.gbps,
+                    t.get("plan", 0), t.get("stage", 0), t.get("write", 0), t.get("commit", 0))  # fmt: skip
+        if not self._primary:
+            return
+        try:
+            metrics = self._metrics.read()
+            if record is not None:
+                metrics[str(step)] = record
+            self._apply_retention(metrics, changed=record is not None)
+        except Exception:  # the step is committed; a failed cleanup must not stop training
+            logger.warning("retention after step %d in %s failed", step, self.directory,
+                           exc_info=True)  # fmt: skip
+
+    def _explain(self, step: int, handle: SaveHandle, e: BaseException) -> BaseException:
+        # Specific errors (exists, distributed, ...) pass as they are; plain failures get the
+        # step and the state of the directory.
+        specific = isinstance(e, CheckpointError) and type(e) is not CheckpointError
+        if specific or not isinstance(e, Exception):
+            return e
+        try:
+            latest: int | str | None = self.latest_step()
+        except Exception:  # the directory itself may be what failed
+            latest = "unknown"
+        where = f"the steps already in {self.directory} are intact (latest: {latest})"
+        if type(e) is CheckpointError:  # storage's own error already says what and why
+            err = CheckpointError(f"Saving step {step} failed. {e} For this manager: {where}.")
+        else:
+            full = any(w in str(e) for w in ("No space left", "File too large", "quota exceeded"))
+            hint = (
+                "The disk is full: free space or keep fewer steps (max_to_keep). " if full else ""
+            )
+            err = CheckpointError(
+                f"Saving step {step} to {handle.path} failed: {type(e).__name__}: {e}. {hint}"
+                f"Nothing of step {step} was committed; {where}. Fix the cause and call save() "
+                f"again."
+            )
+        err.__cause__ = e
+        return err
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed and old steps are deleted.
+
+        Raises:
+          CheckpointError: the save failed; raised once, the next ``save()`` goes ahead.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption notice asks to save at ``step`` and stop (``save_on_preemption``).
+
+        Args:
+          step: the current training step; every process must ask at every step.
+
+        Returns:
+          ``False`` unless ``save_on_preemption=True`` and a notice has arrived (multi-host:
+          once every host has reached the step JAX agreed on).
+        """
+        return self._watcher is not None and self._watcher.reached(step)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The committed steps, in ascending order (saves in flight are not listed yet)."""
+        return sorted(int(n) for n, ok in _catalog.children(self._loc) if ok and _STEP.fullmatch(n))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` if there is none."""
+        return max(self.all_steps(), default=None)
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with ``step`` (``None`` if none were)."""
+        return self._metrics.read().get(str(step))
+
+    def restore(self, step: int | None = None, target: Any = None, *, keys: Any = None,
+                strict: bool = True, planner: LoadPlanner | None = None) -> Any:  # fmt: skip
+        """Restore ``step`` (default: the latest committed one); waits for a save in flight.
+
+        Args:
+          step: the step to restore; ``None`` for the latest.
+          target, keys, strict, planner: as for :func:`jaxckpt.restore`.
+
+        Returns:
+          The restored tree.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not ``step``) in the directory.
+        """
+        if self._pending is not None:
+            self._pending.result()  # its error, if any, is raised by the next save() or wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"No committed step in {self.directory}: nothing to restore. Start from a "
+                    f"fresh state (check latest_step() is None first), or point at the right "
+                    f"directory."
+                )
+        elif not _location.exists(self._loc.join(_name(step))):
+            raise CheckpointNotFoundError(
+                f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
+                f"Pick one of those (or None for the latest)."
+            )
+        return restore(str(self._loc.join(_name(step))), target, keys=keys, strict=strict,
+                       planner=planner)  # fmt: skip
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release signal handlers and staging memory.
+
+        Raises:
+          CheckpointError: the last save failed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._watcher is not None:
+                self._watcher.close()
+            _staging.POOL.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # do not hide the error already on its way out
+            logger.error("while closing %s after an error", self.directory, exc_info=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(
+                f"The CheckpointManager of {self.directory} is closed; create a new one to save."
+            )
+
+    # -- housekeeping (primary process only) ----------------------------------------------------
+
+    def _apply_retention(self, metrics: dict[str, Any], *, changed: bool) -> None:
+        """Write ``metrics`` (without the steps about to go) once, then delete those steps.
+
+        Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
+        rank last and go at the next save; never a kept step without its metrics.
+        """
+        steps = self.all_steps()
+        doomed = steps_to_delete(steps, max_to_keep=self.max_to_keep,
+                                 keep_every_n_steps=self.keep_every_n_steps,
+                                 score=None if self.best_fn is None else
+                                 lambda s: self._score(metrics.get(str(s))))  # fmt: skip
+        gone = {str(s) for s in doomed} & set(metrics)
+        if gone or changed:
+            self._metrics.write({k: v for k, v in metrics.items() if k not in gone})
+        for step in doomed:
+            _catalog.delete(self._loc.join(_name(step)))
+            logger.info("deleted step %d from %s (retention)", step, self.directory)
+
+    def _score(self, record: Mapping[str, Any] | None) -> float | None:
+        if record is None or self.best_fn is None:
+            return None
+        try:
+            value = float(self.best_fn(record))
+        except Exception:
+            return None
+        return None if math.isnan(value) else (-value if self.best_mode == "min" else value)
+
+    def _clean_up(self) -> None:
+        """Remove what interrupted saves and deletes left behind."""
+        if self._loc.local is None:
+            for name, committed in _catalog.children(self._loc):
+                if _STEP.fullmatch(name) and not committed:
+                    try:
+                        _catalog.delete(self._loc.join(name))
+                    except CheckpointError as e:  # holds objects jaxckpt did not write: keep
+                        logger.warning("not cleaning up %s: %s", self._loc.join(name), e)
+            return
+        root: Path = self._loc.local
+        for p in root.iterdir():
+            m = _LEFTOVER.fullmatch(p.name)
+            if (
+                m
+                and m.group(2) == "-old"
+                and (p / MANIFEST).is_file()
+                and not (root / m[1]).exists()
+            ):
+                os.rename(p, root / m[1])  # a crash inside an overwrite: put the old step back
+            elif m:
+                shutil.rmtree(p, ignore_errors=True)
+            elif _METRICS_TMP.fullmatch(p.name):
+                p.unlink(missing_ok=True)
+            else:
+                continue
+            logger.info("cleaned up %s (left by an interrupted save or delete)", p)
+
+
+def _name(step: int) -> str:
+    return f"{step:0{DIGITS}d}"

@@ -1,0 +1,116 @@
+"""Which steps a CheckpointManager keeps, and the metrics it ranks them by (JSON, never pickle).
+
+The policy is a free function, :func:`steps_to_delete`, so it can be read and tested alone.
+Metrics live in one small file, ``DIR/metrics.json``::
+
+    {"format": 1, "steps": {"100": {"loss": 0.31}, "200": {"loss": 0.27}}}
+
+written whole (a temporary file renamed over it) by the primary process after each commit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxckpt._errors import UnsupportedLeafError
+from jaxckpt._storage import location as _location
+
+logger = logging.getLogger("jaxckpt")
+METRICS = "metrics.json"
+
+
+def steps_to_delete(steps: list[int], *, max_to_keep: int | None,
+                    keep_every_n_steps: int | None = None,
+                    score: Callable[[int], float | None] | None = None) -> list[int]:  # fmt: skip
+    """The steps retention deletes: all but the newest (or best) ``max_to_keep``.
+
+    Args:
+      steps: the committed steps.
+      max_to_keep: how many to keep (``None``: all), not counting the multiples of
+        ``keep_every_n_steps``, which are all kept.
+      score: ``step -> float | None``, higher is better; ``None`` ranks last. Without it the
+        newest steps are kept. The newest step is kept whatever its score.
+
+    Returns:
+      The steps to delete, ascending.
+
+    Example:
+      >>> steps_to_delete([1, 2, 3, 4, 5], max_to_keep=1, keep_every_n_steps=2)
+      [1, 3]
+    """
+    if max_to_keep is None or not steps:
+        return []
+    forever = {s for s in steps if keep_every_n_steps and s % keep_every_n_steps == 0}
+    candidates = sorted(s for s in steps if s not in forever)
+    if score is not None:
+        scores = {s: score(s) for s in candidates}
+        candidates.sort(key=lambda s: (scores[s] is not None, scores[s] or 0.0, s))
+    keep = set(candidates[-max_to_keep:]) | {max(steps)}
+    return sorted(s for s in candidates if s not in keep)
+
+
+def json_metrics(step: int, metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``metrics`` as plain JSON values (jax/numpy scalars become Python numbers).
+
+    Raises:
+      UnsupportedLeafError: a key is not a string or a value not a scalar; names the metric.
+    """
+    if metrics is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if hasattr(value, "shape") and np.ndim(value) == 0 and hasattr(value, "item"):
+            value = value.item()  # a jax or numpy scalar
+        if not isinstance(key, str) or not (
+            value is None or isinstance(value, (bool, int, float, str))
+        ):
+            raise UnsupportedLeafError(
+                f"Metric {key!r} of step {step} is a {type(value).__name__}; metrics are stored "
+                f"as JSON, so each must be a str key with a number, string, bool or None value "
+                f"(e.g. float(loss))."
+            )
+        out[key] = value
+    return out
+
+
+class MetricsFile:
+    """``metrics.json`` of a checkpoint directory: ``{step: {name: value}}``."""
+
+    def __init__(self, loc: _location.Location) -> None:
+        self.loc = loc
+
+    def read(self) -> dict[str, Any]:
+        """Every step's metrics, keyed by the step as a string; ``{}`` if none are stored."""
+        if self.loc.local is not None:
+            path = self.loc.local / METRICS
+            raw = path.read_bytes() if path.is_file() else None
+        else:
+            got = _location.kvstore(self.loc.kvstore).read(METRICS).result()
+            raw = got.value if got.state == "value" else None
+        if raw is None:
+            return {}
+        try:
+            steps = json.loads(raw)["steps"]
+        except (ValueError, KeyError, TypeError):
+            steps = None
+        if not isinstance(steps, dict):
+            logger.warning("%s/%s is not a jaxckpt metrics file; ignoring it", self.loc, METRICS)
+            return {}
+        return steps
+
+    def write(self, steps: Mapping[str, Any]) -> None:
+        """Replace the file with ``steps`` (atomically on a local disk)."""
+        raw = json.dumps({"format": 1, "steps": dict(steps)}, indent=1, sort_keys=True).encode()
+        if self.loc.local is None:
+            _location.kvstore(self.loc.kvstore).write(METRICS, raw).result()
+            return
+        tmp = self.loc.local / f".{METRICS}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.write_bytes(raw)
+        os.replace(tmp, self.loc.local / METRICS)

@@ -1,0 +1,214 @@
+"""Pytrees <-> flat ``{key path: leaf}`` dicts, and the JSON structure that maps back.
+
+The seed's ``flatten_state_dict`` adapted to JAX: a key path is the pytree path of a leaf
+written as ``"/"``-joined parts (``"opt_state/0/mu/dense/kernel"``). ``None`` counts as a leaf
+here (JAX drops it), so a saved ``None`` comes back as ``None``.
+
+The structure is a small JSON document (no pickle, no class names that get imported) that
+rebuilds dicts, lists and tuples without a target. NamedTuples and other registered nodes
+(flax/equinox modules, dataclasses) come back as dicts of their fields without a target; pass a
+``target`` to get the original classes back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from jaxckpt._errors import KeyMismatchError, UnsupportedLeafError
+from jaxckpt._format.names import SEP
+
+
+def _entry_str(entry: Any) -> str:
+    tu = jax.tree_util
+    if isinstance(entry, tu.DictKey):
+        return str(entry.key)
+    if isinstance(entry, tu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, tu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, tu.FlattenedIndexKey):
+        return str(entry.key)
+    return str(entry)
+
+
+def path_to_key(path: tuple[Any, ...]) -> str:
+    """The key path string of a ``jax.tree_util`` path (``""`` for a bare leaf)."""
+    return SEP.join(_entry_str(e) for e in path)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def flatten_with_treedef(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """Flatten ``tree`` (``None`` kept as a leaf) into key paths, leaves and the treedef."""
+    try:
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    except (TypeError, ValueError) as e:  # JAX sorts dict keys: mixed int/str cannot sort
+        where = _unsortable(tree, "")
+        if where is None:
+            raise
+        raise UnsupportedLeafError(
+            f"The dict at {where or '(the root)'!r} has keys JAX cannot sort "
+            f"({sorted(map(repr, _dict_at(tree, where)))[:5]}, {e}). Use keys of one type "
+            f"(e.g. all str: {{str(k): v ...}})."
+        ) from e
+    keys = _keys_for(treedef, with_path)
+    return keys, [leaf for _, leaf in with_path], treedef
+
+
+def _unsortable(node: Any, path: str) -> str | None:
+    """The key path of the first dict (through dicts, lists, tuples) whose keys cannot sort."""
+    if isinstance(node, dict):
+        try:
+            sorted(node)
+        except TypeError:
+            return path
+        children = list(node.items())
+    elif isinstance(node, (list, tuple)):
+        children = list(enumerate(node))
+    else:
+        return None
+    for k, v in children:
+        found = _unsortable(v, f"{path}{SEP}{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _dict_at(tree: Any, path: str) -> Any:
+    node = tree
+    for part in path.split(SEP) if path else []:
+        node = node[int(part)] if isinstance(node, (list, tuple)) else _child(node, part)
+    return node
+
+
+def _child(d: dict, name: str) -> Any:
+    return next(v for k, v in d.items() if str(k) == name)
+
+
+def _keys_for(treedef: Any, with_path: list) -> list[str]:
+    try:
+        return list(_cached_keys(treedef, tuple(p for p, _ in with_path)))
+    except TypeError:  # a custom node whose aux data is unhashable: compute without cache
+        return _compute_keys([p for p, _ in with_path])
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_keys(treedef: Any, paths: tuple) -> tuple[str, ...]:
+    del treedef  # part of the cache key only
+    return tuple(_compute_keys(list(paths)))
+
+
+def _compute_keys(paths: list) -> list[str]:
+    keys = [path_to_key(p) for p in paths]
+    if len(set(keys)) != len(keys):
+        seen: dict[str, int] = {}
+        for k in keys:
+            seen[k] = seen.get(k, 0) + 1
+        dup = sorted(k for k, n in seen.items() if n > 1)
+        raise UnsupportedLeafError(
+            f"Two leaves map to the same key path {dup[:5]!r}: a dict key contains '{SEP}' "
+            f"or two nodes name their children alike. Rename the keys so each leaf's path "
+            f"is unique."
+        )
+    return keys
+
+
+def structure(tree: Any) -> dict:
+    """The JSON structure of ``tree``, with leaves as ``{"type": "leaf", "key": ...}``."""
+    return _node(tree, ())
+
+
+def _json_key(key: Any) -> Any:
+    return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
+
+
+def _node(x: Any, path: tuple) -> dict:
+    if x is None:
+        return {"type": "leaf", "key": path_to_key(path)}
+    children, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if jax.tree_util.treedef_is_leaf(treedef) and children and children[0][1] is x:
+        return {"type": "leaf", "key": path_to_key(path)}
+    kids = [_node(child, path + p) for p, child in children]
+    if isinstance(x, dict):
+        keys = [_json_key(p[0].key) for p, _ in children]
+        return {"type": "dict", "keys": keys, "children": kids}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        fields = [p[0].name for p, _ in children]
+        return {"type": "namedtuple", "name": type(x).__name__, "keys": fields, "children": kids}
+    if isinstance(x, list):
+        return {"type": "list", "children": kids}
+    if isinstance(x, tuple):
+        return {"type": "tuple", "children": kids}
+    keys = [_entry_str(p[0]) for p, _ in children]
+    return {"type": "node", "name": type(x).__qualname__, "keys": keys, "children": kids}
+
+
+def unflatten(node: dict, values: dict[str, Any]) -> Any:
+    """Rebuild a tree from its JSON structure, taking leaves from ``values``.
+
+    Leaves whose key is not in ``values`` are dropped; a container that loses children becomes
+    a dict of the children that remain (keyed as in the key path), and one that loses all of
+    them is dropped. ``MISSING`` is returned for a dropped subtree.
+    """
+    kind = node["type"]
+    if kind == "leaf":
+        return values.get(node["key"], MISSING)
+    kids = [unflatten(c, values) for c in node["children"]]
+    keys = node.get("keys") or [str(i) for i in range(len(kids))]
+    kept = [(k, v) for k, v in zip(keys, kids) if v is not MISSING]
+    if not kept and kids:
+        return MISSING
+    if len(kept) < len(kids) or kind in ("namedtuple", "node"):
+        return {k if kind == "dict" else str(k): v for k, v in kept}
+    if kind == "dict":
+        return dict(kept)
+    if kind == "list":
+        return [v for _, v in kept]
+    return tuple(v for _, v in kept)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()
+
+
+def select(keys: list[str], wanted: list[str] | None) -> list[str]:
+    """The keys matching ``wanted`` (exact key paths or ``/``-prefixes); all if ``None``.
+
+    Raises:
+        KeyMismatchError: a requested key or prefix matches nothing.
+    """
+    if wanted is None:
+        return list(keys)
+    if isinstance(wanted, str):
+        wanted = [wanted]
+    hit = {w: [k for k in keys if _matches(k, w)] for w in wanted}
+    unmatched = [w for w, ks in hit.items() if not ks]
+    if unmatched:
+        raise KeyMismatchError(
+            f"keys={unmatched!r} match no key in the checkpoint. Saved keys start with: "
+            f"{sorted({k.split(SEP)[0] for k in keys})[:10]!r}. Use `jaxckpt inspect PATH` to "
+            f"list them."
+        )
+    chosen = {k for ks in hit.values() for k in ks}
+    return [k for k in keys if k in chosen]
+
+
+def matches(key: str, wanted: str | list[str]) -> bool:
+    """Whether ``key`` is one of ``wanted`` (key paths or ``/``-prefixes)."""
+    if isinstance(wanted, str):
+        wanted = [wanted]
+    return any(_matches(key, w) for w in wanted)
+
+
+def _matches(key: str, wanted: str) -> bool:
+    prefix = wanted.rstrip(SEP)
+    return key == wanted or not prefix or key.startswith(prefix + SEP)

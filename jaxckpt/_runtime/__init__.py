@@ -1,0 +1,9 @@
+"""Processes, threads and host memory.
+
+Owns the distributed agreement of a save (``distributed``: barriers, deadlines, failure
+broadcast), preemption notices (``preemption``), the host staging arena of async saves
+(``staging``), placement of host boxes onto devices (``placement``) and the library's thread
+pools (``pools``, the one place threads are made).
+
+May import: jax, numpy, ``jaxckpt._errors``. Nothing above it.
+"""

@@ -1,0 +1,64 @@
+"""The library's thread pools: the one place jaxckpt makes threads.
+
+Each pool is made on first use, under one lock, and lives as long as the process: an idle
+thread is reused instead of started per call. ``ThreadPoolExecutor`` threads are not daemons:
+at interpreter exit Python runs what is queued and joins them, so a program that ends right
+after ``save_async`` still commits (see :func:`in_background` for a save started even later).
+
+Imports neither jax nor tensorstore, so storage may use it (tests/test_structure.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+SAVE_THREADS = 32
+READ_THREADS = max(4, min(64, os.cpu_count() or 4))  # tensorstore's file I/O default
+WRITEBACK_THREADS = 2  # each call only queues I/O, it does not wait for it
+STAGE_THREADS = max(2, min(8, os.cpu_count() or 2))  # numpy copies release the GIL
+_lock = threading.Lock()
+_pools: dict[str, ThreadPoolExecutor] = {}
+
+
+def _get(name: str, threads: int) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(threads, name)
+    return pool
+
+
+def save_pool() -> ThreadPoolExecutor:
+    """Background saves (``save_async``, the manager's finishing step). Starting a thread per
+    save would make ``save_async`` wait until the new thread runs, while the device copies keep
+    the cores busy."""
+    return _get("jaxckpt-save", SAVE_THREADS)
+
+
+def read_pool() -> ThreadPoolExecutor:
+    """Chunk files read in place (``jaxckpt._storage.chunkfile``)."""
+    return _get("jaxckpt-read", READ_THREADS)
+
+
+def writeback_pool() -> ThreadPoolExecutor:
+    """Early write-back of written chunk files (``jaxckpt._storage.writeback``)."""
+    return _get("jaxckpt-writeback", WRITEBACK_THREADS)
+
+
+def stage_pool() -> ThreadPoolExecutor:
+    """The threads that copy staged items (and dispatch device copies, see
+    ``DefaultSavePlanner.detach``)."""
+    return _get("jaxckpt-stage", STAGE_THREADS)
+
+
+def in_background(fn: Any, *args: Any) -> Future | None:
+    """Run ``fn(*args)`` on the save threads; ``None`` once it has run here instead, where the
+    interpreter is exiting (an ``atexit`` hook) and takes no new threads."""
+    try:
+        return save_pool().submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        fn(*args)
+        return None

@@ -1,0 +1,44 @@
+"""What is at a path: a jaxckpt checkpoint, an Orbax checkpoint or safetensors weights.
+
+:func:`open_source` picks the reader by what it finds and returns a :class:`Manifest` plus a
+reader of the ``jaxckpt._storage.reader.Reader`` protocol, so restore's pipeline (plan -> read -> transform
+-> commit -> finish) is the same for every format::
+
+    PATH/manifest.json                      jaxckpt (checked first)
+    PATH/_METADATA                          an Orbax PyTree/Standard item (see _orbax)
+    PATH/_CHECKPOINT_METADATA + one item    an Orbax CheckpointManager step (its only item)
+    PATH.safetensors, PATH/*.safetensors,
+    PATH/model.safetensors.index.json       safetensors weights (see _safetensors)
+"""
+
+from __future__ import annotations
+
+from jaxckpt._errors import CheckpointNotFoundError
+from jaxckpt._format.manifest import MANIFEST, Manifest
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import reader as _reader
+
+
+def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
+    """The manifest and a reader (``read(entries, items)``) for whatever is at ``loc``.
+
+    Raises:
+      CheckpointNotFoundError: nothing jaxckpt reads is there.
+      ManifestError: a foreign checkpoint's metadata is malformed, unsafe or unsupported.
+    """
+    from jaxckpt._sources import orbax as _orbax  # late: each is needed only for its format
+    from jaxckpt._sources import safetensors as _safetensors
+
+    try:
+        raw, stamp = _location.read_stamped(loc)
+    except CheckpointNotFoundError as missing:
+        for module in (_orbax, _safetensors):
+            try:
+                found = module.open_source(loc)
+            except ValueError:  # the store itself cannot be read (e.g. no such bucket)
+                break
+            if found is not None:
+                return found
+        raise missing from None
+    manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
+    return manifest, _reader.CheckpointReader(loc, stamp)

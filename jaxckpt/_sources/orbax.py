@@ -1,0 +1,310 @@
+"""Orbax checkpoints as a read-only source, from Orbax's JSON metadata only.
+
+What orbax-checkpoint (0.12) writes for a PyTree / Standard item::
+
+    ITEM/_METADATA              JSON: per leaf its key path, value type; use_ocdbt, use_zarr3
+    ITEM/_CHECKPOINT_METADATA   JSON: the handler's name, timestamps
+    ITEM/_strings.json          JSON: string leaves, by parameter name
+    ITEM/manifest.ocdbt, d/, ocdbt.process_N/   OCDBT: one key-value database for all arrays
+    ITEM/<param.name>/          without OCDBT: one zarr (v2, ``.zarray``) or zarr3 array each
+    ITEM/_sharding, array_metadatas/            not needed here
+
+A ``CheckpointManager`` step is ``STEP/_CHECKPOINT_METADATA`` naming its items
+(``{"default": ...}`` or ``{"state": ..., "extra": ...}``) and one folder per item. A step
+with exactly one item is read as that item; with several, pass ``STEP/ITEM``.
+
+Each parameter is a zarr array named by its key path joined with ``.`` (``params.w``), read
+through tensorstore (with the ``ocdbt`` kvstore driver when ``use_ocdbt``), so a box read
+touches only the chunks it overlaps. Python scalars (0-d arrays in Orbax) are read when the
+checkpoint is opened and become manifest values, as Orbax restores them. Nothing is
+unpickled and orbax is never imported; anything else (custom handlers or value types) is a
+:class:`ManifestError` naming the item.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._errors import CorruptChunkError, ManifestError
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry, is_supported_dtype
+from jaxckpt._format.names import SEP
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._storage import location as _location
+from jaxckpt._storage.location import read_small
+from jaxckpt._storage.reader import pipelined
+from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
+
+METADATA = "_METADATA"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+STRINGS = "_strings.json"
+_MAX_JSON = 1 << 30
+_MAX_BYTES = 1 << 50
+_ARRAYS = ("jax.Array", "np.ndarray")
+_EMPTY = {"Dict": "dict", "List": "list", "Tuple": "list", "NamedTuple": "dict"}
+# For the OCDBT database only: without a cache its b-tree nodes would be re-read per array.
+# Arrays open in jaxckpt's own context (no chunk cache).
+_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}}, _location.CONTEXT)
+
+
+def open_source(loc: _location.Location) -> tuple[Manifest, OrbaxReader] | None:
+    """The manifest and reader for an Orbax item or step at ``loc``, or ``None``."""
+    if loc.local is not None and loc.local.is_file():
+        return None
+    kv = _location.kvstore(loc.kvstore)
+    raw = _read_json(kv, loc, METADATA)
+    if raw is not None:
+        return _open_item(loc, kv, raw)
+    step = _read_json(kv, loc, CHECKPOINT_METADATA)
+    if step is None:
+        return None
+    handlers = step.get("item_handlers") if isinstance(step, dict) else None
+    if isinstance(handlers, dict) and len(handlers) == 1:
+        (name, handler), = handlers.items()  # fmt: skip
+        if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
+            item = loc.join(name)
+            raw = _read_json(_location.kvstore(item.kvstore), item, METADATA)
+            if raw is not None:
+                return _open_item(item, _location.kvstore(item.kvstore), raw)
+            raise _unsupported(f"{loc}: item {name!r}", handler)
+    if isinstance(handlers, dict) and len(handlers) > 1:
+        names = sorted(str(n) for n in handlers)
+        raise ManifestError(
+            f"{loc} is an Orbax CheckpointManager step with items {names}: restore one of them "
+            f"by its folder, e.g. jaxckpt.restore('{loc}/{names[0]}')."
+        )
+    raise _unsupported(f"{loc}", handlers)
+
+
+def _unsupported(where: str, handler: Any) -> ManifestError:
+    name = str(handler).rsplit(".", 1)[-1] if handler else "an unknown handler"
+    return ManifestError(
+        f"{where} was written by Orbax's {name}, which jaxckpt does not read (it reads "
+        f"PyTree/Standard items: a folder with {METADATA}). Restore it with orbax-checkpoint, "
+        f"or restore the other items by their folders."
+    )
+
+
+def _read_json(kv: ts.KvStore, loc: _location.Location, name: str) -> Any:
+    raw = read_small(kv, loc, name, _MAX_JSON)
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(
+            f"{loc}/{name} is not valid JSON ({e}). The Orbax checkpoint is damaged: restore "
+            f"another step."
+        ) from e
+
+
+def _bad(loc: _location.Location, what: str) -> ManifestError:
+    return ManifestError(
+        f"{loc}/{METADATA}: {what}. The Orbax metadata is damaged or of a layout jaxckpt does "
+        f"not know; nothing was read. Restore it with orbax-checkpoint, or another step."
+    )
+
+
+def _leaves(loc: _location.Location, doc: Any) -> list[tuple[list[str], list[int], dict]]:
+    meta = doc.get("tree_metadata") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict):
+        raise _bad(loc, 'no "tree_metadata" object')
+    out = []
+    for raw_key, leaf in meta.items():
+        kms = leaf.get("key_metadata") if isinstance(leaf, dict) else None
+        vm = leaf.get("value_metadata") if isinstance(leaf, dict) else None
+        if not isinstance(kms, list) or not kms or not isinstance(vm, dict) or len(kms) > 1000:
+            raise _bad(loc, f"leaf {raw_key!r} has no key_metadata/value_metadata")
+        parts, kinds = [], []
+        for km in kms:
+            k, t = (km.get("key"), km.get("key_type")) if isinstance(km, dict) else (None, None)
+            if not isinstance(k, (str, int)) or isinstance(k, bool) or t not in (1, 2):
+                raise _bad(loc, f"leaf {raw_key!r} has a malformed key entry {km!r}")
+            if t == 1 and not str(k).isdigit():
+                raise _bad(loc, f"leaf {raw_key!r} has sequence index {k!r}")
+            if SEP in str(k) or "\0" in str(k) or str(k) in (".", ".."):
+                raise _bad(loc, f"leaf {raw_key!r} has key {k!r}, which jaxckpt cannot name")
+            parts.append(str(k))
+            kinds.append(t)
+        out.append((parts, kinds, vm))
+    return out
+
+
+def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
+    """jaxckpt's JSON tree from Orbax key paths (key_type 2: dict key, 1: sequence index)."""
+    root: dict = {"kind": "dict", "kids": {}}
+    for parts, kinds, _ in leaves:
+        node = root
+        for i, (part, kind) in enumerate(zip(parts, kinds)):
+            want = "dict" if kind == 2 else "list"
+            if node.get("kind") != want:
+                raise _bad(loc, f"{SEP.join(parts)!r} mixes dict keys and sequence indices")
+            last = i == len(parts) - 1
+            key = SEP.join(parts)
+            child = node["kids"].get(part)
+            if child is None:
+                nxt = kinds[i + 1] if not last else 0
+                child = {"leaf": key} if last and key not in empty else {
+                    "kind": empty.get(key) if last else ("dict" if nxt == 2 else "list"),
+                    "kids": {}}  # fmt: skip
+                node["kids"][part] = child
+            elif last or "leaf" in child:
+                raise _bad(loc, f"{key!r} is both a leaf and a subtree")
+            node = child
+
+    def to_json(n: dict) -> dict:
+        if "leaf" in n:
+            return {"type": "leaf", "key": n["leaf"]}
+        items = list(n["kids"].items())
+        if n["kind"] == "list":
+            items.sort(key=lambda kv: int(kv[0]))
+            return {"type": "list", "children": [to_json(c) for _, c in items]}
+        return {"type": "dict", "keys": [k for k, _ in items],
+                "children": [to_json(c) for _, c in items]}  # fmt: skip
+
+    return to_json(root)
+
+
+def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manifest, OrbaxReader]:
+    leaves = _leaves(loc, doc)
+    ocdbt, zarr3 = bool(doc.get("use_ocdbt")), bool(doc.get("use_zarr3"))
+    fill_ok = doc.get("store_array_data_equal_to_fill_value") is False
+    empty = {SEP.join(p): _EMPTY[vm.get("value_type")] for p, _, vm in leaves
+             if vm.get("value_type") in _EMPTY}  # fmt: skip
+    tree = _tree(loc, leaves, empty)
+    strings: dict | None = None
+    database = None
+    opening: dict[str, tuple[str, str, Any]] = {}  # key -> (param name, value type, future)
+    values: dict[str, Any] = {}
+    for parts, _, vm in leaves:
+        key, name, vtype = SEP.join(parts), ".".join(parts), vm.get("value_type")
+        if key in empty:
+            continue
+        if vtype == "None":
+            values[key] = None
+        elif vtype == "string":
+            strings = _read_json(kv, loc, STRINGS) if strings is None else strings
+            v = strings.get(name) if isinstance(strings, dict) else None
+            if not isinstance(v, str):
+                raise _bad(loc, f"string leaf {key!r} has no string in {STRINGS}")
+            values[key] = v
+        elif vtype in _ARRAYS or vtype == "scalar":
+            spec = {"driver": "zarr3" if zarr3 else "zarr", "fill_missing_data_reads": fill_ok}
+            if ocdbt:  # keys live inside the database: none can name a path outside it
+                database = _database(loc) if database is None else database
+                fut = ts.open(spec, kvstore=database / (name + "/"), open=True, read=True,
+                              context=_location.CONTEXT)  # fmt: skip
+            else:
+                spec["kvstore"] = _kvstore(loc, name)
+                fut = ts.open(spec, open=True, read=True, context=_location.CONTEXT)
+            opening[key] = (name, vtype, fut)
+        else:
+            raise ManifestError(
+                f"{loc}: leaf {key!r} has Orbax value type {vtype!r} (a custom TypeHandler or "
+                f"an aggregate value), which jaxckpt does not read. Restore this item with "
+                f"orbax-checkpoint, or re-save the leaf as an array."
+            )
+    stores: dict[str, Any] = {}
+    entries: dict[str, ArrayEntry | ValueEntry] = {}
+    scalars = {}
+    for key, (name, vtype, fut) in opening.items():
+        store = _opened(loc, key, name, fut)
+        if vtype == "scalar":
+            if store.rank != 0:
+                raise _bad(loc, f"scalar leaf {key!r} is stored with shape {store.shape}")
+            scalars[key] = (name, store.read())
+            continue
+        dtype = store.dtype.numpy_dtype
+        shape = tuple(int(s) for s in store.shape)
+        if math.prod(shape) * dtype.itemsize > _MAX_BYTES:
+            raise _bad(loc, f"array {name} claims an absurd shape {shape}")
+        chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or shape)
+        entries[key] = ArrayEntry(key=key, shape=shape, dtype=dtype.name,
+                                  storage_dtype=dtype.name, chunks=tuple(max(1, c) for c in chunks),
+                                  path=name, checksum="none")  # fmt: skip
+        stores[key] = store
+    for key, (name, fut) in scalars.items():
+        values[key] = _result(loc, key, name, fut).item()
+    order = [SEP.join(p) for p, _, _ in leaves if SEP.join(p) not in empty]
+    for key in order:
+        if key in values:
+            v = values[key]
+            if not isinstance(v, (int, float, bool, str, type(None))):
+                raise _bad(loc, f"leaf {key!r} holds a {type(v).__name__}")
+            entries[key] = ValueEntry(key, v)
+    entries = {k: entries[k] for k in order}
+    created = {"source": "orbax", "use_ocdbt": ocdbt, "use_zarr3": zarr3}
+    return Manifest(tree=tree, entries=entries, created=created), OrbaxReader(loc, stores)
+
+
+def _database(loc: _location.Location) -> ts.KvStore:
+    """The item's OCDBT key-value store, opened once (its b-tree nodes cached, not chunks)."""
+    try:
+        return ts.KvStore.open({"driver": "ocdbt", "base": loc.kvstore}, context=_CONTEXT).result()
+    except ValueError as e:
+        raise CorruptChunkError(
+            f"{loc}: the OCDBT database (manifest.ocdbt) cannot be opened ({e}). The Orbax "
+            f"checkpoint is damaged: restore another step."
+        ) from e
+
+
+def _kvstore(loc: _location.Location, name: str) -> dict:
+    if loc.local is not None:
+        root = os.path.realpath(loc.local)
+        if not os.path.realpath(loc.local / name).startswith(root + os.sep):
+            raise ManifestError(
+                f"{loc}: parameter {name} is a link outside the checkpoint; refusing to read it. "
+                f"Copy the checkpoint without links."
+            )
+    return loc.child(name)
+
+
+def _opened(loc: _location.Location, key: str, name: str, fut: Any) -> Any:
+    try:
+        return fut.result()
+    except ValueError as e:
+        raise CorruptChunkError(
+            f"{loc}: leaf {key!r} (array {name}) cannot be opened ({e}). The Orbax checkpoint "
+            f"is damaged or its array is of a kind jaxckpt does not read: restore another step."
+        ) from e
+
+
+def _result(loc: _location.Location, key: str, name: str, fut: Any) -> np.ndarray:
+    try:
+        return fut.result()
+    except ValueError as e:
+        raise CorruptChunkError(
+            f"{loc}: leaf {key!r} (array {name}): a chunk is missing or cannot be decoded ({e}). "
+            f"The Orbax checkpoint is damaged: restore another step, or the other keys."
+        ) from e
+
+
+class OrbaxReader:
+    """Reads boxes of an Orbax item's arrays through tensorstore (zarr, zarr3, OCDBT)."""
+
+    kind = "orbax"
+
+    def __init__(self, loc: _location.Location, stores: dict[str, Any]) -> None:
+        self.loc, self.stores = loc, stores
+        if any(not is_supported_dtype(s.dtype.numpy_dtype) for s in stores.values()):
+            bad = next(k for k, s in stores.items() if not is_supported_dtype(s.dtype.numpy_dtype))
+            raise ManifestError(f"{loc}: leaf {bad!r} has a dtype jaxckpt does not read.")
+
+    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
+             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+        """Yield ``(item, data)`` for each item; tensorstore reads the chunks its box overlaps."""
+        return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
+
+    def _start(self, item: ReadItem) -> Callable[[], np.ndarray]:
+        store = self.stores[item.key]
+        if item.sizes != tuple(store.shape):
+            store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+        fut = store.read()
+        name = item.key.replace(SEP, ".")  # Orbax's parameter name
+        return lambda: _result(self.loc, item.key, name, fut)

@@ -1,0 +1,239 @@
+"""Where checkpoints live: local paths and tensorstore kvstore URLs, and the manifest's bytes.
+
+``Location`` turns what a user passes as ``path`` (a local path, ``file://``, ``memory://``,
+``s3://``, ``gs://``) into a tensorstore kvstore spec; one tensorstore context serves the
+process, so ``memory://`` checkpoints live as long as it does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from jaxckpt._format.manifest import MANIFEST
+from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
+
+# One context for the process: memory:// stores live in it, and no chunk cache is kept.
+# Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs
+# the staging dir's file system once before writing the manifest.
+CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
+
+
+class Location:
+    """Where a checkpoint lives: a local directory or a tensorstore kvstore URL."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        text = os.fspath(path)
+        self.url = text
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+            _check_file_url(self.url, text)
+        if "://" in text:
+            self.local: Path | None = None
+            self.kvstore = _kvstore_for_url(text)
+        else:
+            self.local = _local_path(self.url, text)
+            self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
+
+    def __str__(self) -> str:
+        return self.url
+
+    def child(self, name: str) -> dict:
+        """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
+        return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
+
+    def join(self, name: str) -> Location:
+        """The location ``name`` below this one (e.g. a step of a checkpoint directory)."""
+        if self.local is not None:
+            return Location(self.local / name)
+        return Location(self.url.rstrip("/") + "/" + name)
+
+
+def _path_error(url: str, what: str, fix: str) -> CheckpointError:
+    return CheckpointError(
+        f"Checkpoint path {url!r} {what}, which tensorstore's file driver reads differently "
+        f"from Python (its data would go elsewhere than its manifest). {fix}"
+    )
+
+
+def _check_file_url(url: str, text: str) -> None:
+    # tensorstore decodes a file:// URL (%XX escapes, no ?/# parts); jaxckpt takes it literally.
+    bad = [c for c in "%?#" if c in text]
+    if bad:
+        raise _path_error(url, f"contains {bad[0]!r} in a file:// URL",
+                          "Pass the plain local path instead of a file:// URL.")  # fmt: skip
+    if text and not text.startswith("/"):
+        raise CheckpointError(
+            f"{url!r} is not an absolute file:// URL: write file:///ABSOLUTE/PATH or a plain path."
+        )
+
+
+def _local_path(url: str, text: str) -> Path:
+    """The absolute path, refusing what tensorstore's file driver would read differently."""
+    for c, name in (("\\", "a backslash (tensorstore reads it as '/')"), ("\0", "a NUL byte")):
+        if c in text:
+            raise _path_error(url, f"contains {name}", "Rename it without that character.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _path_error(url, "is not valid UTF-8", "Rename it to a UTF-8 name.") from None
+    path = Path(text).absolute()
+    if ".." in path.parts:  # resolved as the kernel would (tensorstore refuses '..' outright)
+        keep = path.name != ".."
+        path = Path(os.path.realpath(path.parent if keep else path)) / (path.name if keep else "")
+    for part in path.parts:
+        if part.endswith(LOCK_SUFFIX):
+            raise _path_error(url, f"has a part ending in {LOCK_SUFFIX!r} (reserved by tensorstore)",
+                              "Choose another name.")  # fmt: skip
+        if len(os.fsencode(part)) > FILE_NAME_BYTES:
+            raise CheckpointError(
+                f"Checkpoint path {url!r} has a part of {len(os.fsencode(part))} bytes; file "
+                f"names are limited to {FILE_NAME_BYTES} bytes. Choose a shorter name."
+            )
+    return path
+
+
+def _kvstore_for_url(url: str) -> dict:
+    scheme, rest = url.split("://", 1)
+    if scheme == "memory":
+        rest = rest.strip("/")
+        return {"driver": "memory", "path": rest + "/" if rest else ""}
+    if scheme in ("gs", "s3"):
+        bucket, _, prefix = rest.rstrip("/").partition("/")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}", bucket):
+            raise CheckpointError(
+                f"{url!r} names no valid bucket ({bucket!r}): write {scheme}://BUCKET/PREFIX with "
+                f"a bucket name of 3 or more letters, digits, '.', '-' or '_'."
+            )
+        spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
+                                "path": prefix.strip("/") + "/" if prefix else ""}  # fmt: skip
+        if scheme == "s3":
+            spec.update(_s3_options())
+        return spec
+    raise CheckpointError(
+        f"Unsupported path scheme {scheme!r} in {url!r}: use a local path, file://, memory://, "
+        f"gs:// or s3://."
+    )
+
+
+def _s3_options() -> dict:
+    """Endpoint, region and credentials for ``s3://`` from the standard AWS variables.
+
+    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` select an S3-compatible server (MinIO,
+    moto, ...; addressed path-style, ``ENDPOINT/BUCKET/KEY``); ``AWS_REGION`` or
+    ``AWS_DEFAULT_REGION`` the region (otherwise tensorstore asks the bucket). With
+    ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` set, those keys (and
+    ``AWS_SESSION_TOKEN``) are used; otherwise tensorstore's default chain (profile, instance
+    metadata).
+    """
+    env = os.environ
+    opts: dict[str, Any] = {}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["endpoint"] = endpoint.rstrip("/")
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        opts["aws_region"] = region
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        opts["aws_credentials"] = {"type": "environment"}
+    return opts
+
+
+def kvstore(spec: dict) -> ts.KvStore:
+    return ts.KvStore.open(spec, context=CONTEXT).result()
+
+
+def read_manifest(loc: Location) -> bytes:
+    """The bytes of ``manifest.json``, or :class:`CheckpointNotFoundError`."""
+    return read_stamped(loc)[0]
+
+
+# What identifies one committed manifest: (device, inode, size, mtime, ctime) of a local file,
+# the object store's generation elsewhere. A save never brings back an older generation, so
+# a stamp unchanged after a read means every byte read came from the manifest's generation.
+Stamp = tuple
+
+
+def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
+    """The bytes of ``manifest.json`` and the stamp of the very file they were read from.
+
+    Raises:
+      CheckpointNotFoundError: no manifest at ``loc``.
+      ManifestError: the manifest is a link or not a regular file.
+    """
+    if loc.local is not None:
+        path = loc.local / MANIFEST
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # a link could lead anywhere; a FIFO hangs
+                raise ManifestError(
+                    f"{path} is a link or not a regular file; refusing to read it (it could lead "
+                    f"outside the checkpoint). Copy the checkpoint without links (cp -rL)."
+                )
+            with open(path, "rb", opener=_no_follow) as f:
+                return f.read(), _file_stamp(os.fstat(f.fileno()))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    else:
+        got = kvstore(loc.kvstore).read(MANIFEST).result()
+        if got.state == "value":
+            return got.value, (got.stamp.generation,)
+    raise CheckpointNotFoundError(
+        f"No checkpoint at {loc}: {MANIFEST} is missing. A directory without a manifest is an "
+        f"unfinished or failed save; pick a committed one (e.g. CheckpointManager.latest_step())."
+    )
+
+
+def manifest_changed(loc: Location, stamp: Stamp) -> bool:
+    """Whether ``manifest.json`` at ``loc`` is no longer the one ``stamp`` was taken from."""
+    if loc.local is not None:
+        try:
+            return _file_stamp(os.stat(loc.local / MANIFEST, follow_symlinks=False)) != stamp
+        except OSError:
+            return True
+    got = kvstore(loc.kvstore).read(MANIFEST, if_not_equal=stamp[0]).result()
+    return got.state != "unspecified"  # "unspecified": still the generation of ``stamp``
+
+
+def _file_stamp(st: os.stat_result) -> Stamp:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def exists(loc: Location) -> bool:
+    try:
+        read_manifest(loc)
+        return True
+    except CheckpointNotFoundError:
+        return False
+
+
+def read_small(kv: Any, loc: Location, name: str, limit: int) -> bytes | None:
+    """The bytes of a metadata file ``name`` under ``loc`` (``None`` if absent), at most ``limit``.
+
+    Raises:
+      ManifestError: the file is larger than ``limit`` (treated as damage, never allocated).
+    """
+    size = None
+    if loc.local is not None:
+        try:
+            size = os.stat(loc.local / name).st_size
+        except OSError:
+            return None
+    if size is None or size <= limit:
+        got = kv.read(name).result()
+        data = got.value if got.state == "value" else None
+        if data is None or len(data) <= limit:
+            return data
+    raise ManifestError(
+        f"{loc}/{name} is larger than {limit} bytes, more than any real one: it is damaged or "
+        f"not what its name says. Nothing was read."
+    )

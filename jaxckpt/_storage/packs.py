@@ -1,0 +1,97 @@
+"""Reading packed arrays back (format v2): each needed pack once, sliced into its members.
+
+A pack is a plain 1-D zarr array; its members' manifest entries name it (``pack``) and their
+element ``offset`` in it. ``jaxckpt._planning.packing`` decides the packing on save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxckpt._errors import CorruptChunkError
+from jaxckpt._format.manifest import ArrayEntry, PackEntry, dtype_from_name
+from jaxckpt._format.plan import ReadItem
+
+
+def storage_entries(manifest: Any) -> dict[str, ArrayEntry]:
+    """What storage writes: every unpacked array, and each pack as a 1-D array (by key)."""
+    out = {
+        k: e for k, e in manifest.entries.items() if isinstance(e, ArrayEntry) and e.pack is None
+    }
+    out.update((p.key, p.as_array()) for p in manifest.packs.values())
+    return out
+
+
+def split(entries: dict[str, Any], items: Iterable[ReadItem]) -> tuple[list, list]:
+    """``items`` as (unpacked, packed), each in the given order."""
+    plain, packed = [], []
+    for item in items:
+        (packed if getattr(entries[item.key], "pack", None) is not None else plain).append(item)
+    return plain, packed
+
+
+def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
+         max_inflight_bytes: int) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    """Yield ``(item, data)`` for packed items, reading each needed pack once (the span of it
+    the items need), at most ``max_inflight_bytes`` ahead.
+
+    ``reader`` is a ``jaxckpt._storage.reader.CheckpointReader``: a pack is read as its plain 1-D array.
+    """
+    by_pack: dict[str, list[ReadItem]] = {}
+    for item in items:
+        by_pack.setdefault(entries[item.key].path, []).append(item)
+    pending: list[tuple[int, tuple]] = []
+    inflight = 0
+    for mine in by_pack.values():
+        pack = entries[mine[0].key].pack
+        lo = min(entries[i.key].offset for i in mine)
+        hi = max(entries[i.key].offset + entries[i.key].size for i in mine)
+        try:  # opening lists the pack's chunks first: a missing one is reported here
+            array = pack.as_array()  # read like any array: in place from local files
+            fut = reader._start(array, ReadItem(array.key, (lo,), (hi - lo,))) if hi > lo else None
+        except CorruptChunkError as e:
+            raise _corrupt(reader, pack, [i.key for i in mine], e) from e
+        n = (hi - lo) * dtype_from_name(pack.storage_dtype).itemsize
+        pending.append((n, (pack, mine, lo, fut)))
+        inflight += n
+        while inflight > max_inflight_bytes and len(pending) > 1:
+            n, done = pending.pop(0)
+            inflight -= n
+            yield from _slices(reader, entries, *done)
+    for _, done in pending:
+        yield from _slices(reader, entries, *done)
+
+
+def _slices(reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[ReadItem], lo: int,
+            fut: Any) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    data = np.empty(0, dtype_from_name(pack.storage_dtype))
+    if fut is not None:
+        try:
+            data = fut()
+        except CorruptChunkError as e:
+            raise _corrupt(reader, pack, [i.key for i in items], e) from e
+    for item in items:
+        e = entries[item.key]
+        a = data[e.offset - lo : e.offset - lo + e.size].reshape(e.shape)
+        if item.sizes != e.shape:
+            a = a[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+        if e.storage_dtype != e.dtype:
+            a = a.view(dtype_from_name(e.dtype))
+        yield item, a
+
+
+def _corrupt(reader: Any, pack: PackEntry, keys: list[str], e: Exception) -> CorruptChunkError:
+    msg = str(e)
+    gone = "NOT_FOUND" in msg or "is missing" in msg  # a read, or the listing before it
+    bad = "igest" in msg or "checksum" in msg  # tensorstore's words, or jaxckpt._chunkfile's
+    what = "is missing" if gone else "fails its checksum" if bad else "cannot be read"
+    others = sorted(set(keys) - {keys[0]})
+    also = f" (and {len(others)} more keys packed with it: {others[:3]!r})" if others else ""
+    return CorruptChunkError(
+        f"Key {keys[0]!r}{also}: pack {pack.path} in {reader.loc}, which holds these keys, "
+        f"{what} ({msg}). The checkpoint is damaged: restore an earlier one; `jaxckpt verify "
+        f"PATH` lists every bad chunk and the keys in it."
+    )

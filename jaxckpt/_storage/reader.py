@@ -1,0 +1,365 @@
+"""Reading a checkpoint's arrays: boxes of zarr v3 arrays, confined to the checkpoint.
+
+Storage's read side (``jaxckpt._storage`` writes and commits). The :class:`CheckpointReader` is given
+manifest entries and read items by the load planner's protocol and yields each box as numpy,
+reading ahead within a byte bound. Before an array is opened its chunk files are listed (one
+directory walk, or one object-store listing of the checkpoint) so that links out of the
+checkpoint are refused and a manifest cannot declare more data than the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._errors import CheckpointChangedError, CorruptChunkError, ManifestError
+from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._storage import chunkfile as _chunkfile
+from jaxckpt._storage import packs as _pack
+from jaxckpt._storage.catalog import list_keys
+from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed
+from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, array_spec
+
+_STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
+
+
+class Reader(Protocol):
+    """The read side of storage as restore, ``verify``, ``export`` and ``convert`` see it.
+
+    One implementation per format: :class:`CheckpointReader` (jaxckpt's zarr v3 arrays),
+    ``jaxckpt._sources.orbax.OrbaxReader`` and ``jaxckpt._sources.safetensors.SafetensorsReader``.
+    The load path calls, on each process:
+
+    1. ``jaxckpt._sources.detect.open_source(loc) -> (Manifest, Reader)``: the manifest (or
+       one built from the foreign format's metadata) and the reader of its data. Nothing of
+       the arrays is read yet.
+    2. ``read(entries, items, max_inflight_bytes=...)``, once or several times: yields
+       ``(item, box)`` for every ``ReadItem`` (a box of one entry of ``entries``), each box a
+       numpy array of the item's sizes in the entry's logical dtype, owned by the caller.
+       At most ``max_inflight_bytes`` of boxes are read ahead (at least one). Errors are
+       :class:`CorruptChunkError` (data missing or damaged) or :class:`ManifestError` (the
+       metadata promises what the files cannot hold), naming the key and what to do.
+
+    Invariants: a reader reads only below ``loc``; never allocates more than the bytes the
+    items ask for plus its read-ahead; never runs code from the checkpoint.
+    """
+
+    loc: Location
+    kind: str  # "jaxckpt", "orbax" or "safetensors": what the reader reads
+
+    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
+             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+        """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``."""
+        ...
+
+
+class CheckpointReader:
+    """Reads boxes of a jaxckpt checkpoint's arrays; each array is opened once, reads run
+    concurrently (the :class:`Reader` protocol)."""
+
+    kind = "jaxckpt"
+
+    def __init__(self, loc: Location, stamp: Stamp | None = None) -> None:
+        self.loc = loc
+        self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
+        self._open: dict[str, Any] = {}
+        self._link_cache: dict[str, set[str]] = {}
+        self._chunks_ok: set[str] = set()
+        self._listing: dict[str, set[str]] | None = None
+        self._inplace = _chunkfile.InPlace(loc.local, str(loc)) if loc.local is not None else None
+
+    def _store(self, entry: ArrayEntry) -> Any:
+        store = self._open.get(entry.path)
+        if store is None:
+            self._check_inside(entry)
+            self.check_chunks(entry)
+            spec = array_spec(self.loc.child(entry.path), entry)
+            spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
+            try:
+                # The manifest is the source of truth for the array's metadata: zarr.json is
+                # not read (one file less per array), and cannot change how bytes decode.
+                store = ts.open(spec, assume_metadata=True, context=CONTEXT).result()
+            except ValueError as e:
+                raise CorruptChunkError(
+                    f"Key {entry.key!r}: array {entry.path} in {self.loc} cannot be opened or does "
+                    f"not match the manifest ({e}). The checkpoint is damaged; restore another."
+                ) from e
+            self._open[entry.path] = store
+        return store
+
+    def _check_inside(self, entry: ArrayEntry) -> None:
+        # Manifest paths are confined to arrays/ already; a symlink could still point out.
+        if self.loc.local is None:
+            return
+        parent, links = "", False
+        for part in entry.path.split("/"):
+            links = links or part in self._links(parent)
+            parent = f"{parent}/{part}" if parent else part
+        if not links:
+            return
+        root = os.path.realpath(self.loc.local)
+        if not os.path.realpath(self.loc.local / entry.path).startswith(root + os.sep):
+            raise ManifestError(
+                f"Key {entry.key!r}: {entry.path} in {self.loc} is a link outside the checkpoint; "
+                f"refusing to read it. Copy the checkpoint without links, or restore another."
+            )
+
+    def _links(self, folder: str) -> set[str]:
+        """Names in ``folder`` (relative to the checkpoint) that are symlinks: one scandir."""
+        found = self._link_cache.get(folder)
+        if found is None:
+            try:
+                with os.scandir(self.loc.local / folder) as it:
+                    found = {e.name for e in it if e.is_symlink()}
+            except OSError:  # missing: the read reports it
+                found = set()
+            self._link_cache[folder] = found
+        return found
+
+    def check_chunks(self, entry: ArrayEntry, *, slack: int = 0) -> None:
+        """Check, from one listing of the array's folder, that every declared chunk is there.
+
+        Runs before anything is allocated for the array, so a manifest declaring more chunks
+        (or bigger ones) than the checkpoint holds cannot exhaust memory. Cost: one directory
+        walk (local) or one list of the ``c`` prefix (object stores) per array.
+
+        ``slack``: how many declared chunks may be missing before it raises (``jaxckpt verify``
+        reads the rest one by one to name each missing chunk); the array then counts as checked.
+
+        Raises:
+          ManifestError: a link below the array's folder (it could lead outside the checkpoint).
+          CorruptChunkError: a declared chunk is missing; names the key and the first one.
+        """
+        if entry.path in self._chunks_ok:
+            return
+        found = self._chunk_keys(entry)
+        grid = [-(-s // c) for s, c in zip(entry.shape, entry.chunks)]
+        if (
+            math.prod(grid) > len(found) + slack
+        ):  # only then can one be missing: find the first, lazily
+            for idx in grid_indices(grid):
+                name = "/".join(["c", *map(str, idx)])
+                if name not in found:
+                    raise CorruptChunkError(
+                        f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in "
+                        f"{self.loc} is missing ({len(found)} of {math.prod(grid)} declared chunks "
+                        f"found). The checkpoint is damaged: restore an earlier one; "
+                        f"`jaxckpt verify PATH` reports every damaged array."
+                    )
+        if isinstance(found, dict) and entry.nbytes > _STAT_ABOVE:  # local: sizes, cheap here
+            per_chunk = math.prod(entry.chunks) * dtype_from_name(entry.storage_dtype).itemsize
+            want = math.prod(grid) * (per_chunk + (4 if entry.checksum == "crc32c" else 0))
+            have = sum(e.stat().st_size for e in found.values())
+            if have < want:  # uncompressed chunks: a file per chunk of exactly the chunk's bytes
+                raise CorruptChunkError(
+                    f"Key {entry.key!r}: {entry.path} in {self.loc} holds {have} bytes of chunks, "
+                    f"the manifest declares {want}. The checkpoint is damaged or hostile: restore "
+                    f"an earlier one; `jaxckpt verify PATH` reports every damaged array."
+                )
+        self._chunks_ok.add(entry.path)
+
+    def _chunk_keys(self, entry: ArrayEntry) -> set[str] | dict[str, os.DirEntry]:
+        """Chunk keys (``c/i/j``, ``c`` for a scalar) of ``entry``'s array, as stored.
+
+        Local: a dict of each key's directory entry (for its size, stat'ed only if asked).
+        """
+        if self.loc.local is None:
+            return self._object_chunks().get(entry.path, set())
+        found: dict[str, os.DirEntry] = {}
+        stack = [(self.loc.local / entry.path, "")]
+        while stack:  # one scandir per folder; is_symlink() needs no stat (d_type)
+            folder, rel = stack.pop()
+            try:
+                it = os.scandir(folder)
+            except OSError:  # missing: reported as missing chunks below, or by the read
+                continue
+            with it:
+                for e in it:
+                    name = f"{rel}/{e.name}" if rel else e.name
+                    if e.is_symlink():
+                        raise ManifestError(
+                            f"Key {entry.key!r}: {entry.path}/{name} in {self.loc} is a link; "
+                            f"refusing to follow it (it could lead outside the checkpoint). Copy "
+                            f"the checkpoint without links (cp -rL), or restore another."
+                        )
+                    if e.is_dir():
+                        stack.append((e.path, name))
+                    elif name == "c" or name.startswith("c/"):
+                        found[name] = e
+        return found
+
+    def _object_chunks(self) -> dict[str, set[str]]:
+        """Object stores: chunk keys by array path, from one listing of the checkpoint (cached).
+
+        One paginated list for the whole checkpoint costs far less than a request per array.
+        """
+        if self._listing is None:
+            listing: dict[str, set[str]] = collections.defaultdict(set)
+            for k in list_keys(self.loc):
+                for m in re.finditer(r"/c(?=/|$)", k):  # every ``/c`` segment: an array's chunks?
+                    listing[k[: m.start()]].add(k[m.start() + 1 :])
+            self._listing = listing
+        return self._listing
+
+    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
+             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+        """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
+
+        Packed items come first, each needed pack read once (``jaxckpt._storage.packs``). At most
+        ``max_inflight_bytes`` of reads are in flight (at least one item); the caller owns each
+        yielded array (storage keeps no reference to it).
+        """
+        try:
+            items, packed = _pack.split(entries, items)
+            yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
+            for item in items:  # every box first: a chunk shared by boxes is read once for all
+                entry = entries[item.key]
+                if self._in_place(entry):
+                    self._inplace.expect(entry, item.offsets, item.sizes)
+            yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
+                                 max_inflight_bytes=max_inflight_bytes)  # fmt: skip
+        except (CorruptChunkError, ManifestError) as e:  # a file gone: often a save replaced it
+            self.check_unchanged(e)
+            raise
+        self.check_unchanged()
+
+    def check_unchanged(self, cause: Exception | None = None) -> None:
+        """Raise :class:`CheckpointChangedError` if the checkpoint was replaced since its
+        manifest was read.
+
+        Called after each :meth:`read` (and on its errors): an overwrite swaps the whole
+        checkpoint at once and never brings an older one back, so a manifest still the one
+        read means every box yielded came from it. One ``stat`` (or one conditional object
+        read) per call, whatever the size of the read.
+        """
+        if self.stamp is None or not manifest_changed(self.loc, self.stamp):
+            return
+        raise CheckpointChangedError(
+            f"The checkpoint at {self.loc} was replaced (a save with overwrite=True) while it "
+            f"was being read, so what was read may mix two saves; nothing was returned. Retry: "
+            f"the next read gets the new checkpoint whole. To read an old one while a run "
+            f"overwrites, save each step to its own path (CheckpointManager does)."
+        ) from cause
+
+    def _in_place(self, entry: ArrayEntry) -> bool:
+        if not _chunkfile.supports(self.loc.local, entry):
+            return False
+        self._check_inside(entry)
+        self.check_chunks(entry)
+        return True
+
+    def _start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], np.ndarray]:
+        if self._in_place(entry):  # local files: read in place, one copy
+            out = _aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
+            wait = self._inplace.start(entry, item.offsets, item.sizes, out)
+            return lambda: self._view(entry, wait())
+        store = self._store(entry)
+        if item.sizes != entry.shape:
+            store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+        out = None
+        dtype = dtype_from_name(entry.storage_dtype)
+        if math.prod(item.sizes) * dtype.itemsize >= _ALIGNED_MIN_BYTES:
+            # into an aligned buffer: CPU devices alias it, no copy
+            out = _aligned_empty(item.sizes, dtype)
+            fut = ts.array(out, copy=False, write=True).write(store)
+        else:
+            fut = store.read()
+        return lambda: self._result(entry, fut, out)
+
+    def _result(self, entry: ArrayEntry, fut: Any, out: np.ndarray | None) -> np.ndarray:
+        try:
+            data = fut.result()
+        except ValueError as e:
+            raise _chunk_error(entry, self.loc, e) from e
+        return self._view(entry, data if out is None else out)
+
+    @staticmethod
+    def _view(entry: ArrayEntry, data: np.ndarray) -> np.ndarray:
+        if entry.storage_dtype != entry.dtype:  # a carried dtype: same bytes, logical view
+            data = data.view(dtype_from_name(entry.dtype))
+        return data
+
+
+def pipelined(entries: dict[str, Any], items: Iterable[ReadItem],
+              start: Callable[[ReadItem], Callable[[], np.ndarray]], *,
+              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    """Start each item's read in order (``start(item)`` returns a call that waits for its data),
+    yielding the oldest first whenever starting the next would put more than
+    ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader
+    (jaxckpt's, Orbax's, safetensors') reads ahead through this one loop. An item holds its
+    box's bytes in flight (a partial chunk read in place adds a block per read thread, not per
+    item: ``jaxckpt._chunkfile``).
+    """
+    pending: collections.deque = collections.deque()
+    inflight = 0
+    for item in items:
+        n = math.prod(item.sizes) * dtype_from_name(entries[item.key].storage_dtype).itemsize
+        while pending and inflight + n > max_inflight_bytes:
+            done, m, result = pending.popleft()
+            inflight -= m
+            yield done, result()
+        pending.append((item, n, start(item)))
+        inflight += n
+    while pending:
+        done, _, result = pending.popleft()
+        yield done, result()
+
+
+_ALIGNED_MIN_BYTES = 1 << 20
+_ALIGN = 64  # what XLA's CPU client needs to alias a host buffer instead of copying it
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def file_bytes_read() -> int:
+    """Bytes of local chunk files this process has read: tensorstore's own counter plus the
+    chunks read in place (``jaxckpt._chunkfile``). Tests and benchmarks use it to check that a
+    restore reads each region once."""
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(v.get("value", 0) for m in found for v in m["values"]) + _chunkfile.bytes_read()
+
+
+def grid_indices(grid: list[int]) -> Iterator[tuple[int, ...]]:
+    """Chunk indices in row-major order, lazily (itertools.product would materialise ranges)."""
+    if 0 in grid:
+        return
+    idx = [0] * len(grid)
+    while True:
+        yield tuple(idx)
+        d = len(grid) - 1
+        while d >= 0 and idx[d] == grid[d] - 1:
+            idx[d] = 0
+            d -= 1
+        if d < 0:
+            return
+        idx[d] += 1
+
+
+def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunkError:
+    msg = str(e)
+    where = re.search(r'"([^"]*/c/[0-9/]+)"', msg)
+    chunk = where.group(1).rsplit("/c/", 1)[1].replace("/", ",") if where else "?"
+    what = (
+        "is missing"
+        if "NOT_FOUND" in msg
+        else "fails its checksum"
+        if "igest" in msg
+        else "cannot be read"
+    )
+    return CorruptChunkError(
+        f"Key {entry.key!r}: chunk ({chunk}) of {entry.path} in {loc} {what} ({msg}). The "
+        f"checkpoint is damaged: restore an earlier one; `jaxckpt verify PATH` lists every bad chunk."
+    )

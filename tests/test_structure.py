@@ -1,0 +1,143 @@
+"""The layers of docs/architecture.md hold: an AST walk over jaxckpt/ (nothing is imported).
+
+Every import counts, function-level ones included. Rules:
+  - ``_format`` (the on-disk vocabulary) imports neither jax nor tensorstore;
+  - ``_planning`` never imports tensorstore or storage, sources, the manager or the CLI;
+  - ``_storage`` never imports jax or planning (of the runtime, only its thread pools);
+  - ``_sources`` reach the load path only through storage's ``Reader`` protocol: no jax, no
+    planning;
+  - ``_runtime`` imports no tensorstore and nothing above it;
+  - no import cycles, no module uses another module's ``_private`` name, no function is
+    longer than 60 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "jaxckpt"
+UPPER = ("jaxckpt._api", "jaxckpt._manager", "jaxckpt._cli", "jaxckpt._sources")
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+TREES = {m: ast.parse(p.read_text(), str(p)) for m, p in MODULES.items()}
+
+
+def _imports(module: str) -> set[str]:
+    """Absolute names of everything ``module`` imports (modules, or module.name)."""
+    out = set()
+    is_pkg = MODULES[module].name == "__init__.py"
+    for node in ast.walk(TREES[module]):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + is_pkg]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            out.add(src)
+            out.update(f"{src}.{a.name}" for a in node.names)
+    return out
+
+
+def _jaxckpt_deps(module: str) -> set[str]:
+    deps = set()
+    for name in _imports(module):
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name and name != module and not module.startswith(name + "."):
+            deps.add(name)
+    return deps - {"jaxckpt"}
+
+
+def _layer(prefix: str) -> list[str]:
+    return [m for m in MODULES if m == prefix or m.startswith(prefix + ".")]
+
+
+def _uses(module: str, *roots: str) -> list[str]:
+    return sorted(
+        n for n in _imports(module) if any(n == r or n.startswith(r + ".") for r in roots)
+    )
+
+
+FORBIDDEN = {
+    "jaxckpt._format": ("jax", "jaxlib", "tensorstore", "jaxckpt._planning", "jaxckpt._storage",
+                        "jaxckpt._runtime", *UPPER),
+    "jaxckpt._planning": ("tensorstore", "jaxckpt._storage", *UPPER),
+    "jaxckpt._storage": ("jax", "jaxlib", "jaxckpt._planning", *UPPER, "jaxckpt._runtime.distributed",
+                         "jaxckpt._runtime.placement", "jaxckpt._runtime.preemption",
+                         "jaxckpt._runtime.staging"),
+    "jaxckpt._sources": ("jax", "jaxlib", "jaxckpt._planning", "jaxckpt._api", "jaxckpt._manager",
+                         "jaxckpt._cli", "jaxckpt._runtime"),
+    "jaxckpt._runtime": ("tensorstore", "jaxckpt._format", "jaxckpt._planning", "jaxckpt._storage",
+                         *UPPER),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports(layer):
+    bad = {m: _uses(m, *FORBIDDEN[layer]) for m in _layer(layer)}
+    assert not {m: b for m, b in bad.items() if b}, f"{layer} imports what its layer may not"
+
+
+def test_every_layer_is_a_documented_subpackage():
+    flat = [m for m, p in MODULES.items() if p.parent == ROOT and p.name != "__init__.py"]
+    assert len(flat) <= 8, flat
+    for pkg in (p for p in ROOT.iterdir() if p.is_dir() and p.name.startswith("_")):
+        if pkg.name == "__pycache__":
+            continue
+        doc = ast.get_docstring(TREES[_name(pkg / "__init__.py")])
+        assert doc and "May import" in doc, f"{pkg.name}/__init__.py must say what it may import"
+
+
+def test_no_import_cycles():
+    graph = {m: _jaxckpt_deps(m) for m in MODULES}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d) :] + [d]))
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_no_private_reach_ins():
+    found = []
+    for m, tree in TREES.items():
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxckpt"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in MODULES:
+                        aliases[a.asname or a.name] = full
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{m}: from {node.module} import {a.name}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and f"{aliases[node.value.id]}.{node.attr}" not in MODULES
+            ):
+                found.append(f"{m}: {node.value.id}.{node.attr}")
+    assert not found, found
