@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._format.grid import grid_shape
 from jaxckpt._format.names import is_storage_path
 
 FORMAT = "jaxckpt"
@@ -111,7 +112,7 @@ class ArrayEntry:
     @property
     def grid(self) -> tuple[int, ...]:
         """Chunks along each dimension."""
-        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunks))
+        return grid_shape(self.shape, self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)

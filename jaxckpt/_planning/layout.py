@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt._format.grid import ceil_div
 from jaxckpt._format.plan import index_to_box
 
 
@@ -70,7 +71,7 @@ def named_layout(
             used.add(a)
             c = c * mesh_shape[a] + coords[a]
             n *= mesh_shape[a]
-        size = -(-dim // n) if dim else 0
+        size = ceil_div(dim, n) if dim else 0
         box.append(size)
         offsets.append(c * size)
         parts.append(n)

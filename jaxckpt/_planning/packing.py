@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt._format.grid import ceil_div
 from jaxckpt._format.manifest import ArrayEntry, PackEntry, dtype_from_name
 from jaxckpt._format.names import ARRAYS
 from jaxckpt._planning.layout import Layout
@@ -106,7 +107,7 @@ def plan_packs(
         itemsize = dtype_from_name(sdtype).itemsize
         total = sum(e.size for e in members) * itemsize
         spread = max(1, min(len(who), total // pack_bytes))
-        cap = max(min(max_chunk_bytes, -(-total // spread)), max(e.nbytes for e in members))
+        cap = max(min(max_chunk_bytes, ceil_div(total, spread)), max(e.nbytes for e in members))
         cut: list[list[ArrayEntry]] = [[]]
         filled = 0
         for e in members:

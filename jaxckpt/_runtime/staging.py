@@ -25,16 +25,16 @@ import threading
 
 import numpy as np
 
+from jaxckpt._format.grid import ALIGN, ceil_div
 from jaxckpt._runtime import pools
 
-_ALIGN = 64  # bytes; every item starts on a cache line
 _GRANULE = 1 << 16  # arenas are sized in 64 KiB steps so small changes of state reuse one
 _MAPPED = 4 << 20  # arenas from this size on get a mapping of their own
 _SPLIT = 16 << 20  # a larger item is copied in row blocks of about this size, in parallel
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return ceil_div(n, ALIGN) * ALIGN
 
 
 def _allocate(nbytes: int) -> np.ndarray:
@@ -86,7 +86,7 @@ class Arena:
             self.used += _aligned(n)
             outs.append(out)
             rows = math.ceil(n / _SPLIT) if data.ndim and n > _SPLIT else 1
-            step = -(-data.shape[0] // rows) if data.ndim else 1
+            step = ceil_div(data.shape[0], rows) if data.ndim else 1
             for r in range(0, data.shape[0] if data.ndim else 1, step):
                 part = slice(r, r + step) if data.ndim else ...
                 jobs.append((out[part], data[part]))
@@ -134,7 +134,7 @@ class StagingPool:
         """
         if not reuse:
             return Arena(nbytes, reusable=False)
-        nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+        nbytes = max(_GRANULE, ceil_div(nbytes, _GRANULE) * _GRANULE)
         with self._lock:
             fits = [a for a in self._free if a.nbytes >= nbytes]
             if fits:

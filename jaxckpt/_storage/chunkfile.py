@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxckpt._errors import CorruptChunkError
+from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._runtime import pools
 
@@ -213,8 +214,7 @@ def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...])
     """``(chunk index, slices of the box, slices of the chunk, whole)`` for each chunk the box
     touches; ``whole``: the box needs all of the chunk's stored elements. The slices end in
     ``...``, so indexing gives a view even for 0-d arrays (``a[()]`` would copy)."""
-    ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(offsets, sizes, entry.chunks)]
-    for idx in itertools.product(*ranges):
+    for idx in chunks_touching(offsets, sizes, entry.chunks):
         origin = [i * c for i, c in zip(idx, entry.chunks)]
         a = [max(o, g) for o, g in zip(offsets, origin)]  # the chunk's part in the box
         b = [min(o + s, g + c) for o, s, g, c in zip(offsets, sizes, origin, entry.chunks)]
@@ -324,7 +324,7 @@ def _open_chunk(folder: Path, idx: tuple[int, ...], size: int, where: str) -> in
     """Open chunk ``idx``'s file, refusing a link, anything not a regular file and any size
     but ``size`` (checked before reading: nothing is read beyond what the file holds)."""
     try:
-        fd = os.open(folder.joinpath("c", *map(str, idx)), _FLAGS)
+        fd = os.open(folder / chunk_key(idx), _FLAGS)
     except FileNotFoundError:
         raise CorruptChunkError(f"{where} is missing. {_DAMAGED}") from None
     except OSError as e:  # a link (ELOOP under O_NOFOLLOW), no permission, ...

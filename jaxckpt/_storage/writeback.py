@@ -18,13 +18,13 @@ staging directory. ``JAXCKPT_EARLY_WRITEBACK=0`` turns it off (benchmarks compar
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._runtime import pools
 from jaxckpt._storage.libc import libc
 
@@ -56,8 +56,7 @@ def chunk_files(folder: str, offsets: Iterable[int], sizes: Iterable[int],
                 chunks: Iterable[int]) -> list[str]:  # fmt: skip
     """The chunk files under ``folder`` (a zarr v3 array, default ``/`` key encoding) that hold
     the box ``offsets``/``sizes``."""
-    ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(offsets, sizes, chunks)]
-    return [os.path.join(folder, "c", *map(str, idx)) for idx in itertools.product(*ranges)]
+    return [os.path.join(folder, chunk_key(i)) for i in chunks_touching(offsets, sizes, chunks)]
 
 
 class Hints:
