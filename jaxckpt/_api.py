@@ -30,8 +30,9 @@ logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike
 
 
-def save(path: PathLike, tree: Any, *, overwrite: bool = False,
-         planner: SavePlanner | None = None) -> None:  # fmt: skip
+def save(
+    path: PathLike, tree: Any, *, overwrite: bool = False, planner: SavePlanner | None = None
+) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
     Blocks until the checkpoint is committed. Replicated shards are written once, spread
@@ -59,8 +60,9 @@ def save(path: PathLike, tree: Any, *, overwrite: bool = False,
     _start_save(path, tree, overwrite=overwrite, planner=planner, stage=False).wait()
 
 
-def save_async(path: PathLike, tree: Any, *, overwrite: bool = False,
-               planner: SavePlanner | None = None) -> SaveHandle:  # fmt: skip
+def save_async(
+    path: PathLike, tree: Any, *, overwrite: bool = False, planner: SavePlanner | None = None
+) -> SaveHandle:
     """Like :func:`save`, but returns once the device data is staged on the host.
 
     The caller may then donate or overwrite the arrays; storage writes and the commit run in
@@ -135,8 +137,9 @@ class SaveHandle:
         return self.nbytes / t / 1e9 if t else 0.0
 
 
-def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlanner | None,
-                stage: bool) -> SaveHandle:  # fmt: skip
+def _start_save(
+    path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlanner | None, stage: bool
+) -> SaveHandle:
     t0 = time.perf_counter()
     loc = _location.Location(path)
     planner = planner if planner is not None else DefaultSavePlanner()
@@ -153,8 +156,12 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     global_plan, local = sync.run("plan", plan)
     sync.agree(global_plan.digest)
     handle.timings["plan"] = time.perf_counter() - t0
-    writer = sync.run("open", lambda: _storage.Writer(loc, overwrite=overwrite,
-                      is_coordinator=sync.is_coordinator, broadcast=sync.broadcast))  # fmt: skip
+    writer = sync.run(
+        "open",
+        lambda: _storage.Writer(
+            loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
+        ),
+    )
     entries = _pack.storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     t1 = time.perf_counter()
     if stage:  # copy every item off the caller's buffers, which it may reuse once we return
@@ -201,8 +208,13 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
                 writer.commit(global_plan.manifest.to_json())
             sync.barrier("committed", wait_for_all=False)
             handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
-            logger.info("saved %s: %.1f MB at %.2f GB/s, %s", loc, handle.nbytes / 1e6, handle.gbps,
-                        {k: round(v, 3) for k, v in handle.timings.items()})  # fmt: skip
+            logger.info(
+                "saved %s: %.1f MB at %.2f GB/s, %s",
+                loc,
+                handle.nbytes / 1e6,
+                handle.gbps,
+                {k: round(v, 3) for k, v in handle.timings.items()},
+            )
         except BaseException as e:  # re-raised by wait()
             handle._error = sync.failed(e)  # first: returns once the others stopped writing
             writer.abort()
@@ -224,8 +236,14 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     return handle
 
 
-def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: bool = True,
-            planner: LoadPlanner | None = None) -> Any:  # fmt: skip
+def restore(
+    path: PathLike,
+    target: Any = None,
+    *,
+    keys: Any = None,
+    strict: bool = True,
+    planner: LoadPlanner | None = None,
+) -> Any:
     """Restore a checkpoint onto ``target``'s shardings, or onto the host.
 
     Args:

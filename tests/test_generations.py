@@ -94,8 +94,12 @@ def test_restores_racing_overwrites_in_another_process(tmp_path):
     jaxckpt.save(path, state(0), planner=UNPACKED)
     until = time.time() + 8
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(until)], env=env,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), str(until)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     whole = changed = 0
     seen = set()
     try:

@@ -93,16 +93,21 @@ def run_verify(args: argparse.Namespace) -> int:
     progress.close()
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
-        print(f"OK: {args.path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
-              f"{human_bytes(nbytes)} read, " + (f"every chunk readable ({reader.kind} "
-              f"stores no checksums)" if foreign else "every checksum matches"))  # fmt: skip
+        what = f"every chunk readable ({reader.kind} stores no checksums)"
+        print(
+            f"OK: {args.path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
+            f"{human_bytes(nbytes)} read, " + (what if foreign else "every checksum matches")
+        )
         return 0
-    bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
-                    for k, v in damaged.items())  # fmt: skip
-    print(f"DAMAGED: {args.path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
-          f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
-          f"earlier checkpoint, or restore the undamaged keys with "
-          f"jaxckpt.restore(..., keys=[...]).")  # fmt: skip
+    bad = "; ".join(
+        f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})" for k, v in damaged.items()
+    )
+    print(
+        f"DAMAGED: {args.path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
+        f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
+        f"earlier checkpoint, or restore the undamaged keys with "
+        f"jaxckpt.restore(..., keys=[...])."
+    )
     return 1
 
 

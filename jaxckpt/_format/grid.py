@@ -72,8 +72,9 @@ def grid_indices(grid: Sequence[int]) -> Iterator[tuple[int, ...]]:
         idx[d] += 1
 
 
-def chunks_touching(offsets: Sequence[int], sizes: Sequence[int],
-                    chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:  # fmt: skip
+def chunks_touching(
+    offsets: Sequence[int], sizes: Sequence[int], chunks: Sequence[int]
+) -> Iterator[tuple[int, ...]]:
     """Indices of the chunks that the box ``offsets``/``sizes`` touches, in row-major order.
 
     >>> list(chunks_touching((3,), (6,), (4,)))

@@ -148,8 +148,9 @@ def raise_if(errors: list[str]) -> None:
         )
 
 
-def check_boxes(key: str, shape: Sequence[int], chunks: Sequence[int], offsets: np.ndarray,
-                sizes: np.ndarray) -> list[str]:  # fmt: skip
+def check_boxes(
+    key: str, shape: Sequence[int], chunks: Sequence[int], offsets: np.ndarray, sizes: np.ndarray
+) -> list[str]:
     """Bounds, chunk alignment, no overlap and full coverage of one array's boxes.
 
     Vectorized. Boxes on a regular grid (the usual case) are checked as a grid in O(n): each

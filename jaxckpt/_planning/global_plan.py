@@ -171,14 +171,22 @@ def create_global_save_plan(
         layouts[key] = lay
         limit = chunk_limit(lay, dtype.itemsize, max_chunk_bytes, holders)
         entries[key] = ArrayEntry(
-            key=key, shape=shape, dtype=dtype.name, storage_dtype=_manifest.storage_dtype_name(dtype),
+            key=key,
+            shape=shape,
+            dtype=dtype.name,
+            storage_dtype=_manifest.storage_dtype_name(dtype),
             chunks=chunk_shape(lay.box, dtype.itemsize, limit),
-            path=storage_name(key, taken), prng_impl=prng.get(key), sharding=sharding,
-        )  # fmt: skip
+            path=storage_name(key, taken),
+            prng_impl=prng.get(key),
+            sharding=sharding,
+        )
     packed, packs = _pack.plan_packs(
-        {k: entries[k] for k in layouts}, layouts, pack_bytes=pack_bytes,
-        max_chunk_bytes=max_chunk_bytes, taken=taken,
-    )  # fmt: skip
+        {k: entries[k] for k in layouts},
+        layouts,
+        pack_bytes=pack_bytes,
+        max_chunk_bytes=max_chunk_bytes,
+        taken=taken,
+    )
     entries.update(packed)
     plain = [k for k in layouts if k not in packed]
     balancer = _layout.Balancer(lowest=lowest)
@@ -200,16 +208,29 @@ def create_global_save_plan(
         )
     pack_plans = _pack.assign(packs, balancer.proc_loads, lowest=lowest)
     for p in pack_plans:
-        arrays[p.entry.key] = ArrayPlan(p.entry.as_array(), (p.entry.size,), np.zeros((1, 1), np.int64),
-                                        np.array([p.process]), np.array([-1]))  # fmt: skip
+        arrays[p.entry.key] = ArrayPlan(
+            p.entry.as_array(),
+            (p.entry.size,),
+            np.zeros((1, 1), np.int64),
+            np.array([p.process]),
+            np.array([-1]),
+        )
     created = {"jax": jax.__version__, "jaxckpt": __version__, "process_count": process_count}
-    manifest = Manifest(tree=tree, entries=entries, created=created,
-                        version=_manifest.VERSION if packs else 1,
-                        packs={p.entry.path: p.entry for p in pack_plans})  # fmt: skip
+    manifest = Manifest(
+        tree=tree,
+        entries=entries,
+        created=created,
+        version=_manifest.VERSION if packs else 1,
+        packs={p.entry.path: p.entry for p in pack_plans},
+    )
     ordered = tuple(arrays[k] for k in [*plain, *(p.entry.key for p in pack_plans)])
     digest = _digest(manifest, layouts.values(), lowest)
-    plan = GlobalSavePlan(manifest=manifest, arrays=ordered, digest=digest,
-                          packs={p.entry.key: p.members for p in pack_plans})  # fmt: skip
+    plan = GlobalSavePlan(
+        manifest=manifest,
+        arrays=ordered,
+        digest=digest,
+        packs={p.entry.key: p.members for p in pack_plans},
+    )
     validate_global_plan(plan)
     return plan
 

@@ -115,8 +115,9 @@ def _layout(shape: tuple[int, ...], sharding: Any) -> Layout:
 
     if isinstance(sharding, jax.sharding.NamedSharding) and _plain_spec(sharding.spec):
         ids, procs = _mesh_ids(sharding.mesh)
-        return named_layout(shape, sharding.mesh.devices.shape, sharding.mesh.axis_names,
-                            sharding.spec, ids, procs)  # fmt: skip
+        return named_layout(
+            shape, sharding.mesh.devices.shape, sharding.mesh.axis_names, sharding.spec, ids, procs
+        )
     return _generic_layout(shape, sharding)
 
 

@@ -123,9 +123,12 @@ def plan_packs(
             offset = 0
             for e in part:
                 packed[e.key] = dataclasses.replace(
-                    e, path=path, chunks=tuple(max(s, 1) for s in e.shape), pack=pack,
+                    e,
+                    path=path,
+                    chunks=tuple(max(s, 1) for s in e.shape),
+                    pack=pack,
                     offset=offset,
-                )  # fmt: skip
+                )
                 offset += e.size
             packs.append((pack, tuple(e.key for e in part), who))
     return packed, packs

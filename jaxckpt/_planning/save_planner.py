@@ -149,9 +149,14 @@ class DefaultSavePlanner(SavePlanner):
         ``jaxckpt._planning.packing.DEFAULT_PACK_BYTES`` (256 KiB).
     """
 
-    def __init__(self, *, dedup: str = "balanced", max_chunk_bytes: int = 64 << 20,
-                 enable_plan_caching: bool = True,
-                 pack_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        dedup: str = "balanced",
+        max_chunk_bytes: int = 64 << 20,
+        enable_plan_caching: bool = True,
+        pack_bytes: int | None = None,
+    ) -> None:
         if dedup not in ("balanced", "lowest"):
             raise ValueError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
         self.dedup = dedup
@@ -212,8 +217,16 @@ class DefaultSavePlanner(SavePlanner):
                 sig.append((leaf.shape, leaf.dtype))
             else:
                 sig.append(type(leaf))
-        return (type(self), self.treedef, tuple(sig), self.dedup, self.max_chunk_bytes,
-                self.pack_bytes, self.process_count, _manifest.VERSION)  # fmt: skip
+        return (
+            type(self),
+            self.treedef,
+            tuple(sig),
+            self.dedup,
+            self.max_chunk_bytes,
+            self.pack_bytes,
+            self.process_count,
+            _manifest.VERSION,
+        )
 
     # 2.
     def create_global_plan(self) -> GlobalSavePlan:
@@ -233,10 +246,14 @@ class DefaultSavePlanner(SavePlanner):
             return fresh
         _stats["misses"] += 1
         plan = create_global_save_plan(
-            self.leaves, _tree.structure(self.tree), prng=self.prng,
-            lowest=self.dedup == "lowest", max_chunk_bytes=self.max_chunk_bytes,
-            process_count=self.process_count, pack_bytes=self.pack_bytes,
-        )  # fmt: skip
+            self.leaves,
+            _tree.structure(self.tree),
+            prng=self.prng,
+            lowest=self.dedup == "lowest",
+            max_chunk_bytes=self.max_chunk_bytes,
+            process_count=self.process_count,
+            pack_bytes=self.pack_bytes,
+        )
         if cache_key is not None:
             _CACHE[cache_key] = plan
             while len(_CACHE) > _CACHE_SIZE:

@@ -56,8 +56,9 @@ class Placement:
         """Bytes of boxes queued or still being transferred."""
         return self._queued + self._inflight_bytes
 
-    def expect_array(self, slot: Hashable, shape: tuple[int, ...], sharding: Any, boxes: int,
-                     nbytes: int) -> None:  # fmt: skip
+    def expect_array(
+        self, slot: Hashable, shape: tuple[int, ...], sharding: Any, boxes: int, nbytes: int
+    ) -> None:
         """The ``boxes`` boxes to come under ``slot`` (``nbytes`` in all, each added with its
         single-device targets) are the addressable shards of one array of ``shape`` on
         ``sharding``. If they are all queued when a group is placed, the array is made in one

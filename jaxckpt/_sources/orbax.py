@@ -66,7 +66,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, OrbaxReader] | None:
         return None
     handlers = step.get("item_handlers") if isinstance(step, dict) else None
     if isinstance(handlers, dict) and len(handlers) == 1:
-        (name, handler), = handlers.items()  # fmt: skip
+        ((name, handler),) = handlers.items()
         if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
             item = loc.join(name)
             raw = _read_json(_location.kvstore(item.kvstore), item, METADATA)
@@ -150,9 +150,14 @@ def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
             child = node["kids"].get(part)
             if child is None:
                 nxt = kinds[i + 1] if not last else 0
-                child = {"leaf": key} if last and key not in empty else {
-                    "kind": empty.get(key) if last else ("dict" if nxt == 2 else "list"),
-                    "kids": {}}  # fmt: skip
+                child = (
+                    {"leaf": key}
+                    if last and key not in empty
+                    else {
+                        "kind": empty.get(key) if last else ("dict" if nxt == 2 else "list"),
+                        "kids": {},
+                    }
+                )
                 node["kids"][part] = child
             elif last or "leaf" in child:
                 raise _bad(loc, f"{key!r} is both a leaf and a subtree")
@@ -165,8 +170,11 @@ def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
         if n["kind"] == "list":
             items.sort(key=lambda kv: int(kv[0]))
             return {"type": "list", "children": [to_json(c) for _, c in items]}
-        return {"type": "dict", "keys": [k for k, _ in items],
-                "children": [to_json(c) for _, c in items]}  # fmt: skip
+        return {
+            "type": "dict",
+            "keys": [k for k, _ in items],
+            "children": [to_json(c) for _, c in items],
+        }
 
     return to_json(root)
 
@@ -175,8 +183,11 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
     leaves = _leaves(loc, doc)
     ocdbt, zarr3 = bool(doc.get("use_ocdbt")), bool(doc.get("use_zarr3"))
     fill_ok = doc.get("store_array_data_equal_to_fill_value") is False
-    empty = {SEP.join(p): _EMPTY[vm.get("value_type")] for p, _, vm in leaves
-             if vm.get("value_type") in _EMPTY}  # fmt: skip
+    empty = {
+        SEP.join(p): _EMPTY[vm.get("value_type")]
+        for p, _, vm in leaves
+        if vm.get("value_type") in _EMPTY
+    }
     tree = _tree(loc, leaves, empty)
     strings: dict | None = None
     database = None
@@ -198,8 +209,13 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
             spec = {"driver": "zarr3" if zarr3 else "zarr", "fill_missing_data_reads": fill_ok}
             if ocdbt:  # keys live inside the database: none can name a path outside it
                 database = _database(loc) if database is None else database
-                fut = ts.open(spec, kvstore=database / (name + "/"), open=True, read=True,
-                              context=_location.CONTEXT)  # fmt: skip
+                fut = ts.open(
+                    spec,
+                    kvstore=database / (name + "/"),
+                    open=True,
+                    read=True,
+                    context=_location.CONTEXT,
+                )
             else:
                 spec["kvstore"] = _kvstore(loc, name)
                 fut = ts.open(spec, open=True, read=True, context=_location.CONTEXT)
@@ -225,9 +241,15 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
         if math.prod(shape) * dtype.itemsize > _MAX_BYTES:
             raise _bad(loc, f"array {name} claims an absurd shape {shape}")
         chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or shape)
-        entries[key] = ArrayEntry(key=key, shape=shape, dtype=dtype.name,
-                                  storage_dtype=dtype.name, chunks=tuple(max(1, c) for c in chunks),
-                                  path=name, checksum="none")  # fmt: skip
+        entries[key] = ArrayEntry(
+            key=key,
+            shape=shape,
+            dtype=dtype.name,
+            storage_dtype=dtype.name,
+            chunks=tuple(max(1, c) for c in chunks),
+            path=name,
+            checksum="none",
+        )
         stores[key] = store
     for key, (name, fut) in scalars.items():
         values[key] = _result(loc, key, name, fut).item()
@@ -296,8 +318,13 @@ class OrbaxReader:
             bad = next(k for k, s in stores.items() if not is_supported_dtype(s.dtype.numpy_dtype))
             raise ManifestError(f"{loc}: leaf {bad!r} has a dtype jaxckpt does not read.")
 
-    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
-             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    def read(
+        self,
+        entries: dict[str, Any],
+        items: Iterable[ReadItem],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
         """Yield ``(item, data)`` for each item; tensorstore reads the chunks its box overlaps."""
         return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
 

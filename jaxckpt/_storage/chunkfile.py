@@ -77,10 +77,10 @@ def crc32c(buf: np.ndarray, crc: int = 0) -> int:
 
 
 # bool is left to tensorstore: a byte other than 0/1 is not a numpy bool.
-_DTYPES = {
-    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
-}  # fmt: skip
+_DTYPES = set(
+    "int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 bfloat16 "
+    "complex64 complex128".split()
+)
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _FLAGS |= getattr(os, "O_CLOEXEC", 0)
 
@@ -136,8 +136,9 @@ class InPlace:
                 key = (entry.path, idx)
                 self._due[key] = self._due.get(key, 0) + 1
 
-    def start(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...],
-              out: np.ndarray) -> Callable[[], np.ndarray]:  # fmt: skip
+    def start(
+        self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray
+    ) -> Callable[[], np.ndarray]:
         """Start reading the box ``offsets``/``sizes`` of ``entry`` into ``out``; return a wait.
 
         Chunks the box needs whole are read by pool tasks straight into ``out``; the others
@@ -188,9 +189,14 @@ class InPlace:
     def _submit(self, key: tuple[str, tuple[int, ...]]) -> None:
         chunk = self._gathering.pop(key)
         chunk.future = pools.read_pool().submit(
-            _read_parts, chunk.folder, chunk.key[1], chunk.entry, chunk.parts, chunk.where,
+            _read_parts,
+            chunk.folder,
+            chunk.key[1],
+            chunk.entry,
+            chunk.parts,
+            chunk.where,
             self._scratch,
-        )  # fmt: skip
+        )
 
     def _where(self, entry: ArrayEntry, idx: tuple[int, ...]) -> str:
         return f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in {self.describe}"
@@ -202,8 +208,9 @@ class _Shared:
 
     __slots__ = ("key", "folder", "entry", "where", "parts", "future")
 
-    def __init__(self, key: tuple[str, tuple[int, ...]], folder: Path, entry: ArrayEntry,
-                 where: str) -> None:  # fmt: skip
+    def __init__(
+        self, key: tuple[str, tuple[int, ...]], folder: Path, entry: ArrayEntry, where: str
+    ) -> None:
         self.key = key  # (array path, chunk index)
         self.folder, self.entry, self.where = folder, entry, where
         self.parts: list[tuple[np.ndarray, tuple]] = []  # (view in a box, slices of the chunk)
@@ -227,8 +234,9 @@ def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...])
 _BLOCK = 4 << 20  # bytes of a partial chunk read, checksummed and copied out at a time
 
 
-def _read_file(folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.ndarray,
-               where: str) -> None:  # fmt: skip
+def _read_file(
+    folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.ndarray, where: str
+) -> None:
     """Read chunk ``idx``'s file into ``buf`` (its stored shape, contiguous) and check it."""
     tail = 4 if entry.checksum == "crc32c" else 0
     stored = bytearray(tail)
@@ -243,9 +251,14 @@ def _read_file(folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.nd
     _count(buf.nbytes + tail)
 
 
-def _read_parts(folder: Path, idx: tuple[int, ...], entry: ArrayEntry,
-                parts: list[tuple[np.ndarray, tuple]], where: str,
-                scratch: list[np.ndarray]) -> None:  # fmt: skip
+def _read_parts(
+    folder: Path,
+    idx: tuple[int, ...],
+    entry: ArrayEntry,
+    parts: list[tuple[np.ndarray, tuple]],
+    where: str,
+    scratch: list[np.ndarray],
+) -> None:
     """Read chunk ``idx``'s file block by block into a scratch buffer, checksumming each block
     and copying its share of each part (``(view in a box, slices of the chunk)``) out while it
     is in cache. The boxes see the bytes only once the checksum of the whole file is checked:
@@ -306,8 +319,9 @@ def _blocks(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple
             yield (flat * shape[axis] + a) * inner, region
 
 
-def _copy_overlap(view: np.ndarray, src: tuple[slice, ...], block: np.ndarray,
-                  region: tuple) -> None:  # fmt: skip
+def _copy_overlap(
+    view: np.ndarray, src: tuple[slice, ...], block: np.ndarray, region: tuple
+) -> None:
     """Copy what ``block`` (the chunk's ``region``) holds of ``src`` (the chunk's slices that
     ``view`` receives) into ``view``."""
     to, of = [], []

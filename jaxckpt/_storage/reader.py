@@ -56,8 +56,13 @@ class Reader(Protocol):
     loc: Location
     kind: str  # "jaxckpt", "orbax" or "safetensors": what the reader reads
 
-    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
-             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    def read(
+        self,
+        entries: dict[str, Any],
+        items: Iterable[ReadItem],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
         """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``."""
         ...
 
@@ -210,8 +215,13 @@ class CheckpointReader:
             self._listing = listing
         return self._listing
 
-    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
-             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    def read(
+        self,
+        entries: dict[str, Any],
+        items: Iterable[ReadItem],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
         """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
 
         Packed items come first, each needed pack read once (``jaxckpt._storage.packs``). At most
@@ -225,8 +235,12 @@ class CheckpointReader:
                 entry = entries[item.key]
                 if self._in_place(entry):
                     self._inplace.expect(entry, item.offsets, item.sizes)
-            yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
-                                 max_inflight_bytes=max_inflight_bytes)  # fmt: skip
+            yield from pipelined(
+                entries,
+                items,
+                lambda item: self._start(entries[item.key], item),
+                max_inflight_bytes=max_inflight_bytes,
+            )
         except (CorruptChunkError, ManifestError) as e:  # a file gone: often a save replaced it
             self.check_unchanged(e)
             raise
@@ -289,9 +303,13 @@ class CheckpointReader:
         return data
 
 
-def pipelined(entries: dict[str, Any], items: Iterable[ReadItem],
-              start: Callable[[ReadItem], Callable[[], np.ndarray]], *,
-              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+def pipelined(
+    entries: dict[str, Any],
+    items: Iterable[ReadItem],
+    start: Callable[[ReadItem], Callable[[], np.ndarray]],
+    *,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+) -> Iterator[tuple[ReadItem, np.ndarray]]:
     """Start each item's read in order (``start(item)`` returns a call that waits for its data),
     yielding the oldest first whenever starting the next would put more than
     ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader

@@ -52,8 +52,9 @@ def started() -> int:
     return _started
 
 
-def chunk_files(folder: str, offsets: Iterable[int], sizes: Iterable[int],
-                chunks: Iterable[int]) -> list[str]:  # fmt: skip
+def chunk_files(
+    folder: str, offsets: Iterable[int], sizes: Iterable[int], chunks: Iterable[int]
+) -> list[str]:
     """The chunk files under ``folder`` (a zarr v3 array, default ``/`` key encoding) that hold
     the box ``offsets``/``sizes``."""
     return [os.path.join(folder, chunk_key(i)) for i in chunks_touching(offsets, sizes, chunks)]
