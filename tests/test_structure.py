@@ -152,3 +152,18 @@ def test_no_private_reach_ins():
             ):
                 found.append(f"{m}: {node.value.id}.{node.attr}")
     assert not found, found
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_is_longer_than_60_lines():
+    # def line to last line, docstring included: a longer one is split at its phase boundaries
+    long = [
+        f"{m}.{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
+        for m, tree in TREES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, long

@@ -91,19 +91,32 @@ def run_verify(args: argparse.Namespace) -> int:
                     damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
                 bad_chunks += 1
     progress.close()
+    return _summary(args.path, reader.kind, arrays, n_jobs, damaged, bad_chunks)
+
+
+def _summary(
+    path: str,
+    kind: str,
+    arrays: list[ArrayEntry],
+    n_jobs: int,
+    damaged: dict[str, list[str]],
+    bad_chunks: int,
+) -> int:
+    """Print the last line of ``jaxckpt verify``; the exit code (0: undamaged)."""
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
-        what = f"every chunk readable ({reader.kind} stores no checksums)"
+        what = f"every chunk readable ({kind} stores no checksums)"
         print(
-            f"OK: {args.path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
-            f"{human_bytes(nbytes)} read, " + (what if foreign else "every checksum matches")
+            f"OK: {path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
+            f"{human_bytes(nbytes)} read, "
+            + (what if kind != "jaxckpt" else "every checksum matches")
         )
         return 0
     bad = "; ".join(
         f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})" for k, v in damaged.items()
     )
     print(
-        f"DAMAGED: {args.path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
+        f"DAMAGED: {path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
         f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
         f"earlier checkpoint, or restore the undamaged keys with "
         f"jaxckpt.restore(..., keys=[...])."

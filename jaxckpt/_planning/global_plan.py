@@ -153,33 +153,8 @@ def create_global_save_plan(
     (:func:`jaxckpt._planning.packing.plan_packs`), each written whole by the least-loaded process that
     holds all its members.
     """
-    prng = prng or {}
-    entries: dict[str, Any] = {}
-    layouts = {}
-    holders: dict[int, int] = {}  # id(layout) -> processes holding each box: one pass per layout
     taken: set[str] = set()
-    for key, leaf in leaves.items():
-        if not is_array(leaf):
-            entries[key] = ValueEntry(key, leaf)
-            continue
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-        if isinstance(leaf, jax.Array):
-            lay = _layout.layout(shape, leaf.sharding)
-            sharding = str(leaf.sharding)
-        else:
-            lay, sharding = _layout.host_layout(shape, process_count), None
-        layouts[key] = lay
-        limit = chunk_limit(lay, dtype.itemsize, max_chunk_bytes, holders)
-        entries[key] = ArrayEntry(
-            key=key,
-            shape=shape,
-            dtype=dtype.name,
-            storage_dtype=_manifest.storage_dtype_name(dtype),
-            chunks=chunk_shape(lay.box, dtype.itemsize, limit),
-            path=storage_name(key, taken),
-            prng_impl=prng.get(key),
-            sharding=sharding,
-        )
+    entries, layouts = _entries(leaves, prng or {}, max_chunk_bytes, process_count, taken)
     packed, packs = _pack.plan_packs(
         {k: entries[k] for k in layouts},
         layouts,
@@ -190,22 +165,7 @@ def create_global_save_plan(
     entries.update(packed)
     plain = [k for k in layouts if k not in packed]
     balancer = _layout.Balancer(lowest=lowest)
-    arrays = {}
-    by_size = sorted(
-        plain,
-        key=lambda k: (
-            -math.prod(layouts[k].box) * entries[k].nbytes // max(math.prod(entries[k].shape), 1)
-        ),
-    )
-    for key in by_size:
-        lay = layouts[key]
-        e = entries[key]
-        writers = balancer.assign(
-            lay, math.prod(lay.box) * _manifest.dtype_from_name(e.dtype).itemsize
-        )
-        arrays[key] = ArrayPlan(
-            e, lay.box, lay.offsets, lay.processes[writers], lay.device_ids[writers]
-        )
+    arrays = _assign_writers(plain, layouts, entries, balancer)
     pack_plans = _pack.assign(packs, balancer.proc_loads, lowest=lowest)
     for p in pack_plans:
         arrays[p.entry.key] = ArrayPlan(
@@ -233,6 +193,68 @@ def create_global_save_plan(
     )
     validate_global_plan(plan)
     return plan
+
+
+def _entries(
+    leaves: dict[str, Any],
+    prng: dict[str, str],
+    max_chunk_bytes: int,
+    process_count: int,
+    taken: set[str],
+) -> tuple[dict[str, Any], dict[str, _layout.Layout]]:
+    """Each leaf's manifest entry, and each array's layout (storage names join ``taken``)."""
+    entries: dict[str, Any] = {}
+    layouts = {}
+    holders: dict[int, int] = {}  # id(layout) -> processes holding each box: one pass per layout
+    for key, leaf in leaves.items():
+        if not is_array(leaf):
+            entries[key] = ValueEntry(key, leaf)
+            continue
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        if isinstance(leaf, jax.Array):
+            lay = _layout.layout(shape, leaf.sharding)
+            sharding = str(leaf.sharding)
+        else:
+            lay, sharding = _layout.host_layout(shape, process_count), None
+        layouts[key] = lay
+        limit = chunk_limit(lay, dtype.itemsize, max_chunk_bytes, holders)
+        entries[key] = ArrayEntry(
+            key=key,
+            shape=shape,
+            dtype=dtype.name,
+            storage_dtype=_manifest.storage_dtype_name(dtype),
+            chunks=chunk_shape(lay.box, dtype.itemsize, limit),
+            path=storage_name(key, taken),
+            prng_impl=prng.get(key),
+            sharding=sharding,
+        )
+    return entries, layouts
+
+
+def _assign_writers(
+    plain: list[str],
+    layouts: dict[str, _layout.Layout],
+    entries: dict[str, Any],
+    balancer: _layout.Balancer,
+) -> dict[str, ArrayPlan]:
+    """The plan of each unpacked array: its boxes' writers, largest shard first."""
+    arrays = {}
+    by_size = sorted(
+        plain,
+        key=lambda k: (
+            -math.prod(layouts[k].box) * entries[k].nbytes // max(math.prod(entries[k].shape), 1)
+        ),
+    )
+    for key in by_size:
+        lay = layouts[key]
+        e = entries[key]
+        writers = balancer.assign(
+            lay, math.prod(lay.box) * _manifest.dtype_from_name(e.dtype).itemsize
+        )
+        arrays[key] = ArrayPlan(
+            e, lay.box, lay.offsets, lay.processes[writers], lay.device_ids[writers]
+        )
+    return arrays
 
 
 def chunk_limit(

@@ -89,21 +89,9 @@ def plan_packs(
     """
     if pack_bytes <= 0:
         return {}, []
-    limit = min(SPLIT_PACK_FACTOR * pack_bytes, max_chunk_bytes)
-    groups: dict[tuple[str, tuple[int, ...]], list[ArrayEntry]] = {}
-    seen: dict[int, tuple[int, ...]] = {}  # layouts are shared between arrays: one pass each
-    for key, e in entries.items():
-        lay = layouts[key]
-        if e.nbytes > limit or not (e.nbytes <= pack_bytes or _shard_bytes(e, lay) <= pack_bytes):
-            continue
-        who = seen.get(id(lay))
-        if who is None:
-            who = seen[id(lay)] = holders(lay)
-        if who:
-            groups.setdefault((e.storage_dtype, who), []).append(e)
     packed: dict[str, ArrayEntry] = {}
     packs = []
-    for (sdtype, who), members in groups.items():
+    for (sdtype, who), members in _groups(entries, layouts, pack_bytes, max_chunk_bytes).items():
         itemsize = dtype_from_name(sdtype).itemsize
         total = sum(e.size for e in members) * itemsize
         spread = max(1, min(len(who), total // pack_bytes))
@@ -132,6 +120,28 @@ def plan_packs(
                 offset += e.size
             packs.append((pack, tuple(e.key for e in part), who))
     return packed, packs
+
+
+def _groups(
+    entries: dict[str, ArrayEntry],
+    layouts: dict[str, Layout],
+    pack_bytes: int,
+    max_chunk_bytes: int,
+) -> dict[tuple[str, tuple[int, ...]], list[ArrayEntry]]:
+    """The arrays that may be packed, by (storage dtype, holder processes), in key order."""
+    limit = min(SPLIT_PACK_FACTOR * pack_bytes, max_chunk_bytes)
+    groups: dict[tuple[str, tuple[int, ...]], list[ArrayEntry]] = {}
+    seen: dict[int, tuple[int, ...]] = {}  # layouts are shared between arrays: one pass each
+    for key, e in entries.items():
+        lay = layouts[key]
+        if e.nbytes > limit or not (e.nbytes <= pack_bytes or _shard_bytes(e, lay) <= pack_bytes):
+            continue
+        who = seen.get(id(lay))
+        if who is None:
+            who = seen[id(lay)] = holders(lay)
+        if who:
+            groups.setdefault((e.storage_dtype, who), []).append(e)
+    return groups
 
 
 def _shard_bytes(e: ArrayEntry, lay: Layout) -> int:

@@ -86,6 +86,7 @@ def convert_checkpoint(
     progress: bool | None,
     max_chunk_bytes: int | None = None,
 ) -> Manifest:
+    """:func:`convert`, with the CLI's choices of where progress goes and whether it shows."""
     limit = BLOCK_BYTES if max_chunk_bytes is None else max_chunk_bytes
     if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 1:
         raise ValueError(
@@ -94,24 +95,8 @@ def convert_checkpoint(
         )
     limit = int(limit)  # a numpy integer would reach the manifest's JSON
     source, reader = _sources.open_source(_location.Location(src))
-    taken: set[str] = set()
-    entries: dict[str, Any] = {}
-    for key, e in source.entries.items():
-        if isinstance(e, ArrayEntry):
-            e = ArrayEntry(
-                key=key,
-                shape=e.shape,
-                dtype=e.dtype,
-                storage_dtype=_manifest.storage_dtype_name(_manifest.dtype_from_name(e.dtype)),
-                chunks=_row_blocks(e, limit),
-                path=storage_name(key, taken),
-                prng_impl=e.prng_impl,
-                sharding=e.sharding,
-            )
-        entries[key] = e
-    created = {"jaxckpt": __version__, "converted_from": reader.kind}
-    manifest = Manifest(tree=source.tree, entries=entries, created=created)
-    arrays = {k: e for k, e in entries.items() if isinstance(e, ArrayEntry)}
+    manifest = _converted(source, reader.kind, limit)
+    arrays = {k: e for k, e in manifest.entries.items() if isinstance(e, ArrayEntry)}
     items = [
         ReadItem(k, off, size)
         for k, e in arrays.items()
@@ -141,6 +126,28 @@ def convert_checkpoint(
     finally:
         line.close()
     return manifest
+
+
+def _converted(source: Manifest, kind: str, limit: int) -> Manifest:
+    """The manifest of ``source`` as a jaxckpt checkpoint: its arrays in row-block chunks of at
+    most ``limit`` bytes, under jaxckpt's storage names."""
+    taken: set[str] = set()
+    entries: dict[str, Any] = {}
+    for key, e in source.entries.items():
+        if isinstance(e, ArrayEntry):
+            e = ArrayEntry(
+                key=key,
+                shape=e.shape,
+                dtype=e.dtype,
+                storage_dtype=_manifest.storage_dtype_name(_manifest.dtype_from_name(e.dtype)),
+                chunks=_row_blocks(e, limit),
+                path=storage_name(key, taken),
+                prng_impl=e.prng_impl,
+                sharding=e.sharding,
+            )
+        entries[key] = e
+    created = {"jaxckpt": __version__, "converted_from": kind}
+    return Manifest(tree=source.tree, entries=entries, created=created)
 
 
 def _row_blocks(e: ArrayEntry, limit: int) -> tuple[int, ...]:
