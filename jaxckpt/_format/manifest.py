@@ -169,7 +169,7 @@ class Manifest:
     def to_json(self) -> bytes:
         """``manifest.json``'s bytes: one line per top-level field and per entry."""
         # One line per top-level field and per entry: readable with `less`, diffable, and
-        # encoded by json's C encoder (indent= would switch to the ~10x slower Python one).
+        # encoded by json's C encoder (indent= would switch to the much slower Python one).
         dump = functools.partial(json.dumps, allow_nan=False)
         head = {
             "format": FORMAT,

@@ -148,10 +148,10 @@ def create_global_save_plan(
 ) -> GlobalSavePlan:
     """The default global plan: chunk grids, packs, deduplicated balanced writers, the manifest.
 
-    Arrays are assigned largest shard first (the seed's greedy, by bytes); see
-    :class:`jaxckpt._layout.Balancer`. Arrays of at most ``pack_bytes`` share packs
-    (:func:`jaxckpt._planning.packing.plan_packs`), each written whole by the least-loaded process that
-    holds all its members.
+    Arrays are assigned largest shard first (the greedy of PyTorch DCP's default planner, by
+    bytes); see :class:`jaxckpt._planning.layout.Balancer`. Arrays of at most ``pack_bytes``
+    share packs (:func:`jaxckpt._planning.packing.plan_packs`), each written whole by the
+    least-loaded process that holds all its members.
     """
     taken: set[str] = set()
     entries, layouts = _entries(leaves, prng or {}, max_chunk_bytes, process_count, taken)

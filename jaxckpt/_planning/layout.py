@@ -5,7 +5,7 @@ one), the box it holds, as numpy arrays. For a ``NamedSharding`` it is computed 
 and the ``PartitionSpec`` directly (no per-device Python objects), so a 32,768-device job plans
 in milliseconds per array; other shardings go through ``devices_indices_map``.
 
-Assignment is the seed's greedy dedup ("give each replicated box to its least-loaded holder,
+Assignment is the greedy dedup of PyTorch DCP's default planner ("give each replicated box to its least-loaded holder,
 largest first"), done one array at a time: within one array every device holds exactly one box,
 so the replica groups are disjoint and the greedy choice for all boxes is one ``argmin``.
 """

@@ -28,7 +28,7 @@ _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return
 DEFAULT_MAX_HOST_BYTES = 128 << 20
 _WHOLE = "whole"  # placement slot of an array put whole with its target sharding
 # Arrays up to this size whose target is all on this host are read and put whole: below it a
-# device_put per shard (~60 us each) costs more than the copy the batched put makes.
+# device_put per shard costs more than the copy the batched put makes (docs/benchmarks.md).
 _WHOLE_BYTES = 1 << 20
 
 

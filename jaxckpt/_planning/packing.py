@@ -26,16 +26,17 @@ from jaxckpt._format.manifest import ArrayEntry, PackEntry, dtype_from_name
 from jaxckpt._format.names import ARRAYS
 from jaxckpt._planning.layout import Layout
 
-# Measured on the 2,000 x 1 KiB and a mixed workload (docs/benchmarks.md): leaves up to
-# 256 KiB hold nearly all the files of a real training state, and copying them into a pack
-# costs less than a file each; above that a leaf's own file costs little beside its bytes.
+# Leaves up to 256 KiB hold nearly all the files of a real training state, and copying them
+# into a pack costs less than a file each; above that a leaf's own file costs little beside
+# its bytes (docs/benchmarks.md).
 DEFAULT_PACK_BYTES = 256 << 10
-# A sharded array is written as a file per shard: 100 arrays of 390 KiB over 8 devices are 800
-# files of 49 KiB, and saved 5x slower than packed (docs/benchmarks.md). So an array up to this
+# A sharded array is written as a file per shard, so mid-sized arrays sharded over several
+# devices become many small files, as slow to save as unpacked small arrays
+# (docs/benchmarks.md). So an array up to this
 # many times pack_bytes is packed too when its shards are each at most pack_bytes. Bounded,
 # because a packed array is read whole by each host that needs part of it. Shards, not chunks:
 # a replicated array is cut into a chunk per holder process so that their reads are shared
-# (jaxckpt._global_plan.chunk_limit), and packing it would undo that.
+# (jaxckpt._planning.global_plan.chunk_limit), and packing it would undo that.
 SPLIT_PACK_FACTOR = 4
 
 

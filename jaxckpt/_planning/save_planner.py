@@ -328,9 +328,8 @@ class DefaultSavePlanner(SavePlanner):
             else:
                 sources.update({(key, d): self._shard(key, leaf, d).data for d in devs})
         # Dispatched from a pool thread: XLA's CPU client then runs the copies on its own
-        # threads, after the call returns. Called from the main thread it ran them inline, one
-        # at a time (jax 0.10.2): the first save_async of a process returned after 0.15 s
-        # instead of 0.07 s (medians of 10 fresh processes, docs/benchmarks.md).
+        # threads, after the call returns. Called from the main thread it runs them inline, one
+        # at a time, and the first save_async of a process returns later (docs/benchmarks.md).
         put = functools.partial(jax.device_put, list(sources.values()), may_alias=False)
         copies = dict(zip(sources, pools.stage_pool().submit(put).result()))
 

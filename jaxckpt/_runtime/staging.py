@@ -41,8 +41,8 @@ def _allocate(nbytes: int) -> np.ndarray:
     """A host buffer: large ones page-aligned from a mapping of their own (unmapped with it).
 
     Not on huge pages: the first huge-page fault of a fresh process can wait for the kernel
-    to compact memory (0.3-1.0 s for 400 MiB on the test machine, against 0.11-0.15 s with
-    4 KiB pages and the copy split over two threads, see :meth:`Arena.copy_all`).
+    to compact memory, longer than 4 KiB pages take with the copy split over threads (see
+    :meth:`Arena.copy_all`; docs/benchmarks.md).
     """
     if nbytes >= _MAPPED and hasattr(mmap, "MAP_ANONYMOUS"):
         try:

@@ -4,7 +4,7 @@ A jaxckpt array on a local disk is a zarr v3 array whose codecs are ``bytes`` (l
 and, by default, ``crc32c``: each chunk file holds the chunk's elements in C order, at full
 chunk shape even at the array's edge, then the 4-byte little-endian CRC-32C of those bytes.
 tensorstore reads such a file into a buffer of its own, checks it and copies the decoded chunk
-out; profiling put that path at ~75% of a restore (docs/benchmarks.md). Here a chunk that a box
+out, a second copy of every byte that dominated restores (docs/benchmarks.md). Here a chunk that a box
 needs whole is read by one ``preadv`` into the box's own buffer (which CPU devices then alias)
 and checked there, so each byte is copied once, from the page cache. A chunk that boxes need
 only part of (a resharded restore) is read once for all the boxes in flight that need it, in
@@ -41,7 +41,7 @@ from jaxckpt._runtime import pools
 try:
     import google_crc32c
 
-    _CRC = google_crc32c.implementation == "c"  # the pure-Python fallback is ~1000x slower
+    _CRC = google_crc32c.implementation == "c"  # the pure-Python one is too slow for array data
 except ImportError:  # pragma: no cover - a core dependency; kept optional for odd platforms
     _CRC = False
 
@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - a core dependency; kept optional for o
 def _native_extend() -> Callable[[int, int, int], int] | None:
     """google-crc32c's C ``crc32c_extend``, called through ctypes, which drops the GIL for the
     call: the extension's own ``value()`` holds it, so the checksums of chunks read by several
-    threads ran one at a time and stalled the restore's Python thread (~40 ms per 400 MiB).
+    threads would run one at a time and stall the restore's Python thread (docs/benchmarks.md).
     ``None`` where the symbol cannot be found or fails a known answer (then ``value()``)."""
     try:
         from google_crc32c import _crc32c  # the C extension; the symbol is in its library

@@ -20,7 +20,8 @@ from jaxckpt._format.manifest import MANIFEST
 from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
 
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
-# Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs
+# Files are not fsynced one by one (that multiplies the cost of many small arrays,
+# docs/benchmarks.md); the commit syncs
 # the staging dir's file system once before writing the manifest.
 CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
 
