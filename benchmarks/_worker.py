@@ -72,8 +72,12 @@ def _save(spec: dict) -> dict:
         times.append(time.perf_counter() - t)
         if path != spec["keep"]:
             shutil.rmtree(path)
-    return {"cold": times[0], "warm": times[1:], "disk_bytes": _du(spec["keep"]),
-            "state_bytes": _state.nbytes(state)}  # fmt: skip
+    return {
+        "cold": times[0],
+        "warm": times[1:],
+        "disk_bytes": _du(spec["keep"]),
+        "state_bytes": _state.nbytes(state),
+    }
 
 
 def _check_shardings(out, target) -> None:
@@ -102,8 +106,12 @@ def _restore(spec: dict) -> dict:
     """Restore onto the saving mesh (first call: cold), then, if asked, onto another mesh."""
     lib = _libs.LIBS[spec["lib"]]()
     same = _restore_onto(lib, spec, [4, 2], cold=True)
-    out = {"cold": same["times"][0], "warm": same["times"][1:], "bytes_read": same["bytes_read"],
-           "bytes_needed": same["bytes_needed"]}  # fmt: skip
+    out = {
+        "cold": same["times"][0],
+        "warm": same["times"][1:],
+        "bytes_read": same["bytes_read"],
+        "bytes_needed": same["bytes_needed"],
+    }
     if spec.get("reshard"):  # after the cold call above: only warm calls here
         at_least_one = {**spec, "runs": max(spec["runs"], 1)}
         out["reshard"] = _restore_onto(lib, at_least_one, list(spec["reshard"]), cold=False)

@@ -41,8 +41,12 @@ WORKLOADS = ("big", "small", "reshard", "async", "memory", "plan", "orbax-read",
 LIBS = ("jaxckpt", "orbax", "jax.array_serialization", "raw numpy", "raw numpy+fsync")
 RAW = ("raw numpy", "raw numpy+fsync")  # no async save; the durable one's memory is raw's
 # One process per library; jaxckpt measures its blocking save, then its async one.
-MEMORY_MODES = {"jaxckpt": ["blocking", "async"], "orbax": ["async"],
-                "jax.array_serialization": ["blocking"], "raw numpy": ["blocking"]}  # fmt: skip
+MEMORY_MODES = {
+    "jaxckpt": ["blocking", "async"],
+    "orbax": ["async"],
+    "jax.array_serialization": ["blocking"],
+    "raw numpy": ["blocking"],
+}
 
 
 def _spawn(spec: dict, log: list[str]) -> dict | None:
@@ -85,8 +89,17 @@ def measure(args: argparse.Namespace) -> dict:
     def spawn(spec: dict, log: list[str]) -> dict | None:
         return _spawn({**spec, "budget_s": args.budget_s}, log)
 
-    res: dict = {"log": log, "runs": runs, "save": {}, "restore": {}, "reshard": {},
-                 "async": {}, "memory": {}, "plan": [], "orbax_read": {}}  # fmt: skip
+    res: dict = {
+        "log": log,
+        "runs": runs,
+        "save": {},
+        "restore": {},
+        "reshard": {},
+        "async": {},
+        "memory": {},
+        "plan": [],
+        "orbax_read": {},
+    }
     for w in ("big", "small"):
         reshard = w == "big" and "reshard" in args.workload
         if w not in args.workload and not reshard:
@@ -121,8 +134,13 @@ def measure(args: argparse.Namespace) -> dict:
         libs = [x for x in args.libs if x not in RAW]
         for p in range(args.async_procs):
             for lib in libs if p == 0 else [x for x in libs if x in ("jaxckpt", "orbax")]:
-                spec = {"task": "async", "lib": lib, "runs": runs if p == 0 else 0,
-                        "root": f"{root}/async", "device_get": lib == "jaxckpt" and p == 0}  # fmt: skip
+                spec = {
+                    "task": "async",
+                    "lib": lib,
+                    "runs": runs if p == 0 else 0,
+                    "root": f"{root}/async",
+                    "device_get": lib == "jaxckpt" and p == 0,
+                }
                 r = spawn(spec, log)
                 if r and p == 0:
                     res["async"][lib] = {**r, "cold": [r["cold"]]}
@@ -152,8 +170,13 @@ def measure(args: argparse.Namespace) -> dict:
                 ):
                     continue
                 runs = 0 if f"{lib}:{point}" in args.scaling_cold else args.scaling_runs
-                spec = {"task": "scaling", "lib": lib, "workload": point, "runs": runs,
-                        "root": f"{root}/scaling"}  # fmt: skip
+                spec = {
+                    "task": "scaling",
+                    "lib": lib,
+                    "workload": point,
+                    "runs": runs,
+                    "root": f"{root}/scaling",
+                }
                 r = spawn(spec, log)
                 if r:
                     res["scaling"][(lib, point)] = r
@@ -181,9 +204,11 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
     out, targets = [], []
     n = res["runs"]
     add = out.append
-    add(f"Command: `{argv}`  \nMachine: {platform.machine()}, {os.cpu_count()} CPUs, "
+    add(
+        f"Command: `{argv}`  \nMachine: {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}. Times in seconds: "
-        f"warm = median of {n} calls after the first; cold = first call in a fresh process.\n")  # fmt: skip
+        f"warm = median of {n} calls after the first; cold = first call in a fresh process.\n"
+    )
     sv, rs = res["save"], res["restore"]
     for w in ("big", "small"):
         if not any(k[1] == w for k in sv):
@@ -203,8 +228,13 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
                         cell += f" (n={len(r['warm'])})"
                     cells.append(cell)
                 add(f"| {op} {kind} | " + " | ".join(cells) + " |")
-        add("| on disk, MiB | " + " | ".join(
-            _s(sv[(lib, w)]["disk_bytes"] / 2**20) if (lib, w) in sv else "—" for lib in libs) + " |")  # fmt: skip
+        add(
+            "| on disk, MiB | "
+            + " | ".join(
+                _s(sv[(lib, w)]["disk_bytes"] / 2**20) if (lib, w) in sv else "—" for lib in libs
+            )
+            + " |"
+        )
         others = [x for x in libs if x != "jaxckpt"]
         if not others or "jaxckpt" not in libs:
             continue
@@ -249,17 +279,24 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
         add("Warm calls only (they follow the cold same-mesh restores in the same process).\n")
         add("| | " + " | ".join(libs) + " |")
         add("|---" * (len(libs) + 1) + "|")
-        add("| restore warm | " + " | ".join(
-            _s(_med(rr[lib]["times"])) if lib in rr else "—" for lib in libs) + " |")  # fmt: skip
-        rows = [("bytes read ÷ needed, reshard (first call)", lambda lib: rr.get(lib), 0),
-                ("bytes read ÷ needed, same mesh, cold", lambda lib: base.get((lib, "big")), 0),
-                ("bytes read ÷ needed, same mesh, warm", lambda lib: base.get((lib, "big")), -1)]  # fmt: skip
+        add(
+            "| restore warm | "
+            + " | ".join(_s(_med(rr[lib]["times"])) if lib in rr else "—" for lib in libs)
+            + " |"
+        )
+        rows = [
+            ("bytes read ÷ needed, reshard (first call)", lambda lib: rr.get(lib), 0),
+            ("bytes read ÷ needed, same mesh, cold", lambda lib: base.get((lib, "big")), 0),
+            ("bytes read ÷ needed, same mesh, warm", lambda lib: base.get((lib, "big")), -1),
+        ]
         for name, get, i in rows if base else rows[:1]:
             add(f"| {name} | " + " | ".join(_read_ratio(get(lib), i) for lib in libs) + " |")
-        add("\nBytes read: tensorstore's `/tensorstore/kvstore/file/bytes_read` (raw numpy: bytes "
+        add(
+            "\nBytes read: tensorstore's `/tensorstore/kvstore/file/bytes_read` (raw numpy: bytes "
             "returned by `fromfile`); needed: the distinct target shards' bytes. *cached*: under "
             "5% of the bytes came from disk, the rest from the library's in-process cache; "
-            "orbax stores compressed chunks, so it can read less than it restores.")  # fmt: skip
+            "orbax stores compressed chunks, so it can read less than it restores."
+        )
         if "jaxckpt" in rr:
             x = rr["jaxckpt"]["bytes_read"][0] / rr["jaxckpt"]["bytes_needed"]
             targets.append(("10.4 reshard bytes read ÷ needed", f"{x:.2f}", "≤ 1.15", x <= 1.15))
@@ -277,8 +314,8 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
         if "orbax" in o and "jaxckpt" in o:
             for kind in ("warm", "cold"):
                 x = med(o["orbax"][kind]) / med(o["jaxckpt"][kind])
-                targets.append((f"orbax checkpoint restore {kind}: orbax ÷ jaxckpt", f"{x:.2f}×",
-                                "≥ 1×", x >= 1.0))  # fmt: skip
+                name = f"orbax checkpoint restore {kind}: orbax ÷ jaxckpt"
+                targets.append((name, f"{x:.2f}×", "≥ 1×", x >= 1.0))
     if res["async"]:
         a = res["async"]
         add("\n### `async`: time until the save call returns (`big`)\n")
@@ -293,13 +330,15 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
         if "device_get" in a.get("jaxckpt", {}):
             add(f"| `jax.device_get` (floor) | {_s(_med(a['jaxckpt']['device_get']))} | — | — |")
         if "jax.array_serialization" in a:
-            add("\n`jax.array_serialization.nonblocking_save` returns before copying anything: "
-                "the caller must not donate or delete the arrays until it finishes.")  # fmt: skip
+            add(
+                "\n`jax.array_serialization.nonblocking_save` returns before copying anything: "
+                "the caller must not donate or delete the arrays until it finishes."
+            )
         if "jaxckpt" in a and "orbax" in a:
             for kind in ("warm", "cold"):
                 x, y = med(a["jaxckpt"][kind]), med(a["orbax"][kind])
-                targets.append((f"13.3 save_async returns, {kind}: jaxckpt ÷ orbax",
-                                f"{x / y:.2f}×", "≤ 1×", x <= y))  # fmt: skip
+                name = f"13.3 save_async returns, {kind}: jaxckpt ÷ orbax"
+                targets.append((name, f"{x / y:.2f}×", "≤ 1×", x <= y))
         if "jaxckpt" in a:  # 13.3: the whole async save no slower than when the issue was filed
             x = _med(a["jaxckpt"]["total_warm"])
             targets.append(
@@ -307,8 +346,10 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
             )
     if res["memory"]:
         add("\n### `memory`: peak RSS growth during one save or restore of `big`, ÷ state size\n")
-        add("A restore's growth includes the restored arrays (on CPU devices: host memory), so "
-            "1.00 is its floor.\n")  # fmt: skip
+        add(
+            "A restore's growth includes the restored arrays (on CPU devices: host memory), so "
+            "1.00 is its floor.\n"
+        )
         add("| library | mode | growth MiB | ÷ state |")
         add("|---|---|---|---|")
         for (lib, mode), r in res["memory"].items():
@@ -317,22 +358,20 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
             add(f"| {lib} | {label} | {r['growth'] / 2**20:.0f} | {g:.2f} |")
             if lib == "jaxckpt":
                 goal = {"blocking": 0.25, "async": 1.05, "restore": 1.15}[mode]
-                targets.append(
-                    (
-                        f"peak memory growth, {mode}" + (" save" if mode != "restore" else ""),
-                        f"{g:.2f}×",
-                        f"≤ {goal}×",
-                        g <= goal,
-                    )
-                )
+                name = f"peak memory growth, {mode}" + (" save" if mode != "restore" else "")
+                targets.append((name, f"{g:.2f}×", f"≤ {goal}×", g <= goal))
     if res["plan"]:
         add("\n### `plan`: save planning on a simulated job (process 0's view)\n")
-        add("| processes × 8 devices | arrays | shard boxes | this process's items | plan s | cached plan s | manifest KiB | peak RSS growth MiB |")  # fmt: skip
+        add(
+            "| processes × 8 devices | arrays | shard boxes | this process's items | plan s | cached plan s | manifest KiB | peak RSS growth MiB |"
+        )
         add("|---|---|---|---|---|---|---|---|")
         for r in res["plan"]:
-            add(f"| {r['processes']:,} × 8 = {r['devices']:,} | {r['arrays']:,} | {r['boxes']:,} | "
+            add(
+                f"| {r['processes']:,} × 8 = {r['devices']:,} | {r['arrays']:,} | {r['boxes']:,} | "
                 f"{r['local_items']:,} | {_s(r['plan_s'])} | {_s(r['cached_s'])} | "
-                f"{r['manifest_bytes'] / 1024:.0f} | {r['peak_rss_growth_mb']:.0f} |")  # fmt: skip
+                f"{r['manifest_bytes'] / 1024:.0f} | {r['peak_rss_growth_mb']:.0f} |"
+            )
     if res.get("scaling"):
         _scaling_report(res["scaling"], libs, add)
     if targets:
@@ -352,12 +391,14 @@ def _scaling_report(sc: dict, libs: tuple[str, ...], add) -> None:
     points = list(dict.fromkeys(k[1] for k in sc))
     n = max(len(r["save"]) - 1 for r in sc.values())
     add("\n### `scaling`: cost against state size (64 leaves) and leaf count (39 MiB)\n")
-    add(f"One process per library and point: a cold save (first call), {n} warm one(s), then "
+    add(
+        f"One process per library and point: a cold save (first call), {n} warm one(s), then "
         f"restores of that checkpoint in the same process (first, then {n} warm; the process "
         "has already saved, so the first restore is not a cold process). Seconds; "
-        "warm (cold) for saves, warm (first) for restores; — = not run.\n")  # fmt: skip
-    add("| point | MiB | leaves | " + " | ".join(f"{x} save" for x in libs) + " | "
-        + " | ".join(f"{x} restore" for x in libs) + " | files: " + " / ".join(libs) + " |")  # fmt: skip
+        "warm (cold) for saves, warm (first) for restores; — = not run.\n"
+    )
+    saves, restores = (" | ".join(f"{x} {op}" for x in libs) for op in ("save", "restore"))
+    add(f"| point | MiB | leaves | {saves} | {restores} | files: {' / '.join(libs)} |")
     add("|---" * (3 + 2 * len(libs) + 1) + "|")
     for point in points:
         one = next(v for k, v in sc.items() if k[1] == point)
@@ -371,15 +412,18 @@ def _scaling_report(sc: dict, libs: tuple[str, ...], add) -> None:
                     continue
                 warm = _med(r[op][1:])
                 cells.append(f"{_s(warm)} ({_s(r[op][0])})" if r[op][1:] else f"— ({_s(r[op][0])})")
-        cells.append(" / ".join(f"{sc[(x, point)]['files']:,}" if (x, point) in sc else "—"
-                                for x in libs))  # fmt: skip
+        cells.append(
+            " / ".join(f"{sc[(x, point)]['files']:,}" if (x, point) in sc else "—" for x in libs)
+        )
         add("| " + " | ".join(cells) + " |")
     if "jaxckpt" in libs:
-        add("\njaxckpt speed-up at each point (their warm time ÷ jaxckpt's; both cold where the "
-            "other ran no warm call):\n")  # fmt: skip
+        add(
+            "\njaxckpt speed-up at each point (their warm time ÷ jaxckpt's; both cold where the "
+            "other ran no warm call):\n"
+        )
         others = [x for x in libs if x != "jaxckpt"]
-        add("| point | " + " | ".join(f"save vs {x}" for x in others) + " | "
-            + " | ".join(f"restore vs {x}" for x in others) + " |")  # fmt: skip
+        saves, restores = (" | ".join(f"{op} vs {x}" for x in others) for op in ("save", "restore"))
+        add(f"| point | {saves} | {restores} |")
         add("|---" * (1 + 2 * len(others)) + "|")
         for point in points:
             ours = sc.get(("jaxckpt", point))

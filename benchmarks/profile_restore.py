@@ -110,8 +110,10 @@ def main() -> None:
         ("device_put (batched)", _median(put, args.runs)),
         ("python in jaxckpt (self)", own),
     ]
-    print(f"{args.workload}: {len(items)} boxes, {nbytes / 2**20:.0f} MiB, "
-          f"{len(manifest.entries)} keys; medians of {args.runs}")  # fmt: skip
+    print(
+        f"{args.workload}: {len(items)} boxes, {nbytes / 2**20:.0f} MiB, "
+        f"{len(manifest.entries)} keys; medians of {args.runs}"
+    )
     print("| part | s | ÷ restore |\n|---|---|---|")
     for name, t in rows:
         print(f"| {name} | {t:.3f} | {t / rows[0][1]:.2f} |")

@@ -97,8 +97,13 @@ def _no_crc(kvstore, entry):
 
 
 @contextlib.contextmanager
-def variant(no_syncfs: bool = False, no_crc: bool = False, flush=None, context=None,
-            early_writeback: bool = True):  # fmt: skip
+def variant(
+    no_syncfs: bool = False,
+    no_crc: bool = False,
+    flush=None,
+    context=None,
+    early_writeback: bool = True,
+):
     _writeback.enabled = early_writeback
     flush = (lambda path: None) if no_syncfs else flush or _ORIG["syncfs"]
     _storage._syncfs = _timed_flush(flush)

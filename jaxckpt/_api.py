@@ -10,12 +10,15 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.manifest import ArrayEntry, Manifest
+from jaxckpt._format.plan import SavePlan, WriteItem
+from jaxckpt._planning.global_plan import GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
 from jaxckpt._runtime import distributed as _distributed
@@ -30,8 +33,9 @@ logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike
 
 
-def save(path: PathLike, tree: Any, *, overwrite: bool = False,
-         planner: SavePlanner | None = None) -> None:  # fmt: skip
+def save(
+    path: PathLike, tree: Any, *, overwrite: bool = False, planner: SavePlanner | None = None
+) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
     Blocks until the checkpoint is committed. Replicated shards are written once, spread
@@ -59,8 +63,9 @@ def save(path: PathLike, tree: Any, *, overwrite: bool = False,
     _start_save(path, tree, overwrite=overwrite, planner=planner, stage=False).wait()
 
 
-def save_async(path: PathLike, tree: Any, *, overwrite: bool = False,
-               planner: SavePlanner | None = None) -> SaveHandle:  # fmt: skip
+def save_async(
+    path: PathLike, tree: Any, *, overwrite: bool = False, planner: SavePlanner | None = None
+) -> SaveHandle:
     """Like :func:`save`, but returns once the device data is staged on the host.
 
     The caller may then donate or overwrite the arrays; storage writes and the commit run in
@@ -135,79 +140,36 @@ class SaveHandle:
         return self.nbytes / t / 1e9 if t else 0.0
 
 
-def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlanner | None,
-                stage: bool) -> SaveHandle:  # fmt: skip
+def _start_save(
+    path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlanner | None, stage: bool
+) -> SaveHandle:
+    """Plan on every process, stage (if ``stage``), then write and commit: in the background
+    when staged, else here."""
     t0 = time.perf_counter()
     loc = _location.Location(path)
     planner = planner if planner is not None else DefaultSavePlanner()
     handle = SaveHandle(str(loc))
     # Made first, so that a failure on any process from here on reaches all of them.
     sync = _distributed.SaveSync(str(loc))
-
-    def plan() -> tuple[Any, Any]:
-        planner.set_up_planner(tree, process_index=sync.process, process_count=sync.count)
-        global_plan = planner.create_global_plan()
-        planner.check_global_plan(global_plan)
-        return global_plan, planner.finish_plan(global_plan)
-
-    global_plan, local = sync.run("plan", plan)
-    sync.agree(global_plan.digest)
+    global_plan, local = _plan_everywhere(sync, planner, tree)
     handle.timings["plan"] = time.perf_counter() - t0
-    writer = sync.run("open", lambda: _storage.Writer(loc, overwrite=overwrite,
-                      is_coordinator=sync.is_coordinator, broadcast=sync.broadcast))  # fmt: skip
+    writer = sync.run(
+        "open",
+        lambda: _storage.Writer(
+            loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
+        ),
+    )
     entries = _pack.storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     t1 = time.perf_counter()
     if stage:  # copy every item off the caller's buffers, which it may reuse once we return
-        # Items the planner cannot copy on the device go into a reused host arena. Never
-        # numpy views of the caller's CPU-device buffers: XLA may donate them under our feet.
-        arena = None
-        try:
-            detached = planner.detach(local.items)  # the default: device copies on CPU devices
-            rest = [i for n, i in enumerate(local.items) if n not in detached]
-            nbytes = _staging.staged_bytes([i.nbytes for i in rest])
-            arena = _staging.POOL.take(nbytes, reuse=loc.local is not None)  # see _staging
-            staged = iter(arena.copy_all([np.asarray(planner.resolve_data(i)) for i in rest]))
-            # lazy: a detached copy is read (and waited for) in the writer's thread
-            data = (
-                (i, detached[n]() if n in detached else next(staged))
-                for n, i in enumerate(local.items)
-            )
-        except BaseException as e:
-            err = sync.failed(e)  # the others stop too; returns once they stopped writing
-            writer.abort()
-            if arena is not None:
-                _staging.POOL.give_back(arena)
-            if err is e:
-                raise
-            raise err from e
+        data, arena = _stage(planner, local.items, loc, sync, writer)
     else:
         data = ((item, planner.resolve_data(item)) for item in local.items)
     handle.timings["stage"] = time.perf_counter() - t1
     pending = [data]  # popped by the writer, so nothing holds the staged bytes once written
 
     def run() -> None:
-        try:
-            t2 = time.perf_counter()
-            if sync.is_coordinator:
-                writer.open_arrays(entries.values(), create=True)
-            sync.barrier("created", wait_for_all=False)
-            if not sync.is_coordinator:
-                writer.open_arrays((entries[k] for k in {i.key for i in local.items}), create=False)
-            handle.nbytes = writer.write(entries, pending.pop())  # staged copies freed after
-            writer.flush()
-            sync.barrier("written")
-            t3 = time.perf_counter()
-            if sync.is_coordinator:
-                writer.commit(global_plan.manifest.to_json())
-            sync.barrier("committed", wait_for_all=False)
-            handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
-            logger.info("saved %s: %.1f MB at %.2f GB/s, %s", loc, handle.nbytes / 1e6, handle.gbps,
-                        {k: round(v, 3) for k, v in handle.timings.items()})  # fmt: skip
-        except BaseException as e:  # re-raised by wait()
-            handle._error = sync.failed(e)  # first: returns once the others stopped writing
-            writer.abort()
-        finally:
-            handle._finished.set()
+        _write_and_commit(handle, loc, sync, writer, entries, global_plan, local, pending)
 
     if stage:
 
@@ -224,8 +186,102 @@ def _start_save(path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlan
     return handle
 
 
-def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: bool = True,
-            planner: LoadPlanner | None = None) -> Any:  # fmt: skip
+def _plan_everywhere(
+    sync: _distributed.SaveSync, planner: SavePlanner, tree: Any
+) -> tuple[GlobalSavePlan, SavePlan]:
+    """The global plan every process agrees on (by digest), and this process's part of it."""
+
+    def plan() -> tuple[Any, Any]:
+        planner.set_up_planner(tree, process_index=sync.process, process_count=sync.count)
+        global_plan = planner.create_global_plan()
+        planner.check_global_plan(global_plan)
+        return global_plan, planner.finish_plan(global_plan)
+
+    global_plan, local = sync.run("plan", plan)
+    sync.agree(global_plan.digest)
+    return global_plan, local
+
+
+def _stage(
+    planner: SavePlanner,
+    items: Sequence[WriteItem],
+    loc: _location.Location,
+    sync: _distributed.SaveSync,
+    writer: _storage.Writer,
+) -> tuple[Iterator[tuple[WriteItem, Any]], _staging.Arena]:
+    """``(item, data)`` for each item, off the caller's buffers, and the arena holding them.
+
+    Items the planner cannot copy on the device go into a reused host arena. Never numpy views
+    of the caller's CPU-device buffers: XLA may donate them under our feet.
+    """
+    arena = None
+    try:
+        detached = planner.detach(items)  # the default: device copies on CPU devices
+        rest = [i for n, i in enumerate(items) if n not in detached]
+        nbytes = _staging.staged_bytes([i.nbytes for i in rest])
+        arena = _staging.POOL.take(nbytes, reuse=loc.local is not None)  # see _staging
+        staged = iter(arena.copy_all([np.asarray(planner.resolve_data(i)) for i in rest]))
+        # lazy: a detached copy is read (and waited for) in the writer's thread
+        data = ((i, detached[n]() if n in detached else next(staged)) for n, i in enumerate(items))
+    except BaseException as e:
+        err = sync.failed(e)  # the others stop too; returns once they stopped writing
+        writer.abort()
+        if arena is not None:
+            _staging.POOL.give_back(arena)
+        if err is e:
+            raise
+        raise err from e
+    return data, arena
+
+
+def _write_and_commit(
+    handle: SaveHandle,
+    loc: _location.Location,
+    sync: _distributed.SaveSync,
+    writer: _storage.Writer,
+    entries: dict[str, ArrayEntry],
+    global_plan: GlobalSavePlan,
+    local: SavePlan,
+    pending: list[Iterator[tuple[WriteItem, Any]]],
+) -> None:
+    """Create the arrays, write this process's items, commit; errors go to ``handle``."""
+    try:
+        t2 = time.perf_counter()
+        if sync.is_coordinator:
+            writer.open_arrays(entries.values(), create=True)
+        sync.barrier("created", wait_for_all=False)
+        if not sync.is_coordinator:
+            writer.open_arrays((entries[k] for k in {i.key for i in local.items}), create=False)
+        handle.nbytes = writer.write(entries, pending.pop())  # staged copies freed after
+        writer.flush()
+        sync.barrier("written")
+        t3 = time.perf_counter()
+        if sync.is_coordinator:
+            writer.commit(global_plan.manifest.to_json())
+        sync.barrier("committed", wait_for_all=False)
+        handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
+        logger.info(
+            "saved %s: %.1f MB at %.2f GB/s, %s",
+            loc,
+            handle.nbytes / 1e6,
+            handle.gbps,
+            {k: round(v, 3) for k, v in handle.timings.items()},
+        )
+    except BaseException as e:  # re-raised by wait()
+        handle._error = sync.failed(e)  # first: returns once the others stopped writing
+        writer.abort()
+    finally:
+        handle._finished.set()
+
+
+def restore(
+    path: PathLike,
+    target: Any = None,
+    *,
+    keys: Any = None,
+    strict: bool = True,
+    planner: LoadPlanner | None = None,
+) -> Any:
     """Restore a checkpoint onto ``target``'s shardings, or onto the host.
 
     Args:

@@ -320,8 +320,13 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         rep = NamedSharding(mesh, PartitionSpec())
 
         def save(path: Path, values: dict, sharding) -> None:
-            jaxckpt.save(path, {k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
-                                for k, v in values.items()})  # fmt: skip
+            jaxckpt.save(
+                path,
+                {
+                    k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
+                    for k, v in values.items()
+                },
+            )
 
         def restore_read(path: Path, values: dict, sharding, planner=None) -> int:
             """Bytes this process reads restoring ``values`` onto ``sharding``, bit-exact."""
@@ -341,8 +346,11 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         }
         save(work / "rep", vals, rep)
         fsdp = NamedSharding(mesh, PartitionSpec("a"))
-        for name, sharding, planner in (("shared", rep, None), ("mixed", fsdp, None),
-                ("unshared", rep, jaxckpt.DefaultLoadPlanner(share_reads=False))):  # fmt: skip
+        for name, sharding, planner in (
+            ("shared", rep, None),
+            ("mixed", fsdp, None),
+            ("unshared", rep, jaxckpt.DefaultLoadPlanner(share_reads=False)),
+        ):
             data[f"rep_read_{name}"] = restore_read(work / "rep", vals, sharding, planner)
         data["rep_bytes"] = sum(v.nbytes for v in vals.values())
         # Leading dimensions the 16 devices do not divide (a 3x3 conv kernel, a vocabulary of
@@ -400,9 +408,13 @@ def main(argv: list[str]) -> None:
         jax.config.update("jax_enable_recoverability", True)
         timeouts = dict(heartbeat_timeout_seconds=60, shutdown_timeout_seconds=10)
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", coordinator_bind_address=f"127.0.0.1:{port}",
-        num_processes=n, process_id=pid, initialization_timeout=60, **timeouts,
-    )  # fmt: skip
+        coordinator_address=f"127.0.0.1:{port}",
+        coordinator_bind_address=f"127.0.0.1:{port}",
+        num_processes=n,
+        process_id=pid,
+        initialization_timeout=60,
+        **timeouts,
+    )
     checks = _Checks(work / f"{stage}-{pid}.json")
     {"two": stage_two, "four": stage_four}[stage](checks, work, pid)
     # Skip the shutdown barrier: after the kill check one process is gone for good.

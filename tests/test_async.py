@@ -167,8 +167,9 @@ def test_handle_reports_timings_bytes_and_throughput(tmp_path, caplog):
 
     with jaxckpt.CheckpointManager(tmp_path / "run") as mgr:
         mgr.save(7, {"x": jnp.ones(1024)})
-    assert any("step 7 committed" in r.getMessage() and "GB/s" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "step 7 committed" in r.getMessage() and "GB/s" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_a_program_that_exits_right_after_saving_still_commits(tmp_path):

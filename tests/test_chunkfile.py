@@ -30,8 +30,15 @@ DTYPES = ["float32", "bfloat16", "int8", "uint16", "complex64", "float64", "bool
 
 def _write(root, data: np.ndarray, chunks, checksum) -> ArrayEntry:
     name = np.dtype(data.dtype).name
-    entry = ArrayEntry(key="a/b", shape=data.shape, dtype=name, storage_dtype=name,
-                       chunks=tuple(chunks), path="arrays/a.b", checksum=checksum)  # fmt: skip
+    entry = ArrayEntry(
+        key="a/b",
+        shape=data.shape,
+        dtype=name,
+        storage_dtype=name,
+        chunks=tuple(chunks),
+        path="arrays/a.b",
+        checksum=checksum,
+    )
     spec = array_spec({"driver": "file", "path": f"{root}/arrays/a.b/"}, entry)
     store = ts.open({**spec, "store_data_equal_to_fill_value": True}, create=True).result()
     store.write(data).result()
@@ -64,8 +71,12 @@ def test_in_place_read_equals_tensorstore_on_every_box(tmp_path_factory, case):
     shape, chunks, offsets, sizes, dtype, checksum = case
     root = tmp_path_factory.mktemp("c")
     rng = np.random.default_rng(0)
-    data = rng.integers(0, 256, math.prod(shape) * np.dtype(getattr(ml_dtypes, dtype, dtype))
-                        .itemsize, dtype=np.uint8)  # fmt: skip
+    data = rng.integers(
+        0,
+        256,
+        math.prod(shape) * np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize,
+        dtype=np.uint8,
+    )
     data = data.view(getattr(ml_dtypes, dtype, dtype)).reshape(shape)
     if dtype == "bool":
         data = data.view(np.uint8) % 2 == 1
@@ -107,8 +118,9 @@ def _tiling(draw):
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.integers(1, 10)) for _ in range(ndim))
     chunks = tuple(draw(st.integers(1, s)) for s in shape)
-    cuts = [sorted(draw(st.sets(st.integers(1, s - 1), max_size=3))) if s > 1 else []
-            for s in shape]  # fmt: skip
+    cuts = [
+        sorted(draw(st.sets(st.integers(1, s - 1), max_size=3))) if s > 1 else [] for s in shape
+    ]
     return shape, chunks, cuts, draw(st.integers(1, 64)), draw(st.integers(1, 4096))
 
 
@@ -122,8 +134,10 @@ def test_boxes_straddling_chunks_get_their_bytes_each_chunk_read_once(tmp_path_f
     root = tmp_path_factory.mktemp("c")
     entry = _write(root, data, chunks, "crc32c")
     bounds = [list(zip([0, *c], [*c, s])) for c, s in zip(cuts, shape)]
-    items = [ReadItem("a/b", tuple(a for a, _ in box), tuple(b - a for a, b in box))
-             for box in itertools.product(*bounds)]  # fmt: skip
+    items = [
+        ReadItem("a/b", tuple(a for a, _ in box), tuple(b - a for a, b in box))
+        for box in itertools.product(*bounds)
+    ]
     old, _chunkfile._BLOCK = _chunkfile._BLOCK, block
     try:
         for ahead in (budget, 1 << 30):
@@ -142,8 +156,11 @@ def test_boxes_straddling_chunks_get_their_bytes_each_chunk_read_once(tmp_path_f
 
 
 @settings(max_examples=100, deadline=None)
-@given(shape=st.lists(st.integers(1, 6), max_size=4).map(tuple), limit=st.integers(1, 400),
-       itemsize=st.sampled_from([1, 2, 4, 8]))  # fmt: skip
+@given(
+    shape=st.lists(st.integers(1, 6), max_size=4).map(tuple),
+    limit=st.integers(1, 400),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+)
 def test_blocks_tile_the_chunk_file_in_order(shape, limit, itemsize):
     covered = np.zeros(shape, np.int64)
     at = 0

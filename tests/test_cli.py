@@ -91,11 +91,23 @@ def test_inspect_json_lists_every_entry(capsys, runs):
     assert code == 0
     doc = json.loads(out)
     entries = {e["key"]: e for e in doc["entries"]}
-    assert set(entries) == {"params/dense/kernel", "params/dense/bias", "params/emb", "flags",
-                            "nibbles", "step", "name"}  # fmt: skip
+    assert set(entries) == {
+        "params/dense/kernel",
+        "params/dense/bias",
+        "params/emb",
+        "flags",
+        "nibbles",
+        "step",
+        "name",
+    }
     k = entries["params/dense/kernel"]
     assert (k["shape"], k["dtype"], k["chunks"], k["grid"], k["nbytes"]) == (
-        [8, 8], "float32", [2, 4], [4, 2], 256)  # fmt: skip
+        [8, 8],
+        "float32",
+        [2, 4],
+        [4, 2],
+        256,
+    )
     assert entries["nibbles"]["storage_dtype"] == "uint8"
     assert entries["step"] == {"key": "step", "kind": "value", "value": 7}
     assert doc["arrays"] == 5 and doc["nbytes"] == 256 + 16 + 24 + 2 + 3
@@ -210,10 +222,14 @@ def test_ls_lists_steps_in_order_with_status_and_size(capsys, runs):
     rows = [line.split() for line in out.splitlines()]
     assert rows[0] == ["NAME", "STATUS", "SIZE"]
     assert [r[:2] for r in rows[1:]] == [
-        ["000020", "committed"], ["000100", "committed"], ["000300", "incomplete"]]  # fmt: skip
+        ["000020", "committed"],
+        ["000100", "committed"],
+        ["000300", "incomplete"],
+    ]
     on_disk = sum(f.stat().st_size for f in (runs / "000100").rglob("*") if f.is_file())
-    assert rows[2][2:] == (f"{on_disk / 1024:.1f} KiB".split() if on_disk >= 1024 else
-                           [str(on_disk), "B"])  # fmt: skip
+    assert rows[2][2:] == (
+        f"{on_disk / 1024:.1f} KiB".split() if on_disk >= 1024 else [str(on_disk), "B"]
+    )
 
 
 def test_ls_all_and_json_include_hidden_temporaries(capsys, runs):
@@ -221,8 +237,12 @@ def test_ls_all_and_json_include_hidden_temporaries(capsys, runs):
     assert code == 0
     doc = json.loads(out)
     names = [(e["name"], e["committed"]) for e in doc["entries"]]
-    assert names == [("000020", True), ("000100", True), ("000300", False),
-                     (".000400.tmp-abcd1234", False)]  # fmt: skip
+    assert names == [
+        ("000020", True),
+        ("000100", True),
+        ("000300", False),
+        (".000400.tmp-abcd1234", False),
+    ]
     assert doc["entries"][0]["nbytes"] > 256
 
 
@@ -316,8 +336,13 @@ def test_export_damaged_chunk_exits_1_and_leaves_no_file(capsys, ckpt, tmp_path)
 
 def test_python_dash_m_runs_the_cli(runs):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "jaxckpt", "inspect", str(runs / "000100")],
-                       capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxckpt", "inspect", str(runs / "000100")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "float32[8,8]" in r.stdout
 
@@ -333,6 +358,10 @@ def test_cli_never_initialises_a_jax_backend(runs):
         "from jax._src import xla_bridge\n"
         "assert not xla_bridge._backends, xla_bridge._backends\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(runs / "000100"), str(runs)],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(runs / "000100"), str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr

@@ -110,8 +110,9 @@ def test_two_threads_one_commits_s3(s3, prefix):  # noqa: F811
         path = f"s3://{BUCKET}/{prefix}/ck{r}"
         check_one_winner(path, race(path, use_async=False), arrays=False)
         found = keys(s3, f"{prefix}/ck{r}")
-        assert "manifest.json" in found and all(k.startswith(("arrays/w", "arrays/pack.")) or k == "manifest.json"
-                                                for k in found), found  # fmt: skip
+        assert "manifest.json" in found and all(
+            k.startswith(("arrays/w", "arrays/pack.")) or k == "manifest.json" for k in found
+        ), found
 
 
 WORKER = textwrap.dedent(
@@ -156,7 +157,7 @@ def test_two_processes_one_commits(tmp_path):
             stdout=subprocess.PIPE,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     outs = [p.communicate(timeout=240)[0].split("\n") for p in procs]

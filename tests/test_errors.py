@@ -116,9 +116,18 @@ def test_existing_non_checkpoint_directory_is_not_replaced(tmp_path):
 
 @pytest.mark.parametrize(
     "path",
-    ["../../etc", "/etc/passwd", "arrays/../../x", "arrays/../arrays/w", "s3://bucket/x",
-     "file:///etc", "arrays/.hidden", "arrays/a/b", "arrays/"],
-)  # fmt: skip
+    [
+        "../../etc",
+        "/etc/passwd",
+        "arrays/../../x",
+        "arrays/../arrays/w",
+        "s3://bucket/x",
+        "file:///etc",
+        "arrays/.hidden",
+        "arrays/a/b",
+        "arrays/",
+    ],
+)
 def test_manifest_paths_cannot_escape_the_checkpoint(ckpt, path):
     _edit_manifest(ckpt, lambda m: m["entries"]["w"].update(path=path))
     with pytest.raises(jaxckpt.ManifestError, match=r"entry 'w' has storage path .* outside"):

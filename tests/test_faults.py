@@ -27,10 +27,19 @@ from helpers import assert_tree_equal
 import jaxckpt
 
 # Delays (s) after a worker has committed its first step; a save cycle here takes ~0.1-0.3 s.
-DELAYS = [0.0, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.09, 0.11,
-          0.13, 0.15, 0.18, 0.21, 0.25, 0.3, 0.35, 0.42, 0.5]  # fmt: skip
-TRAPS = ["mid_staging", "before_commit_rename", "after_commit_rename", "before_metrics",
-         "before_delete", "after_delete_rename", "mid_delete"]  # fmt: skip
+DELAYS = [
+    0.0, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06,
+    0.075, 0.09, 0.11, 0.13, 0.15, 0.18, 0.21, 0.25, 0.3, 0.35, 0.42, 0.5,
+]  # fmt: skip
+TRAPS = [
+    "mid_staging",
+    "before_commit_rename",
+    "after_commit_rename",
+    "before_metrics",
+    "before_delete",
+    "after_delete_rename",
+    "mid_delete",
+]
 
 
 @pytest.fixture
@@ -181,8 +190,9 @@ def small_disk(tmp_path):
     """An 8 MiB tmpfs, or skip where mounting is not allowed (the rlimit test still runs)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:

@@ -92,8 +92,9 @@ def test_restores_racing_overwrites_in_another_process(tmp_path):
     path = tmp_path / "c"
     jaxckpt.save(path, state(0), planner=UNPACKED)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "60"], env=env,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), "60"], env=env, stdout=subprocess.PIPE, text=True
+    )
     whole = changed = 0
     try:
         assert writer.stdout.readline().strip() == "ready"  # imports done: the race starts

@@ -58,8 +58,9 @@ def test_keeps_the_newest_and_every_nth(tmp_path):
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_keeps_the_best_by_a_metric_and_the_newest(tmp_path, mode):
     losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3, 5: 0.7, 6: 0.8}
-    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"],
-                                   best_mode=mode) as mgr:  # fmt: skip
+    with jaxckpt.CheckpointManager(
+        tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode=mode
+    ) as mgr:
         for s, loss in losses.items():
             mgr.save(s, _state(s), metrics={"loss": jnp.float32(loss)})
         mgr.save(7, _state(7))  # no metrics: ranks last, but is the newest
@@ -158,8 +159,10 @@ def test_sigterm_saves_this_step_at_once(tmp_path):
 
 def _model(m):
     k1, k2 = jax.random.split(jax.random.key(0))
-    params = {"w1": put(jax.random.normal(k1, (16, 32)) / 4, m, None, "model"),
-              "w2": put(jax.random.normal(k2, (32, 4)) / 6, m, "model", None)}  # fmt: skip
+    params = {
+        "w1": put(jax.random.normal(k1, (16, 32)) / 4, m, None, "model"),
+        "w2": put(jax.random.normal(k2, (32, 4)) / 6, m, "model", None),
+    }
     opt = optax.adam(1e-2)
     # Adam's step count is made on the default device; place it on the mesh like the rest, so
     # that the restored state (whose leaves are committed to the target's devices) fits jit.

@@ -36,8 +36,14 @@ def _tree(keys) -> dict:
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(st.lists(st.text(min_size=0, max_size=40).filter(lambda k: "/" not in k), min_size=1,
-                max_size=6, unique=True))  # fmt: skip
+@given(
+    st.lists(
+        st.text(min_size=0, max_size=40).filter(lambda k: "/" not in k),
+        min_size=1,
+        max_size=6,
+        unique=True,
+    )
+)
 def test_any_unicode_keys_round_trip_local(tmp_path_factory, keys):
     path = str(tmp_path_factory.mktemp("u") / "ck")
     tree = {"outer": _tree(keys), **_tree([k + "!" for k in keys])}
@@ -72,8 +78,11 @@ def test_storage_names_are_deterministic_and_keep_plain_keys():
     first = [storage_name(k, set()) for k in keys]
     taken: set[str] = set()
     assert [storage_name(k, taken) for k in keys] == [
-        "arrays/params.dense.kernel", "arrays/Params.Dense.Kernel-1", first[2], first[3],
-    ]  # fmt: skip
+        "arrays/params.dense.kernel",
+        "arrays/Params.Dense.Kernel-1",
+        first[2],
+        first[3],
+    ]
     assert storage_name("ünï", set()) == storage_name("ünï", set())
 
 
@@ -86,8 +95,11 @@ def test_old_storage_paths_still_read():
         assert not is_storage_path(p)
 
 
-@pytest.mark.parametrize("name", ["n" * 200, "n" * 242, "n" * 255, "é" * 127, "日" * 85],
-                         ids=["200", "242", "255", "utf8-254", "utf8-255"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    ["n" * 200, "n" * 242, "n" * 255, "é" * 127, "日" * 85],
+    ids=["200", "242", "255", "utf8-254", "utf8-255"],
+)
 def test_long_checkpoint_names(tmp_path, name):
     path = tmp_path / name
     jaxckpt.save(path, {"w": np.arange(3)})

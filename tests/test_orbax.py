@@ -112,8 +112,12 @@ def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
 @XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_multi_item_step_names_its_items(tmp_path):
     with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "extra")) as mgr:
-        mgr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave({"a": jnp.ones(3)}),
-                                            extra=ocp.args.JsonSave({"x": 1})))  # fmt: skip
+        mgr.save(
+            5,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"a": jnp.ones(3)}), extra=ocp.args.JsonSave({"x": 1})
+            ),
+        )
     with pytest.raises(jaxckpt.ManifestError, match=r"items \['extra', 'state'\].*restore one"):
         jaxckpt.restore(tmp_path / "run" / "5")
     np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "run" / "5" / "state")["a"], 1.0)

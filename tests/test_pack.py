@@ -97,8 +97,11 @@ def test_an_array_split_into_small_chunks_is_packed_and_reads_back_onto_any_mesh
     assert _chunkfile.bytes_read() - before == x.nbytes * 8 + 12 * 4
     # The bound follows pack_bytes: with 64 KiB, 128 KiB chunks are files of their own.
     jaxckpt.save(tmp_path / "d", tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=64 << 10))
-    assert not any(e.pack for e in jaxckpt.metadata(tmp_path / "d").entries.values()
-                   if isinstance(e, jaxckpt.ArrayEntry))  # fmt: skip
+    assert not any(
+        e.pack
+        for e in jaxckpt.metadata(tmp_path / "d").entries.values()
+        if isinstance(e, jaxckpt.ArrayEntry)
+    )
 
 
 def test_without_packing_the_layout_is_format_v1(tmp_path):

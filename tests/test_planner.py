@@ -134,8 +134,11 @@ def test_custom_planner_with_bad_global_plan_is_rejected_before_writing(tmp_path
             return dataclasses.replace(plan, arrays=(short,))  # save() must catch it
 
     with pytest.raises(jaxckpt.PlanValidationError, match="key 'grid'.*gap"):
-        jaxckpt.save(tmp_path / "c", {"grid": put(np.zeros((8, 4)), M42, "data", "model")},
-                     planner=DropOne(enable_plan_caching=False))  # fmt: skip
+        jaxckpt.save(
+            tmp_path / "c",
+            {"grid": put(np.zeros((8, 4)), M42, "data", "model")},
+            planner=DropOne(enable_plan_caching=False),
+        )
     assert not (tmp_path / "c").exists()
 
 

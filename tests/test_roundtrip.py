@@ -51,12 +51,11 @@ def test_round_trip_every_sharding(tmp_path, name):
     assert_tree_equal(host, np.asarray(x))
 
 
-DTYPES = [
-    "float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4", "uint4", "int8",
-    "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "complex64",
-    "complex128",
-]  # fmt: skip
+DTYPES = (
+    "float32 float64 float16 bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
+    "float8_e4m3b11fnuz int4 uint4 int8 int16 int32 int64 uint8 uint16 uint32 uint64 bool "
+    "complex64 complex128"
+).split()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -195,8 +194,10 @@ def test_enum_values_are_stored_as_their_base_type(tmp_path):
     assert type(back["mode"]) is int and type(back["name"]) is str
 
 
-BYTE_ORDER_DTYPES = ["int8", "uint8", "bool", "int16", "uint16", "int32", "uint32", "int64",
-                     "uint64", "float16", "float32", "float64", "complex64", "complex128"]  # fmt: skip
+BYTE_ORDER_DTYPES = (
+    "int8 uint8 bool int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 complex64 "
+    "complex128"
+).split()
 
 
 def _layout(base: np.ndarray, layout: str) -> np.ndarray:

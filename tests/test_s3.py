@@ -37,8 +37,12 @@ def s3():
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}  # fmt: skip
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
@@ -179,8 +183,11 @@ def test_cli_on_s3(s3, prefix, capsys):
     capsys.readouterr()
     assert main(["ls", run]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert rows == [["000002", "committed", "272", "B"], ["000010", "committed", "272", "B"],
-                    ["000020", "incomplete", "?"]]  # fmt: skip
+    assert rows == [
+        ["000002", "committed", "272", "B"],
+        ["000010", "committed", "272", "B"],
+        ["000020", "incomplete", "?"],
+    ]
     assert main(["inspect", f"{run}/000010"]) == 0
     assert "float32[8,8]  chunks 4x2 of [2,4]" in capsys.readouterr().out
     assert main(["verify", f"{run}/000010"]) == 0
@@ -226,8 +233,14 @@ def test_missing_bucket_and_bad_urls(s3):
 
 
 def test_s3_options_come_from_the_aws_variables(monkeypatch):
-    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
-              "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # fmt: skip
+    for k in (
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+    ):
         monkeypatch.delenv(k, raising=False)
     spec = _location.Location("s3://bkt/p/q/").kvstore
     assert spec == {"driver": "s3", "bucket": "bkt", "path": "p/q/"}
@@ -237,8 +250,14 @@ def test_s3_options_come_from_the_aws_variables(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     spec = _location.Location("s3://bkt").kvstore
-    assert spec == {"driver": "s3", "bucket": "bkt", "path": "", "endpoint": "http://127.0.0.1:10",
-                    "aws_region": "eu-west-1", "aws_credentials": {"type": "environment"}}  # fmt: skip
+    assert spec == {
+        "driver": "s3",
+        "bucket": "bkt",
+        "path": "",
+        "endpoint": "http://127.0.0.1:10",
+        "aws_region": "eu-west-1",
+        "aws_credentials": {"type": "environment"},
+    }
 
 
 # memory:// -- the same protocol, no server ------------------------------------------------

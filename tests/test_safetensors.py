@@ -115,18 +115,40 @@ def test_damaged_files_are_typed_errors_naming_file_and_tensor(tmp_path):
     with pytest.raises(jaxckpt.CorruptChunkError, match=r"tensor 'a' in t.safetensors.*truncated"):
         jaxckpt.restore(tmp_path / "t.safetensors")
     cases = [
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, 1 << 40,
-         r"bad.safetensors: the header claims"),
-        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8, None,
-         r"tensor 'a' has 8 bytes in data_offsets \[0, 8\], but F32\[4\] needs 16"),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None,
-         r"tensors 'a' and 'b' share bytes"),
-        ({"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None,
-         r"tensor 'a' has dtype 'Q9'"),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 4]}}, b"\0" * 8, None,
-         r"tensor 'a' has invalid data_offsets"),
-    ]  # fmt: skip
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            1 << 40,
+            r"bad.safetensors: the header claims",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            r"tensor 'a' has 8 bytes in data_offsets \[0, 8\], but F32\[4\] needs 16",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            None,
+            r"tensors 'a' and 'b' share bytes",
+        ),
+        (
+            {"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            r"tensor 'a' has dtype 'Q9'",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 4]}},
+            b"\0" * 8,
+            None,
+            r"tensor 'a' has invalid data_offsets",
+        ),
+    ]
     for header, data, length, match in cases:
         p = _file(tmp_path, header, data, length=length)
         with pytest.raises(jaxckpt.ManifestError, match=match):

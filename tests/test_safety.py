@@ -216,8 +216,13 @@ def test_declared_but_absent_chunks_are_an_error_not_an_allocation(tmp_path, sha
     m["entries"]["w"].update(shape=shape, chunks=chunks)
     (d / "manifest.json").write_text(json.dumps(m))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    r = subprocess.run([sys.executable, "-c", _LIMITED, str(d), how], capture_output=True,
-                       text=True, timeout=300, env=env)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _LIMITED, str(d), how],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     if how == "restore":
         assert r.returncode == 3, r.stderr[-2000:]
         assert "TYPED Key 'w':" in r.stdout, r.stdout
@@ -287,8 +292,11 @@ def test_tree_keys_must_be_str_or_int(tmp_path, key):
 @pytest.mark.parametrize("value", [[], ["float32"], {"a": 1}])
 def test_a_pack_dtype_that_is_not_a_string_is_a_manifest_error(tmp_path, value):
     d = tmp_path / "c"  # found by the property test below (on packed manifests)
-    jaxckpt.save(d, {"a": np.ones(2, np.float32), "b": np.ones(3, np.float32)},
-                 planner=jaxckpt.DefaultSavePlanner(pack_bytes=1 << 10))  # fmt: skip
+    jaxckpt.save(
+        d,
+        {"a": np.ones(2, np.float32), "b": np.ones(3, np.float32)},
+        planner=jaxckpt.DefaultSavePlanner(pack_bytes=1 << 10),
+    )
     m = json.loads((d / "manifest.json").read_bytes())
     m["packs"][next(iter(m["packs"]))]["storage_dtype"] = value
     with pytest.raises(jaxckpt.ManifestError, match=r"pack 'arrays/pack.* data type"):

@@ -28,8 +28,10 @@ class Watching(jaxckpt.DefaultLoadPlanner):
 def _saved(path, name: str, n: int, shape: tuple[int, int], seed: int):
     """``n`` random float32 arrays of ``shape`` on M42 (8 boxes each), saved at ``path``."""
     rng = np.random.default_rng(seed)
-    state = {f"{name}{i}": put(rng.standard_normal(shape).astype(np.float32), M42, "data", "model")
-             for i in range(n)}  # fmt: skip
+    state = {
+        f"{name}{i}": put(rng.standard_normal(shape).astype(np.float32), M42, "data", "model")
+        for i in range(n)
+    }
     jaxckpt.save(path, state)
     return path, state
 
@@ -83,8 +85,10 @@ def test_an_array_within_half_the_budget_is_made_in_one_call(mid, budget):
 def test_a_cast_array_is_made_in_one_call_too(mid):
     path, state = mid
     planner = jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True)
-    target = {k: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding)
-              for k, x in state.items()}  # fmt: skip
+    target = {
+        k: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding)
+        for k, x in state.items()
+    }
     back = jaxckpt.restore(path, target, planner=planner)
     assert planner.placement.whole == set(state)
     for k, b in back.items():

@@ -106,13 +106,22 @@ def test_chunk_files_are_the_files_tensorstore_writes(tmp_path_factory, data):
         offsets.append(lo * c)
         sizes.append(min(hi * c, n) - lo * c)
     root = tmp_path_factory.mktemp("grid")
-    entry = ArrayEntry(key="a", shape=shape, dtype="uint8", storage_dtype="uint8", chunks=chunks,
-                       path="arrays/a", checksum="crc32c")  # fmt: skip
+    entry = ArrayEntry(
+        key="a",
+        shape=shape,
+        dtype="uint8",
+        storage_dtype="uint8",
+        chunks=chunks,
+        path="arrays/a",
+        checksum="crc32c",
+    )
     store = ts.open(
-        {**array_spec({"driver": "file", "path": f"{root}/arrays/a/"}, entry),
-         "store_data_equal_to_fill_value": True},
+        {
+            **array_spec({"driver": "file", "path": f"{root}/arrays/a/"}, entry),
+            "store_data_equal_to_fill_value": True,
+        },
         create=True,
-    ).result()  # fmt: skip
+    ).result()
     box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
     store[box].write(np.ones(sizes, np.uint8)).result()
     folder = str(root / "arrays" / "a")

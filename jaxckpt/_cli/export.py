@@ -49,8 +49,11 @@ def run_export(args: argparse.Namespace) -> int:
             skipped.append(f"{k} ({e.dtype})")
     if skipped:
         hint = " (.safetensors holds bfloat16 and float8)" if kind == ".npz" else ""
-        print(f"jaxckpt export: skipped {plural(len(skipped), 'array')} {kind} cannot hold{hint}: "
-              f"{', '.join(skipped)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"jaxckpt export: skipped {plural(len(skipped), 'array')} {kind} cannot hold{hint}: "
+            f"{', '.join(skipped)}",
+            file=sys.stderr,
+        )
     progress = Progress("export", len(arrays), args.progress, sys.stderr)
 
     def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:
@@ -88,14 +91,21 @@ def _exportable(e: ArrayEntry, kind: str) -> bool:
     return dtype_from_name(e.dtype).kind in "biufc"  # bfloat16, float8, int4: kind "V"
 
 
-def _write_safetensors(path: Path, arrays: list[ArrayEntry],
-                       data: Iterator[tuple[ArrayEntry, np.ndarray]], values: dict) -> None:  # fmt: skip
+def _write_safetensors(
+    path: Path,
+    arrays: list[ArrayEntry],
+    data: Iterator[tuple[ArrayEntry, np.ndarray]],
+    values: dict,
+) -> None:
     """safetensors: 8-byte little-endian header length, JSON header, raw little-endian bytes."""
     header: dict[str, Any] = {}
     offset = 0
     for e in arrays:
-        header[e.key] = {"dtype": _SAFETENSORS[e.dtype], "shape": list(e.shape),
-                         "data_offsets": [offset, offset + e.nbytes]}  # fmt: skip
+        header[e.key] = {
+            "dtype": _SAFETENSORS[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     meta = {"format": "pt", "jaxckpt": "1"}  # "pt" is what most readers expect to find
     meta.update({f"value:{k}": json.dumps(v) for k, v in values.items()})
@@ -131,11 +141,18 @@ def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    m = _convert_mod.convert_checkpoint(args.src, args.dst, overwrite=args.overwrite, stream=sys.stderr,
-                              progress=True if args.progress else None,
-                              max_chunk_bytes=args.max_chunk_bytes)  # fmt: skip
+    m = _convert_mod.convert_checkpoint(
+        args.src,
+        args.dst,
+        overwrite=args.overwrite,
+        stream=sys.stderr,
+        progress=True if args.progress else None,
+        max_chunk_bytes=args.max_chunk_bytes,
+    )
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
-    print(f"wrote {args.dst}: {plural(len(arrays), 'array')}, "
-          f"{plural(len(m.entries) - len(arrays), 'value')}, "
-          f"{human_bytes(sum(e.nbytes for e in arrays))} (from {m.created.get('converted_from')})")  # fmt: skip
+    print(
+        f"wrote {args.dst}: {plural(len(arrays), 'array')}, "
+        f"{plural(len(m.entries) - len(arrays), 'value')}, "
+        f"{human_bytes(sum(e.nbytes for e in arrays))} (from {m.created.get('converted_from')})"
+    )
     return 0

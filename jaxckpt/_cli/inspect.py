@@ -19,11 +19,21 @@ from jaxckpt._storage import location as _location
 def _entry_json(e: ArrayEntry | ValueEntry) -> dict:
     if isinstance(e, ValueEntry):
         return {"key": e.key, "kind": "value", "value": e.value}
-    return {"key": e.key, "kind": "array", "shape": list(e.shape), "dtype": e.dtype,
-            "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "grid": list(e.grid),
-            "nbytes": e.nbytes, "path": e.path, "checksum": e.checksum,
-            "prng_impl": e.prng_impl, "sharding": e.sharding,
-            **({"offset": e.offset} if e.pack else {})}  # fmt: skip
+    return {
+        "key": e.key,
+        "kind": "array",
+        "shape": list(e.shape),
+        "dtype": e.dtype,
+        "storage_dtype": e.storage_dtype,
+        "chunks": list(e.chunks),
+        "grid": list(e.grid),
+        "nbytes": e.nbytes,
+        "path": e.path,
+        "checksum": e.checksum,
+        "prng_impl": e.prng_impl,
+        "sharding": e.sharding,
+        **({"offset": e.offset} if e.pack else {}),
+    }
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -31,14 +41,22 @@ def run_inspect(args: argparse.Namespace) -> int:
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     total = sum(e.nbytes for e in arrays)
     if args.json:
-        doc = {"path": args.path, "version": m.version, "created": m.created,
-               "arrays": len(arrays), "values": len(m.entries) - len(arrays), "nbytes": total,
-               "entries": [_entry_json(e) for e in m.entries.values()]}  # fmt: skip
+        doc = {
+            "path": args.path,
+            "version": m.version,
+            "created": m.created,
+            "arrays": len(arrays),
+            "values": len(m.entries) - len(arrays),
+            "nbytes": total,
+            "entries": [_entry_json(e) for e in m.entries.values()],
+        }
         print(json.dumps(doc, indent=1))
         return 0
     n_values = len(m.entries) - len(arrays)
-    print(f"{args.path}: {plural(len(arrays), 'array')} ({human_bytes(total)}), "
-          f"{plural(n_values, 'value')}, format v{m.version}")  # fmt: skip
+    print(
+        f"{args.path}: {plural(len(arrays), 'array')} ({human_bytes(total)}), "
+        f"{plural(n_values, 'value')}, format v{m.version}"
+    )
     rows = list(_tree_rows(m))
     width = max((len(r[0]) for r in rows), default=0)
     for name, cols in rows:
@@ -78,8 +96,10 @@ def _describe(e: ArrayEntry | ValueEntry) -> str:
 def run_ls(args: argparse.Namespace) -> int:
     loc = _location.Location(args.path)
     if _location.exists(loc):
-        raise UsageError(f"{args.path} is itself a checkpoint, not a directory of them: "
-                         f"`jaxckpt inspect {args.path}` shows what it holds.")  # fmt: skip
+        raise UsageError(
+            f"{args.path} is itself a checkpoint, not a directory of them: "
+            f"`jaxckpt inspect {args.path}` shows what it holds."
+        )
     found = [(n, ok) for n, ok in _catalog.children(loc) if args.all or not n.startswith(".")]
     rows = []
     for name, committed in found:

@@ -91,8 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst", metavar="DST")
     c.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
     c.add_argument("--progress", action="store_true", help="show progress on stderr from the start")
-    c.add_argument("--max-chunk-bytes", type=_positive_bytes, metavar="N",
-                   help="largest chunk written (default 64 MiB; smaller for restores on many hosts)")  # fmt: skip
+    c.add_argument(
+        "--max-chunk-bytes",
+        type=_positive_bytes,
+        metavar="N",
+        help="largest chunk written (default 64 MiB; smaller for restores on many hosts)",
+    )
     c.set_defaults(run=run_convert)
     return p
 

@@ -14,12 +14,12 @@ import tensorstore as ts
 
 from jaxckpt._cli.text import Progress, human_bytes, one_line, plural
 from jaxckpt._errors import CorruptChunkError
+from jaxckpt._format.grid import chunk_key, grid_indices
 from jaxckpt._format.manifest import ArrayEntry
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import packs as _pack
-from jaxckpt._storage import reader as _reader
 from jaxckpt._storage import writer as _storage
 
 _VERIFY_THREADS = 8
@@ -28,8 +28,7 @@ _VERIFY_THREADS = 8
 def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
     if 0 in e.shape:  # a zero-size array has no chunks
         return
-    grid = [-(-s // c) for s, c in zip(e.shape, e.chunks)]
-    for idx in _reader.grid_indices(grid):  # lazily: a declared grid may be huge
+    for idx in grid_indices(e.grid):  # lazily: a declared grid may be huge
         offsets = tuple(i * c for i, c in zip(idx, e.chunks))
         sizes = tuple(min(c, s - o) for o, s, c in zip(offsets, e.shape, e.chunks))
         yield idx, ReadItem(e.key, offsets, sizes)
@@ -55,7 +54,7 @@ def run_verify(args: argparse.Namespace) -> int:
         except CorruptChunkError as err:
             missing[e.key] = one_line(err)
     checked = [e for e in stored.values() if e.key not in missing]
-    n_jobs = sum(math.prod(-(-s // c) for s, c in zip(e.shape, e.chunks)) for e in checked)
+    n_jobs = sum(math.prod(e.grid) for e in checked)
     jobs = ((e, idx, item) for e in checked for idx, item in _chunk_items(e))  # lazily
     progress = Progress("verify", n_jobs, args.progress, sys.stderr)
 
@@ -86,24 +85,42 @@ def run_verify(args: argparse.Namespace) -> int:
             progress.step(e.key)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
-                where = e.path if foreign else f"{e.path}/" + "/".join(["c", *map(str, idx)])
+                where = e.path if foreign else f"{e.path}/{chunk_key(idx)}"
                 print(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
                 bad_chunks += 1
     progress.close()
+    return _summary(args.path, reader.kind, arrays, n_jobs, damaged, bad_chunks)
+
+
+def _summary(
+    path: str,
+    kind: str,
+    arrays: list[ArrayEntry],
+    n_jobs: int,
+    damaged: dict[str, list[str]],
+    bad_chunks: int,
+) -> int:
+    """Print the last line of ``jaxckpt verify``; the exit code (0: undamaged)."""
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
-        print(f"OK: {args.path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
-              f"{human_bytes(nbytes)} read, " + (f"every chunk readable ({reader.kind} "
-              f"stores no checksums)" if foreign else "every checksum matches"))  # fmt: skip
+        what = f"every chunk readable ({kind} stores no checksums)"
+        print(
+            f"OK: {path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
+            f"{human_bytes(nbytes)} read, "
+            + (what if kind != "jaxckpt" else "every checksum matches")
+        )
         return 0
-    bad = "; ".join(f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})"
-                    for k, v in damaged.items())  # fmt: skip
-    print(f"DAMAGED: {args.path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
-          f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
-          f"earlier checkpoint, or restore the undamaged keys with "
-          f"jaxckpt.restore(..., keys=[...]).")  # fmt: skip
+    bad = "; ".join(
+        f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})" for k, v in damaged.items()
+    )
+    print(
+        f"DAMAGED: {path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
+        f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
+        f"earlier checkpoint, or restore the undamaged keys with "
+        f"jaxckpt.restore(..., keys=[...])."
+    )
     return 1
 
 

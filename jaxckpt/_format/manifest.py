@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._format.grid import grid_shape
 from jaxckpt._format.names import is_storage_path
 
 FORMAT = "jaxckpt"
@@ -26,12 +27,11 @@ VERSIONS = (1, 2)  # the versions this jaxckpt reads
 MANIFEST = "manifest.json"
 
 # zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
-_NATIVE = {
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
-    "int4", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
-    "float8_e5m2fnuz",
-}  # fmt: skip
+_NATIVE = set(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 "
+    "complex128 bfloat16 int4 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e4m3b11fnuz "
+    "float8_e5m2fnuz".split()
+)
 # Logical dtypes stored bit-exactly as an unsigned integer view of the same width.
 _CARRIED = {
     "uint4",
@@ -111,7 +111,7 @@ class ArrayEntry:
     @property
     def grid(self) -> tuple[int, ...]:
         """Chunks along each dimension."""
-        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunks))
+        return grid_shape(self.shape, self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +134,15 @@ class PackEntry:
 
     def as_array(self) -> ArrayEntry:
         """The pack as a plain 1-D array entry, which storage writes and reads like any other."""
-        return ArrayEntry(key=self.key, shape=(self.size,), dtype=self.storage_dtype,
-                          storage_dtype=self.storage_dtype, chunks=(self.chunks,), path=self.path,
-                          checksum=self.checksum)  # fmt: skip
+        return ArrayEntry(
+            key=self.key,
+            shape=(self.size,),
+            dtype=self.storage_dtype,
+            storage_dtype=self.storage_dtype,
+            chunks=(self.chunks,),
+            path=self.path,
+            checksum=self.checksum,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +169,7 @@ class Manifest:
     def to_json(self) -> bytes:
         """``manifest.json``'s bytes: one line per top-level field and per entry."""
         # One line per top-level field and per entry: readable with `less`, diffable, and
-        # encoded by json's C encoder (indent= would switch to the ~10x slower Python one).
+        # encoded by json's C encoder (indent= would switch to the much slower Python one).
         dump = functools.partial(json.dumps, allow_nan=False)
         head = {
             "format": FORMAT,
@@ -225,9 +231,15 @@ def _entry_to_json(e: Entry) -> dict:
             return {"kind": "value", "type": "float", "value": repr(v)}
         kind = "none" if v is None else type(v).__name__
         return {"kind": "value", "type": kind, "value": v}
-    d = {"kind": "array", "shape": list(e.shape), "dtype": e.dtype,
-         "storage_dtype": e.storage_dtype, "chunks": list(e.chunks), "path": e.path,
-         "checksum": e.checksum}  # fmt: skip
+    d = {
+        "kind": "array",
+        "shape": list(e.shape),
+        "dtype": e.dtype,
+        "storage_dtype": e.storage_dtype,
+        "chunks": list(e.chunks),
+        "path": e.path,
+        "checksum": e.checksum,
+    }
     if e.pack is not None:
         d["offset"] = e.offset
     if e.prng_impl:
@@ -288,17 +300,34 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         if pack.storage_dtype != sdtype:
             raise _bad(where, key, f"is {sdtype} but its pack {path} holds {pack.storage_dtype}")
         if offset + math.prod(shape) > pack.size:
-            raise _bad(where, key, f"lies at [{offset}, {offset + math.prod(shape)}) outside its "
-                       f"pack {path} of {pack.size} elements")  # fmt: skip
-    return ArrayEntry(key=key, shape=tuple(shape), dtype=dtype, storage_dtype=sdtype,
-                      chunks=tuple(chunks), path=path, checksum=d.get("checksum", "crc32c"),
-                      prng_impl=impl, sharding=sharding if isinstance(sharding, str) else None,
-                      pack=pack, offset=offset or 0)  # fmt: skip
+            raise _bad(
+                where,
+                key,
+                f"lies at [{offset}, {offset + math.prod(shape)}) outside its "
+                f"pack {path} of {pack.size} elements",
+            )
+    return ArrayEntry(
+        key=key,
+        shape=tuple(shape),
+        dtype=dtype,
+        storage_dtype=sdtype,
+        chunks=tuple(chunks),
+        path=path,
+        checksum=d.get("checksum", "crc32c"),
+        prng_impl=impl,
+        sharding=sharding if isinstance(sharding, str) else None,
+        pack=pack,
+        offset=offset or 0,
+    )
 
 
 def _pack_to_json(p: PackEntry) -> dict:
-    return {"shape": [p.size], "storage_dtype": p.storage_dtype, "chunks": [p.chunks],
-            "checksum": p.checksum}  # fmt: skip
+    return {
+        "shape": [p.size],
+        "storage_dtype": p.storage_dtype,
+        "chunks": [p.chunks],
+        "checksum": p.checksum,
+    }
 
 
 def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
@@ -369,8 +398,7 @@ def _value_from_json(key: str, d: dict, where: str) -> Any:
             return float(v)
         except ValueError:
             pass
-    if isinstance(kind, str) and (kind, type(v).__name__) in {("int", "int"), ("bool", "bool"),
-                                                                ("str", "str")}:  # fmt: skip
+    if kind in ("int", "bool", "str") and type(v).__name__ == kind:
         return v
     raise _bad(where, key, f"has an invalid value of type {kind!r}")
 

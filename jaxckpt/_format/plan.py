@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from jaxckpt._errors import PlanValidationError
+from jaxckpt._format.grid import ceil_div
 from jaxckpt._format.manifest import dtype_from_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -147,8 +148,9 @@ def raise_if(errors: list[str]) -> None:
         )
 
 
-def check_boxes(key: str, shape: Sequence[int], chunks: Sequence[int], offsets: np.ndarray,
-                sizes: np.ndarray) -> list[str]:  # fmt: skip
+def check_boxes(
+    key: str, shape: Sequence[int], chunks: Sequence[int], offsets: np.ndarray, sizes: np.ndarray
+) -> list[str]:
     """Bounds, chunk alignment, no overlap and full coverage of one array's boxes.
 
     Vectorized. Boxes on a regular grid (the usual case) are checked as a grid in O(n): each
@@ -191,7 +193,7 @@ def _check_grid(
     # Boxes of one size on multiples of it: aligned to chunks iff the box size is.
     if ((box % chunks != 0) & (box < shape)).any():
         return [_misaligned(key, cell[0] * box, box, chunks)]
-    grid = -(-shape // box)
+    grid = ceil_div(shape, box)
     cells = (
         np.ravel_multi_index(tuple(cell.T), tuple(grid))
         if len(shape)

@@ -94,13 +94,23 @@ class CheckpointManager:
       ([3, 4], [4, 4, 4])
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
-                 keep_every_n_steps: int | None = None, save_interval_steps: int = 1,
-                 async_save: bool = True, best_fn: Callable[[Mapping[str, Any]], float] | None = None,
-                 best_mode: Literal["min", "max"] = "min",
-                 save_on_preemption: bool = False) -> None:  # fmt: skip
-        for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps),
-                            ("save_interval_steps", save_interval_steps)):  # fmt: skip
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        keep_every_n_steps: int | None = None,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+        best_fn: Callable[[Mapping[str, Any]], float] | None = None,
+        best_mode: Literal["min", "max"] = "min",
+        save_on_preemption: bool = False,
+    ) -> None:
+        for name, value in (
+            ("max_to_keep", max_to_keep),
+            ("keep_every_n_steps", keep_every_n_steps),
+            ("save_interval_steps", save_interval_steps),
+        ):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if best_mode not in ("min", "max"):
@@ -127,8 +137,9 @@ class CheckpointManager:
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def save(self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None,
-             force: bool = False) -> bool:  # fmt: skip
+    def save(
+        self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None, force: bool = False
+    ) -> bool:
         """Save ``tree`` as ``step`` if the step is due; call it at every step.
 
         Args:
@@ -185,9 +196,17 @@ class CheckpointManager:
             self._error = self._explain(step, handle, e)
             return
         t = handle.timings
-        logger.info("step %d committed: %.1f MB, %.2f GB/s (plan %.3f s, stage %.3f s, write "
-                    "%.3f s, commit %.3f s)", step, handle.nbytes / 1e6, handle.gbps,
-                    t.get("plan", 0), t.get("stage", 0), t.get("write", 0), t.get("commit", 0))  # fmt: skip
+        logger.info(
+            "step %d committed: %.1f MB, %.2f GB/s (plan %.3f s, stage %.3f s, write "
+            "%.3f s, commit %.3f s)",
+            step,
+            handle.nbytes / 1e6,
+            handle.gbps,
+            t.get("plan", 0),
+            t.get("stage", 0),
+            t.get("write", 0),
+            t.get("commit", 0),
+        )
         if not self._primary:
             return
         try:
@@ -196,8 +215,9 @@ class CheckpointManager:
                 metrics[str(step)] = record
             self._apply_retention(metrics, changed=record is not None)
         except Exception:  # the step is committed; a failed cleanup must not stop training
-            logger.warning("retention after step %d in %s failed", step, self.directory,
-                           exc_info=True)  # fmt: skip
+            logger.warning(
+                "retention after step %d in %s failed", step, self.directory, exc_info=True
+            )
 
     def _explain(self, step: int, handle: SaveHandle, e: BaseException) -> BaseException:
         # Specific errors (exists, distributed, ...) pass as they are; plain failures get the
@@ -264,8 +284,15 @@ class CheckpointManager:
         """The metrics saved with ``step`` (``None`` if none were)."""
         return self._metrics.read().get(str(step))
 
-    def restore(self, step: int | None = None, target: Any = None, *, keys: Any = None,
-                strict: bool = True, planner: LoadPlanner | None = None) -> Any:  # fmt: skip
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        keys: Any = None,
+        strict: bool = True,
+        planner: LoadPlanner | None = None,
+    ) -> Any:
         """Restore ``step`` (default: the latest committed one); waits for a save in flight.
 
         Args:
@@ -293,8 +320,9 @@ class CheckpointManager:
                 f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
                 f"Pick one of those (or None for the latest)."
             )
-        return restore(str(self._loc.join(_name(step))), target, keys=keys, strict=strict,
-                       planner=planner)  # fmt: skip
+        return restore(
+            str(self._loc.join(_name(step))), target, keys=keys, strict=strict, planner=planner
+        )
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -317,8 +345,12 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.close()
             return
@@ -342,10 +374,12 @@ class CheckpointManager:
         rank last and go at the next save; never a kept step without its metrics.
         """
         steps = self.all_steps()
-        doomed = steps_to_delete(steps, max_to_keep=self.max_to_keep,
-                                 keep_every_n_steps=self.keep_every_n_steps,
-                                 score=None if self.best_fn is None else
-                                 lambda s: self._score(metrics.get(str(s))))  # fmt: skip
+        doomed = steps_to_delete(
+            steps,
+            max_to_keep=self.max_to_keep,
+            keep_every_n_steps=self.keep_every_n_steps,
+            score=None if self.best_fn is None else lambda s: self._score(metrics.get(str(s))),
+        )
         gone = {str(s) for s in doomed} & set(metrics)
         if gone or changed:
             self._metrics.write({k: v for k, v in metrics.items() if k not in gone})

@@ -26,9 +26,13 @@ logger = logging.getLogger("jaxckpt")
 METRICS = "metrics.json"
 
 
-def steps_to_delete(steps: list[int], *, max_to_keep: int | None,
-                    keep_every_n_steps: int | None = None,
-                    score: Callable[[int], float | None] | None = None) -> list[int]:  # fmt: skip
+def steps_to_delete(
+    steps: list[int],
+    *,
+    max_to_keep: int | None,
+    keep_every_n_steps: int | None = None,
+    score: Callable[[int], float | None] | None = None,
+) -> list[int]:
     """The steps retention deletes: all but the newest (or best) ``max_to_keep``.
 
     Args:

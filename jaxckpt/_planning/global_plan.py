@@ -148,16 +148,64 @@ def create_global_save_plan(
 ) -> GlobalSavePlan:
     """The default global plan: chunk grids, packs, deduplicated balanced writers, the manifest.
 
-    Arrays are assigned largest shard first (the seed's greedy, by bytes); see
-    :class:`jaxckpt._layout.Balancer`. Arrays of at most ``pack_bytes`` share packs
-    (:func:`jaxckpt._planning.packing.plan_packs`), each written whole by the least-loaded process that
-    holds all its members.
+    Arrays are assigned largest shard first (the greedy of PyTorch DCP's default planner, by
+    bytes); see :class:`jaxckpt._planning.layout.Balancer`. Arrays of at most ``pack_bytes``
+    share packs (:func:`jaxckpt._planning.packing.plan_packs`), each written whole by the
+    least-loaded process that holds all its members.
     """
-    prng = prng or {}
+    taken: set[str] = set()
+    entries, layouts = _entries(leaves, prng or {}, max_chunk_bytes, process_count, taken)
+    packed, packs = _pack.plan_packs(
+        {k: entries[k] for k in layouts},
+        layouts,
+        pack_bytes=pack_bytes,
+        max_chunk_bytes=max_chunk_bytes,
+        taken=taken,
+    )
+    entries.update(packed)
+    plain = [k for k in layouts if k not in packed]
+    balancer = _layout.Balancer(lowest=lowest)
+    arrays = _assign_writers(plain, layouts, entries, balancer)
+    pack_plans = _pack.assign(packs, balancer.proc_loads, lowest=lowest)
+    for p in pack_plans:
+        arrays[p.entry.key] = ArrayPlan(
+            p.entry.as_array(),
+            (p.entry.size,),
+            np.zeros((1, 1), np.int64),
+            np.array([p.process]),
+            np.array([-1]),
+        )
+    created = {"jax": jax.__version__, "jaxckpt": __version__, "process_count": process_count}
+    manifest = Manifest(
+        tree=tree,
+        entries=entries,
+        created=created,
+        version=_manifest.VERSION if packs else 1,
+        packs={p.entry.path: p.entry for p in pack_plans},
+    )
+    ordered = tuple(arrays[k] for k in [*plain, *(p.entry.key for p in pack_plans)])
+    digest = _digest(manifest, layouts.values(), lowest)
+    plan = GlobalSavePlan(
+        manifest=manifest,
+        arrays=ordered,
+        digest=digest,
+        packs={p.entry.key: p.members for p in pack_plans},
+    )
+    validate_global_plan(plan)
+    return plan
+
+
+def _entries(
+    leaves: dict[str, Any],
+    prng: dict[str, str],
+    max_chunk_bytes: int,
+    process_count: int,
+    taken: set[str],
+) -> tuple[dict[str, Any], dict[str, _layout.Layout]]:
+    """Each leaf's manifest entry, and each array's layout (storage names join ``taken``)."""
     entries: dict[str, Any] = {}
     layouts = {}
     holders: dict[int, int] = {}  # id(layout) -> processes holding each box: one pass per layout
-    taken: set[str] = set()
     for key, leaf in leaves.items():
         if not is_array(leaf):
             entries[key] = ValueEntry(key, leaf)
@@ -171,17 +219,25 @@ def create_global_save_plan(
         layouts[key] = lay
         limit = chunk_limit(lay, dtype.itemsize, max_chunk_bytes, holders)
         entries[key] = ArrayEntry(
-            key=key, shape=shape, dtype=dtype.name, storage_dtype=_manifest.storage_dtype_name(dtype),
+            key=key,
+            shape=shape,
+            dtype=dtype.name,
+            storage_dtype=_manifest.storage_dtype_name(dtype),
             chunks=chunk_shape(lay.box, dtype.itemsize, limit),
-            path=storage_name(key, taken), prng_impl=prng.get(key), sharding=sharding,
-        )  # fmt: skip
-    packed, packs = _pack.plan_packs(
-        {k: entries[k] for k in layouts}, layouts, pack_bytes=pack_bytes,
-        max_chunk_bytes=max_chunk_bytes, taken=taken,
-    )  # fmt: skip
-    entries.update(packed)
-    plain = [k for k in layouts if k not in packed]
-    balancer = _layout.Balancer(lowest=lowest)
+            path=storage_name(key, taken),
+            prng_impl=prng.get(key),
+            sharding=sharding,
+        )
+    return entries, layouts
+
+
+def _assign_writers(
+    plain: list[str],
+    layouts: dict[str, _layout.Layout],
+    entries: dict[str, Any],
+    balancer: _layout.Balancer,
+) -> dict[str, ArrayPlan]:
+    """The plan of each unpacked array: its boxes' writers, largest shard first."""
     arrays = {}
     by_size = sorted(
         plain,
@@ -198,20 +254,7 @@ def create_global_save_plan(
         arrays[key] = ArrayPlan(
             e, lay.box, lay.offsets, lay.processes[writers], lay.device_ids[writers]
         )
-    pack_plans = _pack.assign(packs, balancer.proc_loads, lowest=lowest)
-    for p in pack_plans:
-        arrays[p.entry.key] = ArrayPlan(p.entry.as_array(), (p.entry.size,), np.zeros((1, 1), np.int64),
-                                        np.array([p.process]), np.array([-1]))  # fmt: skip
-    created = {"jax": jax.__version__, "jaxckpt": __version__, "process_count": process_count}
-    manifest = Manifest(tree=tree, entries=entries, created=created,
-                        version=_manifest.VERSION if packs else 1,
-                        packs={p.entry.path: p.entry for p in pack_plans})  # fmt: skip
-    ordered = tuple(arrays[k] for k in [*plain, *(p.entry.key for p in pack_plans)])
-    digest = _digest(manifest, layouts.values(), lowest)
-    plan = GlobalSavePlan(manifest=manifest, arrays=ordered, digest=digest,
-                          packs={p.entry.key: p.members for p in pack_plans})  # fmt: skip
-    validate_global_plan(plan)
-    return plan
+    return arrays
 
 
 def chunk_limit(

@@ -5,7 +5,7 @@ one), the box it holds, as numpy arrays. For a ``NamedSharding`` it is computed 
 and the ``PartitionSpec`` directly (no per-device Python objects), so a 32,768-device job plans
 in milliseconds per array; other shardings go through ``devices_indices_map``.
 
-Assignment is the seed's greedy dedup ("give each replicated box to its least-loaded holder,
+Assignment is the greedy dedup of PyTorch DCP's default planner ("give each replicated box to its least-loaded holder,
 largest first"), done one array at a time: within one array every device holds exactly one box,
 so the replica groups are disjoint and the greedy choice for all boxes is one ``argmin``.
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt._format.grid import ceil_div
 from jaxckpt._format.plan import index_to_box
 
 
@@ -70,7 +71,7 @@ def named_layout(
             used.add(a)
             c = c * mesh_shape[a] + coords[a]
             n *= mesh_shape[a]
-        size = -(-dim // n) if dim else 0
+        size = ceil_div(dim, n) if dim else 0
         box.append(size)
         offsets.append(c * size)
         parts.append(n)
@@ -114,8 +115,9 @@ def _layout(shape: tuple[int, ...], sharding: Any) -> Layout:
 
     if isinstance(sharding, jax.sharding.NamedSharding) and _plain_spec(sharding.spec):
         ids, procs = _mesh_ids(sharding.mesh)
-        return named_layout(shape, sharding.mesh.devices.shape, sharding.mesh.axis_names,
-                            sharding.spec, ids, procs)  # fmt: skip
+        return named_layout(
+            shape, sharding.mesh.devices.shape, sharding.mesh.axis_names, sharding.spec, ids, procs
+        )
     return _generic_layout(shape, sharding)
 
 

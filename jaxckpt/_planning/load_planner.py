@@ -28,7 +28,7 @@ _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return
 DEFAULT_MAX_HOST_BYTES = 128 << 20
 _WHOLE = "whole"  # placement slot of an array put whole with its target sharding
 # Arrays up to this size whose target is all on this host are read and put whole: below it a
-# device_put per shard (~60 us each) costs more than the copy the batched put makes.
+# device_put per shard costs more than the copy the batched put makes (docs/benchmarks.md).
 _WHOLE_BYTES = 1 << 20
 
 
@@ -55,8 +55,9 @@ class LoadPlanner(abc.ABC):
     read_ahead_bytes: int = 1 << 30
 
     @abc.abstractmethod
-    def set_up_planner(self, target: Any, manifest: Manifest, *, keys: Any = None,
-                       strict: bool = True) -> None:  # fmt: skip
+    def set_up_planner(
+        self, target: Any, manifest: Manifest, *, keys: Any = None, strict: bool = True
+    ) -> None:
         """1. Match ``target`` (or the whole checkpoint, for ``None``) to ``manifest``.
 
         Raises:
@@ -109,9 +110,13 @@ class DefaultLoadPlanner(LoadPlanner):
       6.0
     """
 
-    def __init__(self, *, allow_dtype_cast: bool = False,
-                 max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
-                 share_reads: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        allow_dtype_cast: bool = False,
+        max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
+        share_reads: bool = True,
+    ) -> None:
         if max_host_bytes < 1:
             raise ValueError(
                 f"max_host_bytes must be a positive number of bytes, not {max_host_bytes}"
@@ -130,8 +135,9 @@ class DefaultLoadPlanner(LoadPlanner):
         return 0 if placement is None else placement.host_bytes
 
     # 1.
-    def set_up_planner(self, target: Any, manifest: Manifest, *, keys: Any = None,
-                       strict: bool = True) -> None:  # fmt: skip
+    def set_up_planner(
+        self, target: Any, manifest: Manifest, *, keys: Any = None, strict: bool = True
+    ) -> None:
         self.manifest = manifest
         saved = list(manifest.entries)
         if target is None:
@@ -252,8 +258,10 @@ class DefaultLoadPlanner(LoadPlanner):
         else:
             devices = _devices()
             kind = where.memory_kind
-            targets = [jax.sharding.SingleDeviceSharding(devices[d], memory_kind=kind)
-                       for d in item.devices]  # fmt: skip
+            targets = [
+                jax.sharding.SingleDeviceSharding(devices[d], memory_kind=kind)
+                for d in item.devices
+            ]
             self.placement.add(item.key, array, targets)
 
     # 4.

@@ -21,20 +21,22 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt._format.grid import ceil_div
 from jaxckpt._format.manifest import ArrayEntry, PackEntry, dtype_from_name
 from jaxckpt._format.names import ARRAYS
 from jaxckpt._planning.layout import Layout
 
-# Measured on the 2,000 x 1 KiB and a mixed workload (docs/benchmarks.md): leaves up to
-# 256 KiB hold nearly all the files of a real training state, and copying them into a pack
-# costs less than a file each; above that a leaf's own file costs little beside its bytes.
+# Leaves up to 256 KiB hold nearly all the files of a real training state, and copying them
+# into a pack costs less than a file each; above that a leaf's own file costs little beside
+# its bytes (docs/benchmarks.md).
 DEFAULT_PACK_BYTES = 256 << 10
-# A sharded array is written as a file per shard: 100 arrays of 390 KiB over 8 devices are 800
-# files of 49 KiB, and saved 5x slower than packed (docs/benchmarks.md). So an array up to this
+# A sharded array is written as a file per shard, so mid-sized arrays sharded over several
+# devices become many small files, as slow to save as unpacked small arrays
+# (docs/benchmarks.md). So an array up to this
 # many times pack_bytes is packed too when its shards are each at most pack_bytes. Bounded,
 # because a packed array is read whole by each host that needs part of it. Shards, not chunks:
 # a replicated array is cut into a chunk per holder process so that their reads are shared
-# (jaxckpt._global_plan.chunk_limit), and packing it would undo that.
+# (jaxckpt._planning.global_plan.chunk_limit), and packing it would undo that.
 SPLIT_PACK_FACTOR = 4
 
 
@@ -88,25 +90,13 @@ def plan_packs(
     """
     if pack_bytes <= 0:
         return {}, []
-    limit = min(SPLIT_PACK_FACTOR * pack_bytes, max_chunk_bytes)
-    groups: dict[tuple[str, tuple[int, ...]], list[ArrayEntry]] = {}
-    seen: dict[int, tuple[int, ...]] = {}  # layouts are shared between arrays: one pass each
-    for key, e in entries.items():
-        lay = layouts[key]
-        if e.nbytes > limit or not (e.nbytes <= pack_bytes or _shard_bytes(e, lay) <= pack_bytes):
-            continue
-        who = seen.get(id(lay))
-        if who is None:
-            who = seen[id(lay)] = holders(lay)
-        if who:
-            groups.setdefault((e.storage_dtype, who), []).append(e)
     packed: dict[str, ArrayEntry] = {}
     packs = []
-    for (sdtype, who), members in groups.items():
+    for (sdtype, who), members in _groups(entries, layouts, pack_bytes, max_chunk_bytes).items():
         itemsize = dtype_from_name(sdtype).itemsize
         total = sum(e.size for e in members) * itemsize
         spread = max(1, min(len(who), total // pack_bytes))
-        cap = max(min(max_chunk_bytes, -(-total // spread)), max(e.nbytes for e in members))
+        cap = max(min(max_chunk_bytes, ceil_div(total, spread)), max(e.nbytes for e in members))
         cut: list[list[ArrayEntry]] = [[]]
         filled = 0
         for e in members:
@@ -122,12 +112,37 @@ def plan_packs(
             offset = 0
             for e in part:
                 packed[e.key] = dataclasses.replace(
-                    e, path=path, chunks=tuple(max(s, 1) for s in e.shape), pack=pack,
+                    e,
+                    path=path,
+                    chunks=tuple(max(s, 1) for s in e.shape),
+                    pack=pack,
                     offset=offset,
-                )  # fmt: skip
+                )
                 offset += e.size
             packs.append((pack, tuple(e.key for e in part), who))
     return packed, packs
+
+
+def _groups(
+    entries: dict[str, ArrayEntry],
+    layouts: dict[str, Layout],
+    pack_bytes: int,
+    max_chunk_bytes: int,
+) -> dict[tuple[str, tuple[int, ...]], list[ArrayEntry]]:
+    """The arrays that may be packed, by (storage dtype, holder processes), in key order."""
+    limit = min(SPLIT_PACK_FACTOR * pack_bytes, max_chunk_bytes)
+    groups: dict[tuple[str, tuple[int, ...]], list[ArrayEntry]] = {}
+    seen: dict[int, tuple[int, ...]] = {}  # layouts are shared between arrays: one pass each
+    for key, e in entries.items():
+        lay = layouts[key]
+        if e.nbytes > limit or not (e.nbytes <= pack_bytes or _shard_bytes(e, lay) <= pack_bytes):
+            continue
+        who = seen.get(id(lay))
+        if who is None:
+            who = seen[id(lay)] = holders(lay)
+        if who:
+            groups.setdefault((e.storage_dtype, who), []).append(e)
+    return groups
 
 
 def _shard_bytes(e: ArrayEntry, lay: Layout) -> int:

@@ -149,9 +149,14 @@ class DefaultSavePlanner(SavePlanner):
         ``jaxckpt._planning.packing.DEFAULT_PACK_BYTES`` (256 KiB).
     """
 
-    def __init__(self, *, dedup: str = "balanced", max_chunk_bytes: int = 64 << 20,
-                 enable_plan_caching: bool = True,
-                 pack_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        dedup: str = "balanced",
+        max_chunk_bytes: int = 64 << 20,
+        enable_plan_caching: bool = True,
+        pack_bytes: int | None = None,
+    ) -> None:
         if dedup not in ("balanced", "lowest"):
             raise ValueError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
         self.dedup = dedup
@@ -212,8 +217,16 @@ class DefaultSavePlanner(SavePlanner):
                 sig.append((leaf.shape, leaf.dtype))
             else:
                 sig.append(type(leaf))
-        return (type(self), self.treedef, tuple(sig), self.dedup, self.max_chunk_bytes,
-                self.pack_bytes, self.process_count, _manifest.VERSION)  # fmt: skip
+        return (
+            type(self),
+            self.treedef,
+            tuple(sig),
+            self.dedup,
+            self.max_chunk_bytes,
+            self.pack_bytes,
+            self.process_count,
+            _manifest.VERSION,
+        )
 
     # 2.
     def create_global_plan(self) -> GlobalSavePlan:
@@ -233,10 +246,14 @@ class DefaultSavePlanner(SavePlanner):
             return fresh
         _stats["misses"] += 1
         plan = create_global_save_plan(
-            self.leaves, _tree.structure(self.tree), prng=self.prng,
-            lowest=self.dedup == "lowest", max_chunk_bytes=self.max_chunk_bytes,
-            process_count=self.process_count, pack_bytes=self.pack_bytes,
-        )  # fmt: skip
+            self.leaves,
+            _tree.structure(self.tree),
+            prng=self.prng,
+            lowest=self.dedup == "lowest",
+            max_chunk_bytes=self.max_chunk_bytes,
+            process_count=self.process_count,
+            pack_bytes=self.pack_bytes,
+        )
         if cache_key is not None:
             _CACHE[cache_key] = plan
             while len(_CACHE) > _CACHE_SIZE:
@@ -311,9 +328,8 @@ class DefaultSavePlanner(SavePlanner):
             else:
                 sources.update({(key, d): self._shard(key, leaf, d).data for d in devs})
         # Dispatched from a pool thread: XLA's CPU client then runs the copies on its own
-        # threads, after the call returns. Called from the main thread it ran them inline, one
-        # at a time (jax 0.10.2): the first save_async of a process returned after 0.15 s
-        # instead of 0.07 s (medians of 10 fresh processes, docs/benchmarks.md).
+        # threads, after the call returns. Called from the main thread it runs them inline, one
+        # at a time, and the first save_async of a process returns later (docs/benchmarks.md).
         put = functools.partial(jax.device_put, list(sources.values()), may_alias=False)
         copies = dict(zip(sources, pools.stage_pool().submit(put).result()))
 

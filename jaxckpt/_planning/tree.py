@@ -1,6 +1,6 @@
 """Pytrees <-> flat ``{key path: leaf}`` dicts, and the JSON structure that maps back.
 
-The seed's ``flatten_state_dict`` adapted to JAX: a key path is the pytree path of a leaf
+PyTorch DCP's ``flatten_state_dict`` adapted to JAX: a key path is the pytree path of a leaf
 written as ``"/"``-joined parts (``"opt_state/0/mu/dense/kernel"``). ``None`` counts as a leaf
 here (JAX drops it), so a saved ``None`` comes back as ``None``.
 

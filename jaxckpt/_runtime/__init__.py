@@ -5,5 +5,7 @@ broadcast), preemption notices (``preemption``), the host staging arena of async
 (``staging``), placement of host boxes onto devices (``placement``) and the library's thread
 pools (``pools``, the one place threads are made).
 
-May import: jax, numpy, ``jaxckpt._errors``. Nothing above it.
+May import: jax, numpy, ``jaxckpt._errors`` and, of the format, only ``jaxckpt._format.grid``
+(the data layout's alignment, which staged buffers share with in-place reads). Nothing above
+it.
 """

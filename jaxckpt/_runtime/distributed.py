@@ -267,8 +267,9 @@ class SaveSync:
 
     # -- messages --------------------------------------------------------------------------
 
-    def _timeout(self, name: str, missing: set[int], waited: float,
-                 on_coordinator: bool = False) -> DistributedError:  # fmt: skip
+    def _timeout(
+        self, name: str, missing: set[int], waited: float, on_coordinator: bool = False
+    ) -> DistributedError:
         self._missing |= missing
         if not on_coordinator:
             what = f"{_procs(missing)} did not reach '{name}'"

@@ -14,8 +14,9 @@ it (storage reads into such buffers): the box then *is* the device buffer and co
 
 An array whose boxes all sit in one group (:meth:`Placement.expect_array`: up to half the
 budget on this host) is made by one ``jax.make_array_from_callback``, a single batched
-transfer, instead of a ``device_put`` per box and ``make_array_from_single_device_arrays``:
-jax's Python per box took ~1/3 of a 400 MiB restore's main thread on CPU devices.
+transfer: jax's Python work per box (a ``device_put`` each, then
+``make_array_from_single_device_arrays``) would weigh on the restore's main thread
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class Placement:
         """Bytes of boxes queued or still being transferred."""
         return self._queued + self._inflight_bytes
 
-    def expect_array(self, slot: Hashable, shape: tuple[int, ...], sharding: Any, boxes: int,
-                     nbytes: int) -> None:  # fmt: skip
+    def expect_array(
+        self, slot: Hashable, shape: tuple[int, ...], sharding: Any, boxes: int, nbytes: int
+    ) -> None:
         """The ``boxes`` boxes to come under ``slot`` (``nbytes`` in all, each added with its
         single-device targets) are the addressable shards of one array of ``shape`` on
         ``sharding``. If they are all queued when a group is placed, the array is made in one

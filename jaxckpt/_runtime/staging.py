@@ -25,24 +25,24 @@ import threading
 
 import numpy as np
 
+from jaxckpt._format.grid import ALIGN, ceil_div
 from jaxckpt._runtime import pools
 
-_ALIGN = 64  # bytes; every item starts on a cache line
 _GRANULE = 1 << 16  # arenas are sized in 64 KiB steps so small changes of state reuse one
 _MAPPED = 4 << 20  # arenas from this size on get a mapping of their own
 _SPLIT = 16 << 20  # a larger item is copied in row blocks of about this size, in parallel
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return ceil_div(n, ALIGN) * ALIGN
 
 
 def _allocate(nbytes: int) -> np.ndarray:
     """A host buffer: large ones page-aligned from a mapping of their own (unmapped with it).
 
     Not on huge pages: the first huge-page fault of a fresh process can wait for the kernel
-    to compact memory (0.3-1.0 s for 400 MiB on the test machine, against 0.11-0.15 s with
-    4 KiB pages and the copy split over two threads, see :meth:`Arena.copy_all`).
+    to compact memory, longer than 4 KiB pages take with the copy split over threads (see
+    :meth:`Arena.copy_all`; docs/benchmarks.md).
     """
     if nbytes >= _MAPPED and hasattr(mmap, "MAP_ANONYMOUS"):
         try:
@@ -86,7 +86,7 @@ class Arena:
             self.used += _aligned(n)
             outs.append(out)
             rows = math.ceil(n / _SPLIT) if data.ndim and n > _SPLIT else 1
-            step = -(-data.shape[0] // rows) if data.ndim else 1
+            step = ceil_div(data.shape[0], rows) if data.ndim else 1
             for r in range(0, data.shape[0] if data.ndim else 1, step):
                 part = slice(r, r + step) if data.ndim else ...
                 jobs.append((out[part], data[part]))
@@ -134,7 +134,7 @@ class StagingPool:
         """
         if not reuse:
             return Arena(nbytes, reusable=False)
-        nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+        nbytes = max(_GRANULE, ceil_div(nbytes, _GRANULE) * _GRANULE)
         with self._lock:
             fits = [a for a in self._free if a.nbytes >= nbytes]
             if fits:

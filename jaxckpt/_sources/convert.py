@@ -31,8 +31,9 @@ _INFLIGHT = 256 << 20
 _QUIET_S = 2.0  # no progress line for runs shorter than this
 
 
-def convert(src: str, dst: str, *, overwrite: bool = False,
-            max_chunk_bytes: int | None = None) -> Manifest:  # fmt: skip
+def convert(
+    src: str, dst: str, *, overwrite: bool = False, max_chunk_bytes: int | None = None
+) -> Manifest:
     """Write the checkpoint or weights at ``src`` as a jaxckpt checkpoint at ``dst``.
 
     ``src`` is anything :func:`restore` reads: a jaxckpt checkpoint, an Orbax checkpoint
@@ -66,12 +67,26 @@ def convert(src: str, dst: str, *, overwrite: bool = False,
       >>> jaxckpt.restore(d + "/ckpt")["embed.weight"].shape
       (4, 2)
     """
-    return convert_checkpoint(src, dst, overwrite=overwrite, stream=sys.stderr, progress=None,
-                    max_chunk_bytes=max_chunk_bytes)  # fmt: skip
+    return convert_checkpoint(
+        src,
+        dst,
+        overwrite=overwrite,
+        stream=sys.stderr,
+        progress=None,
+        max_chunk_bytes=max_chunk_bytes,
+    )
 
 
-def convert_checkpoint(src: str, dst: str, *, overwrite: bool, stream: TextIO, progress: bool | None,
-             max_chunk_bytes: int | None = None) -> Manifest:  # fmt: skip
+def convert_checkpoint(
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool,
+    stream: TextIO,
+    progress: bool | None,
+    max_chunk_bytes: int | None = None,
+) -> Manifest:
+    """:func:`convert`, with the CLI's choices of where progress goes and whether it shows."""
     limit = BLOCK_BYTES if max_chunk_bytes is None else max_chunk_bytes
     if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 1:
         raise ValueError(
@@ -80,23 +95,17 @@ def convert_checkpoint(src: str, dst: str, *, overwrite: bool, stream: TextIO, p
         )
     limit = int(limit)  # a numpy integer would reach the manifest's JSON
     source, reader = _sources.open_source(_location.Location(src))
-    taken: set[str] = set()
-    entries: dict[str, Any] = {}
-    for key, e in source.entries.items():
-        if isinstance(e, ArrayEntry):
-            e = ArrayEntry(key=key, shape=e.shape, dtype=e.dtype,
-                           storage_dtype=_manifest.storage_dtype_name(
-                               _manifest.dtype_from_name(e.dtype)),
-                           chunks=_row_blocks(e, limit), path=storage_name(key, taken),
-                           prng_impl=e.prng_impl, sharding=e.sharding)  # fmt: skip
-        entries[key] = e
-    created = {"jaxckpt": __version__, "converted_from": reader.kind}
-    manifest = Manifest(tree=source.tree, entries=entries, created=created)
-    arrays = {k: e for k, e in entries.items() if isinstance(e, ArrayEntry)}
-    items = [ReadItem(k, off, size) for k, e in arrays.items() if 0 not in e.shape
-             for off, size in chunk_boxes((0,) * len(e.shape), e.shape, e.chunks)]  # fmt: skip
-    total = sum(math.prod(i.sizes) * _manifest.dtype_from_name(arrays[i.key].dtype).itemsize
-                for i in items)  # fmt: skip
+    manifest = _converted(source, reader.kind, limit)
+    arrays = {k: e for k, e in manifest.entries.items() if isinstance(e, ArrayEntry)}
+    items = [
+        ReadItem(k, off, size)
+        for k, e in arrays.items()
+        if 0 not in e.shape
+        for off, size in chunk_boxes((0,) * len(e.shape), e.shape, e.chunks)
+    ]
+    total = sum(
+        math.prod(i.sizes) * _manifest.dtype_from_name(arrays[i.key].dtype).itemsize for i in items
+    )
     writer = _storage.Writer(_location.Location(dst), overwrite=overwrite)
     line = _Line(stream, total, progress)
     try:
@@ -117,6 +126,28 @@ def convert_checkpoint(src: str, dst: str, *, overwrite: bool, stream: TextIO, p
     finally:
         line.close()
     return manifest
+
+
+def _converted(source: Manifest, kind: str, limit: int) -> Manifest:
+    """The manifest of ``source`` as a jaxckpt checkpoint: its arrays in row-block chunks of at
+    most ``limit`` bytes, under jaxckpt's storage names."""
+    taken: set[str] = set()
+    entries: dict[str, Any] = {}
+    for key, e in source.entries.items():
+        if isinstance(e, ArrayEntry):
+            e = ArrayEntry(
+                key=key,
+                shape=e.shape,
+                dtype=e.dtype,
+                storage_dtype=_manifest.storage_dtype_name(_manifest.dtype_from_name(e.dtype)),
+                chunks=_row_blocks(e, limit),
+                path=storage_name(key, taken),
+                prng_impl=e.prng_impl,
+                sharding=e.sharding,
+            )
+        entries[key] = e
+    created = {"jaxckpt": __version__, "converted_from": kind}
+    return Manifest(tree=source.tree, entries=entries, created=created)
 
 
 def _row_blocks(e: ArrayEntry, limit: int) -> tuple[int, ...]:
@@ -146,8 +177,8 @@ class _Line:
             return
         if self.enabled or now - self.t0 > _QUIET_S:
             pct = 100 * self.done / self.total if self.total else 100
-            self.stream.write(f"\rconvert: {self.done >> 20}/{self.total >> 20} MiB "
-                              f"({pct:.0f}%) {key}"[:120].ljust(60))  # fmt: skip
+            line = f"\rconvert: {self.done >> 20}/{self.total >> 20} MiB ({pct:.0f}%) {key}"
+            self.stream.write(line[:120].ljust(60))
             self.stream.flush()
             self.shown, self.last = True, now
 

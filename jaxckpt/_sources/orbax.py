@@ -23,11 +23,12 @@ unpickled and orbax is never imported; anything else (custom handlers or value t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -66,7 +67,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, OrbaxReader] | None:
         return None
     handlers = step.get("item_handlers") if isinstance(step, dict) else None
     if isinstance(handlers, dict) and len(handlers) == 1:
-        (name, handler), = handlers.items()  # fmt: skip
+        ((name, handler),) = handlers.items()
         if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
             item = loc.join(name)
             raw = _read_json(_location.kvstore(item.kvstore), item, METADATA)
@@ -150,9 +151,14 @@ def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
             child = node["kids"].get(part)
             if child is None:
                 nxt = kinds[i + 1] if not last else 0
-                child = {"leaf": key} if last and key not in empty else {
-                    "kind": empty.get(key) if last else ("dict" if nxt == 2 else "list"),
-                    "kids": {}}  # fmt: skip
+                child = (
+                    {"leaf": key}
+                    if last and key not in empty
+                    else {
+                        "kind": empty.get(key) if last else ("dict" if nxt == 2 else "list"),
+                        "kids": {},
+                    }
+                )
                 node["kids"][part] = child
             elif last or "leaf" in child:
                 raise _bad(loc, f"{key!r} is both a leaf and a subtree")
@@ -165,53 +171,91 @@ def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
         if n["kind"] == "list":
             items.sort(key=lambda kv: int(kv[0]))
             return {"type": "list", "children": [to_json(c) for _, c in items]}
-        return {"type": "dict", "keys": [k for k, _ in items],
-                "children": [to_json(c) for _, c in items]}  # fmt: skip
+        return {
+            "type": "dict",
+            "keys": [k for k, _ in items],
+            "children": [to_json(c) for _, c in items],
+        }
 
     return to_json(root)
 
 
-def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manifest, OrbaxReader]:
+class Stored(NamedTuple):
+    """An opened Orbax array, as the manifest describes it."""
+
+    name: str  # the parameter name: the array's folder (or OCDBT prefix)
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[int, ...]  # the read chunk shape
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxItem:
+    """An item's ``_METADATA``, checked: its leaves, the tree they form, how arrays are stored."""
+
+    leaves: list[tuple[list[str], list[int], dict]]  # (key path, key types, value metadata)
+    empty: dict[str, str]  # key -> "dict" or "list": an empty container, not a leaf
+    tree: dict  # jaxckpt's JSON tree
+    ocdbt: bool
+    zarr3: bool
+    fill_ok: bool  # chunks equal to the fill value may be missing
+
+
+def parse_metadata(loc: _location.Location, doc: Any) -> OrbaxItem:
+    """Check an item's ``_METADATA`` document; nothing is read.
+
+    Raises:
+      ManifestError: the document is not the PyTree metadata jaxckpt knows.
+    """
     leaves = _leaves(loc, doc)
     ocdbt, zarr3 = bool(doc.get("use_ocdbt")), bool(doc.get("use_zarr3"))
     fill_ok = doc.get("store_array_data_equal_to_fill_value") is False
-    empty = {SEP.join(p): _EMPTY[vm.get("value_type")] for p, _, vm in leaves
-             if vm.get("value_type") in _EMPTY}  # fmt: skip
-    tree = _tree(loc, leaves, empty)
-    strings: dict | None = None
-    database = None
-    opening: dict[str, tuple[str, str, Any]] = {}  # key -> (param name, value type, future)
-    values: dict[str, Any] = {}
-    for parts, _, vm in leaves:
-        key, name, vtype = SEP.join(parts), ".".join(parts), vm.get("value_type")
-        if key in empty:
-            continue
-        if vtype == "None":
-            values[key] = None
-        elif vtype == "string":
-            strings = _read_json(kv, loc, STRINGS) if strings is None else strings
-            v = strings.get(name) if isinstance(strings, dict) else None
-            if not isinstance(v, str):
-                raise _bad(loc, f"string leaf {key!r} has no string in {STRINGS}")
-            values[key] = v
-        elif vtype in _ARRAYS or vtype == "scalar":
-            spec = {"driver": "zarr3" if zarr3 else "zarr", "fill_missing_data_reads": fill_ok}
-            if ocdbt:  # keys live inside the database: none can name a path outside it
-                database = _database(loc) if database is None else database
-                fut = ts.open(spec, kvstore=database / (name + "/"), open=True, read=True,
-                              context=_location.CONTEXT)  # fmt: skip
-            else:
-                spec["kvstore"] = _kvstore(loc, name)
-                fut = ts.open(spec, open=True, read=True, context=_location.CONTEXT)
-            opening[key] = (name, vtype, fut)
-        else:
-            raise ManifestError(
-                f"{loc}: leaf {key!r} has Orbax value type {vtype!r} (a custom TypeHandler or "
-                f"an aggregate value), which jaxckpt does not read. Restore this item with "
-                f"orbax-checkpoint, or re-save the leaf as an array."
-            )
+    empty = {
+        SEP.join(p): _EMPTY[vm.get("value_type")]
+        for p, _, vm in leaves
+        if vm.get("value_type") in _EMPTY
+    }
+    return OrbaxItem(leaves, empty, _tree(loc, leaves, empty), ocdbt, zarr3, fill_ok)
+
+
+def manifest_from_orbax(
+    loc: _location.Location, item: OrbaxItem, arrays: dict[str, Stored], values: dict[str, Any]
+) -> Manifest:
+    """The manifest of an Orbax item from its metadata, its opened ``arrays`` and the Python
+    ``values`` of its other leaves (by key); pure, so it needs no tensorstore.
+
+    Raises:
+      ManifestError: a value leaf holds something other than a Python scalar or string.
+    """
+    entries: dict[str, ArrayEntry | ValueEntry] = {
+        key: ArrayEntry(
+            key=key,
+            shape=a.shape,
+            dtype=a.dtype.name,
+            storage_dtype=a.dtype.name,
+            chunks=tuple(max(1, c) for c in a.chunks),
+            path=a.name,
+            checksum="none",
+        )
+        for key, a in arrays.items()
+    }
+    order = [SEP.join(p) for p, _, _ in item.leaves if SEP.join(p) not in item.empty]
+    for key in order:
+        if key in values:
+            v = values[key]
+            if not isinstance(v, (int, float, bool, str, type(None))):
+                raise _bad(loc, f"leaf {key!r} holds a {type(v).__name__}")
+            entries[key] = ValueEntry(key, v)
+    entries = {k: entries[k] for k in order}
+    created = {"source": "orbax", "use_ocdbt": item.ocdbt, "use_zarr3": item.zarr3}
+    return Manifest(tree=item.tree, entries=entries, created=created)
+
+
+def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manifest, OrbaxReader]:
+    item = parse_metadata(loc, doc)
+    values, opening = _start_opening(loc, kv, item)
     stores: dict[str, Any] = {}
-    entries: dict[str, ArrayEntry | ValueEntry] = {}
+    arrays: dict[str, Stored] = {}
     scalars = {}
     for key, (name, vtype, fut) in opening.items():
         store = _opened(loc, key, name, fut)
@@ -225,22 +269,61 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
         if math.prod(shape) * dtype.itemsize > _MAX_BYTES:
             raise _bad(loc, f"array {name} claims an absurd shape {shape}")
         chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or shape)
-        entries[key] = ArrayEntry(key=key, shape=shape, dtype=dtype.name,
-                                  storage_dtype=dtype.name, chunks=tuple(max(1, c) for c in chunks),
-                                  path=name, checksum="none")  # fmt: skip
+        arrays[key] = Stored(name, shape, dtype, chunks)
         stores[key] = store
     for key, (name, fut) in scalars.items():
         values[key] = _result(loc, key, name, fut).item()
-    order = [SEP.join(p) for p, _, _ in leaves if SEP.join(p) not in empty]
-    for key in order:
-        if key in values:
-            v = values[key]
-            if not isinstance(v, (int, float, bool, str, type(None))):
-                raise _bad(loc, f"leaf {key!r} holds a {type(v).__name__}")
-            entries[key] = ValueEntry(key, v)
-    entries = {k: entries[k] for k in order}
-    created = {"source": "orbax", "use_ocdbt": ocdbt, "use_zarr3": zarr3}
-    return Manifest(tree=tree, entries=entries, created=created), OrbaxReader(loc, stores)
+    return manifest_from_orbax(loc, item, arrays, values), OrbaxReader(loc, stores)
+
+
+def _start_opening(
+    loc: _location.Location, kv: ts.KvStore, item: OrbaxItem
+) -> tuple[dict[str, Any], dict[str, tuple[str, str, Any]]]:
+    """Read the ``None`` and string leaves; start opening the arrays and scalars.
+
+    Returns ``(values, opening)``: values by key, and key -> (param name, value type, future).
+    """
+    strings: dict | None = None
+    database = None
+    opening: dict[str, tuple[str, str, Any]] = {}
+    values: dict[str, Any] = {}
+    for parts, _, vm in item.leaves:
+        key, name, vtype = SEP.join(parts), ".".join(parts), vm.get("value_type")
+        if key in item.empty:
+            continue
+        if vtype == "None":
+            values[key] = None
+        elif vtype == "string":
+            strings = _read_json(kv, loc, STRINGS) if strings is None else strings
+            v = strings.get(name) if isinstance(strings, dict) else None
+            if not isinstance(v, str):
+                raise _bad(loc, f"string leaf {key!r} has no string in {STRINGS}")
+            values[key] = v
+        elif vtype in _ARRAYS or vtype == "scalar":
+            spec = {
+                "driver": "zarr3" if item.zarr3 else "zarr",
+                "fill_missing_data_reads": item.fill_ok,
+            }
+            if item.ocdbt:  # keys live inside the database: none can name a path outside it
+                database = _database(loc) if database is None else database
+                fut = ts.open(
+                    spec,
+                    kvstore=database / (name + "/"),
+                    open=True,
+                    read=True,
+                    context=_location.CONTEXT,
+                )
+            else:
+                spec["kvstore"] = _kvstore(loc, name)
+                fut = ts.open(spec, open=True, read=True, context=_location.CONTEXT)
+            opening[key] = (name, vtype, fut)
+        else:
+            raise ManifestError(
+                f"{loc}: leaf {key!r} has Orbax value type {vtype!r} (a custom TypeHandler or "
+                f"an aggregate value), which jaxckpt does not read. Restore this item with "
+                f"orbax-checkpoint, or re-save the leaf as an array."
+            )
+    return values, opening
 
 
 def _database(loc: _location.Location) -> ts.KvStore:
@@ -296,8 +379,13 @@ class OrbaxReader:
             bad = next(k for k, s in stores.items() if not is_supported_dtype(s.dtype.numpy_dtype))
             raise ManifestError(f"{loc}: leaf {bad!r} has a dtype jaxckpt does not read.")
 
-    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
-             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    def read(
+        self,
+        entries: dict[str, Any],
+        items: Iterable[ReadItem],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
         """Yield ``(item, data)`` for each item; tensorstore reads the chunks its box overlaps."""
         return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
 

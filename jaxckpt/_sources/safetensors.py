@@ -102,8 +102,9 @@ def _from_index(
 ) -> tuple[Manifest, SafetensorsReader]:
     is_file = str(loc).endswith(".json")
     where = f"{loc}" if is_file else f"{loc}/{name}"
-    raw = read_small(kv, _location.Location(str(loc).rpartition("/")[0]) if is_file else loc,
-                     name, _MAX_INDEX)  # fmt: skip
+    raw = read_small(
+        kv, _location.Location(str(loc).rpartition("/")[0]) if is_file else loc, name, _MAX_INDEX
+    )
     if raw is None:
         raise ManifestError(f"{where} is missing.")
     try:
@@ -161,11 +162,14 @@ def _build(
             chunks=tuple(max(1, s) for s in t.shape),
             path=t.file,
             checksum="none",
-        )  # fmt: skip
+        )
         for name, t in tensors.items()
     }
-    tree = {"type": "dict", "keys": list(entries),
-            "children": [{"type": "leaf", "key": k} for k in entries]}  # fmt: skip
+    tree = {
+        "type": "dict",
+        "keys": list(entries),
+        "children": [{"type": "leaf", "key": k} for k in entries],
+    }
     created = {"source": "safetensors", "files": files}
     return Manifest(tree=tree, entries=entries, created=created), SafetensorsReader(
         loc, kv, tensors, sizes
@@ -182,8 +186,9 @@ def _file_size(loc: _location.Location, kv: ts.KvStore, f: str) -> int | None:
         return None
 
 
-def _parse(loc: _location.Location, kv: ts.KvStore, f: str,
-           head: bytes) -> tuple[dict[str, _Tensor], int | None]:  # fmt: skip
+def _parse(
+    loc: _location.Location, kv: ts.KvStore, f: str, head: bytes
+) -> tuple[dict[str, _Tensor], int | None]:
     where = str(loc) if str(loc).endswith(f) else f"{loc}/{f}"
     size = _file_size(loc, kv, f)
     if len(head) < 8:
@@ -240,8 +245,12 @@ def _tensor(where: str, f: str, name: str, d: Any, base: int) -> _Tensor:
         or not all(type(s) is int and s >= 0 for s in shape)
     ):
         raise bad(f"has an invalid shape {shape!r}")
-    if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-            and 0 <= offs[0] <= offs[1]):  # fmt: skip
+    if not (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(type(o) is int for o in offs)
+        and 0 <= offs[0] <= offs[1]
+    ):
         raise bad(f"has invalid data_offsets {offs!r}")
     need = math.prod(shape) * dtype_from_name(dtype).itemsize
     if offs[1] - offs[0] != need:
@@ -264,14 +273,24 @@ class SafetensorsReader:
 
     kind = "safetensors"
 
-    def __init__(self, loc: _location.Location, kv: ts.KvStore, tensors: dict[str, _Tensor],
-                 sizes: dict[str, int | None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loc: _location.Location,
+        kv: ts.KvStore,
+        tensors: dict[str, _Tensor],
+        sizes: dict[str, int | None],
+    ) -> None:
         self.loc, self.kv, self.tensors, self.sizes = loc, kv, tensors, sizes
         self.bytes_read = 0
         self._lock = threading.Lock()
 
-    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
-             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    def read(
+        self,
+        entries: dict[str, Any],
+        items: Iterable[ReadItem],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
         """Yield ``(item, data)`` for each item, reading only the byte ranges its box needs."""
         return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
 
@@ -289,7 +308,7 @@ class SafetensorsReader:
         futures = [
             self.kv.read(t.file, byte_range=slice(t.begin + lo, t.begin + hi))
             for lo, hi, _, _ in reads
-        ]  # fmt: skip
+        ]
         with self._lock:
             self.bytes_read += sum(hi - lo for lo, hi, _, _ in reads)
 
@@ -313,8 +332,9 @@ class SafetensorsReader:
         return result
 
 
-def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
-          itemsize: int) -> Iterator[tuple[int, int, tuple, tuple]]:  # fmt: skip
+def _runs(
+    shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int
+) -> Iterator[tuple[int, int, tuple, tuple]]:
     """Byte ranges covering a box: ``(begin, end, slot in the box, (rows shape, slice))``.
 
     At the first dimension where whole rows (of all later dimensions) hold at most ``_SLACK``

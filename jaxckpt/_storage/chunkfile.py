@@ -4,7 +4,7 @@ A jaxckpt array on a local disk is a zarr v3 array whose codecs are ``bytes`` (l
 and, by default, ``crc32c``: each chunk file holds the chunk's elements in C order, at full
 chunk shape even at the array's edge, then the 4-byte little-endian CRC-32C of those bytes.
 tensorstore reads such a file into a buffer of its own, checks it and copies the decoded chunk
-out; profiling put that path at ~75% of a restore (docs/benchmarks.md). Here a chunk that a box
+out, a second copy of every byte that dominated restores (docs/benchmarks.md). Here a chunk that a box
 needs whole is read by one ``preadv`` into the box's own buffer (which CPU devices then alias)
 and checked there, so each byte is copied once, from the page cache. A chunk that boxes need
 only part of (a resharded restore) is read once for all the boxes in flight that need it, in
@@ -34,13 +34,14 @@ from pathlib import Path
 import numpy as np
 
 from jaxckpt._errors import CorruptChunkError
+from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._runtime import pools
 
 try:
     import google_crc32c
 
-    _CRC = google_crc32c.implementation == "c"  # the pure-Python fallback is ~1000x slower
+    _CRC = google_crc32c.implementation == "c"  # the pure-Python one is too slow for array data
 except ImportError:  # pragma: no cover - a core dependency; kept optional for odd platforms
     _CRC = False
 
@@ -48,7 +49,7 @@ except ImportError:  # pragma: no cover - a core dependency; kept optional for o
 def _native_extend() -> Callable[[int, int, int], int] | None:
     """google-crc32c's C ``crc32c_extend``, called through ctypes, which drops the GIL for the
     call: the extension's own ``value()`` holds it, so the checksums of chunks read by several
-    threads ran one at a time and stalled the restore's Python thread (~40 ms per 400 MiB).
+    threads would run one at a time and stall the restore's Python thread (docs/benchmarks.md).
     ``None`` where the symbol cannot be found or fails a known answer (then ``value()``)."""
     try:
         from google_crc32c import _crc32c  # the C extension; the symbol is in its library
@@ -76,10 +77,10 @@ def crc32c(buf: np.ndarray, crc: int = 0) -> int:
 
 
 # bool is left to tensorstore: a byte other than 0/1 is not a numpy bool.
-_DTYPES = {
-    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
-}  # fmt: skip
+_DTYPES = set(
+    "int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 bfloat16 "
+    "complex64 complex128".split()
+)
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _FLAGS |= getattr(os, "O_CLOEXEC", 0)
 
@@ -135,8 +136,9 @@ class InPlace:
                 key = (entry.path, idx)
                 self._due[key] = self._due.get(key, 0) + 1
 
-    def start(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...],
-              out: np.ndarray) -> Callable[[], np.ndarray]:  # fmt: skip
+    def start(
+        self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray
+    ) -> Callable[[], np.ndarray]:
         """Start reading the box ``offsets``/``sizes`` of ``entry`` into ``out``; return a wait.
 
         Chunks the box needs whole are read by pool tasks straight into ``out``; the others
@@ -187,9 +189,14 @@ class InPlace:
     def _submit(self, key: tuple[str, tuple[int, ...]]) -> None:
         chunk = self._gathering.pop(key)
         chunk.future = pools.read_pool().submit(
-            _read_parts, chunk.folder, chunk.key[1], chunk.entry, chunk.parts, chunk.where,
+            _read_parts,
+            chunk.folder,
+            chunk.key[1],
+            chunk.entry,
+            chunk.parts,
+            chunk.where,
             self._scratch,
-        )  # fmt: skip
+        )
 
     def _where(self, entry: ArrayEntry, idx: tuple[int, ...]) -> str:
         return f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in {self.describe}"
@@ -201,8 +208,9 @@ class _Shared:
 
     __slots__ = ("key", "folder", "entry", "where", "parts", "future")
 
-    def __init__(self, key: tuple[str, tuple[int, ...]], folder: Path, entry: ArrayEntry,
-                 where: str) -> None:  # fmt: skip
+    def __init__(
+        self, key: tuple[str, tuple[int, ...]], folder: Path, entry: ArrayEntry, where: str
+    ) -> None:
         self.key = key  # (array path, chunk index)
         self.folder, self.entry, self.where = folder, entry, where
         self.parts: list[tuple[np.ndarray, tuple]] = []  # (view in a box, slices of the chunk)
@@ -213,8 +221,7 @@ def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...])
     """``(chunk index, slices of the box, slices of the chunk, whole)`` for each chunk the box
     touches; ``whole``: the box needs all of the chunk's stored elements. The slices end in
     ``...``, so indexing gives a view even for 0-d arrays (``a[()]`` would copy)."""
-    ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(offsets, sizes, entry.chunks)]
-    for idx in itertools.product(*ranges):
+    for idx in chunks_touching(offsets, sizes, entry.chunks):
         origin = [i * c for i, c in zip(idx, entry.chunks)]
         a = [max(o, g) for o, g in zip(offsets, origin)]  # the chunk's part in the box
         b = [min(o + s, g + c) for o, s, g, c in zip(offsets, sizes, origin, entry.chunks)]
@@ -227,8 +234,9 @@ def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...])
 _BLOCK = 4 << 20  # bytes of a partial chunk read, checksummed and copied out at a time
 
 
-def _read_file(folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.ndarray,
-               where: str) -> None:  # fmt: skip
+def _read_file(
+    folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.ndarray, where: str
+) -> None:
     """Read chunk ``idx``'s file into ``buf`` (its stored shape, contiguous) and check it."""
     tail = 4 if entry.checksum == "crc32c" else 0
     stored = bytearray(tail)
@@ -243,9 +251,14 @@ def _read_file(folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.nd
     _count(buf.nbytes + tail)
 
 
-def _read_parts(folder: Path, idx: tuple[int, ...], entry: ArrayEntry,
-                parts: list[tuple[np.ndarray, tuple]], where: str,
-                scratch: list[np.ndarray]) -> None:  # fmt: skip
+def _read_parts(
+    folder: Path,
+    idx: tuple[int, ...],
+    entry: ArrayEntry,
+    parts: list[tuple[np.ndarray, tuple]],
+    where: str,
+    scratch: list[np.ndarray],
+) -> None:
     """Read chunk ``idx``'s file block by block into a scratch buffer, checksumming each block
     and copying its share of each part (``(view in a box, slices of the chunk)``) out while it
     is in cache. The boxes see the bytes only once the checksum of the whole file is checked:
@@ -306,8 +319,9 @@ def _blocks(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple
             yield (flat * shape[axis] + a) * inner, region
 
 
-def _copy_overlap(view: np.ndarray, src: tuple[slice, ...], block: np.ndarray,
-                  region: tuple) -> None:  # fmt: skip
+def _copy_overlap(
+    view: np.ndarray, src: tuple[slice, ...], block: np.ndarray, region: tuple
+) -> None:
     """Copy what ``block`` (the chunk's ``region``) holds of ``src`` (the chunk's slices that
     ``view`` receives) into ``view``."""
     to, of = [], []
@@ -324,7 +338,7 @@ def _open_chunk(folder: Path, idx: tuple[int, ...], size: int, where: str) -> in
     """Open chunk ``idx``'s file, refusing a link, anything not a regular file and any size
     but ``size`` (checked before reading: nothing is read beyond what the file holds)."""
     try:
-        fd = os.open(folder.joinpath("c", *map(str, idx)), _FLAGS)
+        fd = os.open(folder / chunk_key(idx), _FLAGS)
     except FileNotFoundError:
         raise CorruptChunkError(f"{where} is missing. {_DAMAGED}") from None
     except OSError as e:  # a link (ELOOP under O_NOFOLLOW), no permission, ...

@@ -20,7 +20,8 @@ from jaxckpt._format.manifest import MANIFEST
 from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
 
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
-# Files are not fsynced one by one (that costs ~4x on many small arrays); the commit syncs
+# Files are not fsynced one by one (that multiplies the cost of many small arrays,
+# docs/benchmarks.md); the commit syncs
 # the staging dir's file system once before writing the manifest.
 CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
 
@@ -66,8 +67,11 @@ def _check_file_url(url: str, text: str) -> None:
     # tensorstore decodes a file:// URL (%XX escapes, no ?/# parts); jaxckpt takes it literally.
     bad = [c for c in "%?#" if c in text]
     if bad:
-        raise _path_error(url, f"contains {bad[0]!r} in a file:// URL",
-                          "Pass the plain local path instead of a file:// URL.")  # fmt: skip
+        raise _path_error(
+            url,
+            f"contains {bad[0]!r} in a file:// URL",
+            "Pass the plain local path instead of a file:// URL.",
+        )
     if text and not text.startswith("/"):
         raise CheckpointError(
             f"{url!r} is not an absolute file:// URL: write file:///ABSOLUTE/PATH or a plain path."
@@ -89,8 +93,11 @@ def _local_path(url: str, text: str) -> Path:
         path = Path(os.path.realpath(path.parent if keep else path)) / (path.name if keep else "")
     for part in path.parts:
         if part.endswith(LOCK_SUFFIX):
-            raise _path_error(url, f"has a part ending in {LOCK_SUFFIX!r} (reserved by tensorstore)",
-                              "Choose another name.")  # fmt: skip
+            raise _path_error(
+                url,
+                f"has a part ending in {LOCK_SUFFIX!r} (reserved by tensorstore)",
+                "Choose another name.",
+            )
         if len(os.fsencode(part)) > FILE_NAME_BYTES:
             raise CheckpointError(
                 f"Checkpoint path {url!r} has a part of {len(os.fsencode(part))} bytes; file "
@@ -111,8 +118,11 @@ def _kvstore_for_url(url: str) -> dict:
                 f"{url!r} names no valid bucket ({bucket!r}): write {scheme}://BUCKET/PREFIX with "
                 f"a bucket name of 3 or more letters, digits, '.', '-' or '_'."
             )
-        spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
-                                "path": prefix.strip("/") + "/" if prefix else ""}  # fmt: skip
+        spec: dict[str, Any] = {
+            "driver": "gcs" if scheme == "gs" else "s3",
+            "bucket": bucket,
+            "path": prefix.strip("/") + "/" if prefix else "",
+        }
         if scheme == "s3":
             spec.update(_s3_options())
         return spec

@@ -33,8 +33,9 @@ def split(entries: dict[str, Any], items: Iterable[ReadItem]) -> tuple[list, lis
     return plain, packed
 
 
-def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
-         max_inflight_bytes: int) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+def read(
+    reader: Any, entries: dict[str, Any], items: list[ReadItem], *, max_inflight_bytes: int
+) -> Iterator[tuple[ReadItem, np.ndarray]]:
     """Yield ``(item, data)`` for packed items, reading each needed pack once (the span of it
     the items need), at most ``max_inflight_bytes`` ahead.
 
@@ -65,8 +66,9 @@ def read(reader: Any, entries: dict[str, Any], items: list[ReadItem], *,
         yield from _slices(reader, entries, *done)
 
 
-def _slices(reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[ReadItem], lo: int,
-            fut: Any) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+def _slices(
+    reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[ReadItem], lo: int, fut: Any
+) -> Iterator[tuple[ReadItem, np.ndarray]]:
     data = np.empty(0, dtype_from_name(pack.storage_dtype))
     if fut is not None:
         try:

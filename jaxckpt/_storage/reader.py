@@ -20,6 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointChangedError, CorruptChunkError, ManifestError
+from jaxckpt._format.grid import ALIGN, chunk_key, grid_indices, grid_shape, is_chunk_key
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
@@ -55,8 +56,13 @@ class Reader(Protocol):
     loc: Location
     kind: str  # "jaxckpt", "orbax" or "safetensors": what the reader reads
 
-    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
-             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    def read(
+        self,
+        entries: dict[str, Any],
+        items: Iterable[ReadItem],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
         """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``."""
         ...
 
@@ -141,12 +147,12 @@ class CheckpointReader:
         if entry.path in self._chunks_ok:
             return
         found = self._chunk_keys(entry)
-        grid = [-(-s // c) for s, c in zip(entry.shape, entry.chunks)]
+        grid = grid_shape(entry.shape, entry.chunks)
         if (
             math.prod(grid) > len(found) + slack
         ):  # only then can one be missing: find the first, lazily
             for idx in grid_indices(grid):
-                name = "/".join(["c", *map(str, idx)])
+                name = chunk_key(idx)
                 if name not in found:
                     raise CorruptChunkError(
                         f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in "
@@ -192,7 +198,7 @@ class CheckpointReader:
                         )
                     if e.is_dir():
                         stack.append((e.path, name))
-                    elif name == "c" or name.startswith("c/"):
+                    elif is_chunk_key(name):
                         found[name] = e
         return found
 
@@ -209,8 +215,13 @@ class CheckpointReader:
             self._listing = listing
         return self._listing
 
-    def read(self, entries: dict[str, Any], items: Iterable[ReadItem], *,
-             max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+    def read(
+        self,
+        entries: dict[str, Any],
+        items: Iterable[ReadItem],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
         """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
 
         Packed items come first, each needed pack read once (``jaxckpt._storage.packs``). At most
@@ -224,8 +235,12 @@ class CheckpointReader:
                 entry = entries[item.key]
                 if self._in_place(entry):
                     self._inplace.expect(entry, item.offsets, item.sizes)
-            yield from pipelined(entries, items, lambda item: self._start(entries[item.key], item),
-                                 max_inflight_bytes=max_inflight_bytes)  # fmt: skip
+            yield from pipelined(
+                entries,
+                items,
+                lambda item: self._start(entries[item.key], item),
+                max_inflight_bytes=max_inflight_bytes,
+            )
         except (CorruptChunkError, ManifestError) as e:  # a file gone: often a save replaced it
             self.check_unchanged(e)
             raise
@@ -288,9 +303,13 @@ class CheckpointReader:
         return data
 
 
-def pipelined(entries: dict[str, Any], items: Iterable[ReadItem],
-              start: Callable[[ReadItem], Callable[[], np.ndarray]], *,
-              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Iterator[tuple[ReadItem, np.ndarray]]:  # fmt: skip
+def pipelined(
+    entries: dict[str, Any],
+    items: Iterable[ReadItem],
+    start: Callable[[ReadItem], Callable[[], np.ndarray]],
+    *,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+) -> Iterator[tuple[ReadItem, np.ndarray]]:
     """Start each item's read in order (``start(item)`` returns a call that waits for its data),
     yielding the oldest first whenever starting the next would put more than
     ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader
@@ -314,13 +333,12 @@ def pipelined(entries: dict[str, Any], items: Iterable[ReadItem],
 
 
 _ALIGNED_MIN_BYTES = 1 << 20
-_ALIGN = 64  # what XLA's CPU client needs to alias a host buffer instead of copying it
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
@@ -330,22 +348,6 @@ def file_bytes_read() -> int:
     restore reads each region once."""
     found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
     return sum(v.get("value", 0) for m in found for v in m["values"]) + _chunkfile.bytes_read()
-
-
-def grid_indices(grid: list[int]) -> Iterator[tuple[int, ...]]:
-    """Chunk indices in row-major order, lazily (itertools.product would materialise ranges)."""
-    if 0 in grid:
-        return
-    idx = [0] * len(grid)
-    while True:
-        yield tuple(idx)
-        d = len(grid) - 1
-        while d >= 0 and idx[d] == grid[d] - 1:
-            idx[d] = 0
-            d -= 1
-        if d < 0:
-            return
-        idx[d] += 1
 
 
 def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunkError:

@@ -4,7 +4,7 @@ A save is durable only once ``Writer.flush`` (``syncfs``) returns, and that call
 kernel to write every dirty page of the checkpoint to the disk. Left alone, the kernel starts
 that write-back late (``dirty_expire_centisecs``, 30 s by default), so a save first copies all
 of its bytes into the page cache and only then waits for the disk: the two phases add up
-(docs/benchmarks.md: ~0.19 s of ~0.57 s for 400 MiB). Here each chunk file, once written, gets
+instead of overlapping (docs/benchmarks.md). Here each chunk file, once written, gets
 ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which queues its pages for write-back and returns
 without waiting, so the disk works while later chunks are still being copied and the final
 ``syncfs`` finds little left to do.
@@ -18,13 +18,13 @@ staging directory. ``JAXCKPT_EARLY_WRITEBACK=0`` turns it off (benchmarks compar
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._runtime import pools
 from jaxckpt._storage.libc import libc
 
@@ -39,7 +39,7 @@ def _load() -> object | None:
     try:
         fn = libc().sync_file_range
     except (OSError, AttributeError):
-        return None  # not Linux: syncfs / sync alone, as before
+        return None  # not Linux: syncfs / sync alone
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return fn
 
@@ -52,20 +52,20 @@ def started() -> int:
     return _started
 
 
-def chunk_files(folder: str, offsets: Iterable[int], sizes: Iterable[int],
-                chunks: Iterable[int]) -> list[str]:  # fmt: skip
+def chunk_files(
+    folder: str, offsets: Iterable[int], sizes: Iterable[int], chunks: Iterable[int]
+) -> list[str]:
     """The chunk files under ``folder`` (a zarr v3 array, default ``/`` key encoding) that hold
     the box ``offsets``/``sizes``."""
-    ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(offsets, sizes, chunks)]
-    return [os.path.join(folder, "c", *map(str, idx)) for idx in itertools.product(*ranges)]
+    return [os.path.join(folder, chunk_key(i)) for i in chunks_touching(offsets, sizes, chunks)]
 
 
 class Hints:
     """The hints of one writer: files are grouped by ``group_bytes`` of writes, and one pool
     task per group waits for the group's tensorstore writes (which drop the GIL while waiting)
     and then hints its files. No Python runs in tensorstore's threads (a done-callback per write
-    made them queue for the GIL: ~0.1 s, ~10% of a 100-leaf save's CPU), and a group's files still
-    start their write-back while later groups are being written."""
+    would make them queue for the GIL, docs/benchmarks.md), and a group's files still start
+    their write-back while later groups are being written."""
 
     def __init__(self, group_bytes: int = 8 << 20) -> None:
         self.group_bytes = group_bytes

@@ -86,8 +86,14 @@ class Writer:
     last committed checkpoint at ``loc`` is never touched.
     """
 
-    def __init__(self, loc: Location, *, overwrite: bool, is_coordinator: bool = True,
-                 broadcast: collections.abc.Callable[[str, str], str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loc: Location,
+        *,
+        overwrite: bool,
+        is_coordinator: bool = True,
+        broadcast: collections.abc.Callable[[str, str], str] | None = None,
+    ) -> None:
         """``broadcast(name, value)``: the coordinator's value on every process (multi-process)."""
         self.loc = loc
         self.overwrite = overwrite
@@ -124,7 +130,7 @@ class Writer:
                 create=create,
                 open=not create,
                 context=CONTEXT,
-            )  # fmt: skip
+            )
             for e in entries
         ]
         try:
@@ -138,8 +144,13 @@ class Writer:
     def _child(self, name: str) -> dict:
         return {**self.root, "path": self.root["path"] + name + "/"}
 
-    def write(self, entries: dict[str, ArrayEntry], items: Iterable[tuple[WriteItem, np.ndarray]],
-              *, max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> int:  # fmt: skip
+    def write(
+        self,
+        entries: dict[str, ArrayEntry],
+        items: Iterable[tuple[WriteItem, np.ndarray]],
+        *,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    ) -> int:
         """Write each item's box into the opened arrays; at most ``max_inflight_bytes`` queued.
 
         Returns the bytes written.
@@ -298,8 +309,11 @@ def _drop_unused(kv: ts.KvStore, ours: bytes) -> None:
         return  # unreadable: leave everything, deleting nothing we cannot attribute
     used = {e.path for e in theirs.entries.values() if isinstance(e, ArrayEntry)}
     mine = Manifest.from_json(ours).entries.values()
-    for fut in [kv.delete_range(_prefix_range(e.path + "/"))
-                for e in mine if isinstance(e, ArrayEntry) and e.path not in used]:  # fmt: skip
+    for fut in [
+        kv.delete_range(_prefix_range(e.path + "/"))
+        for e in mine
+        if isinstance(e, ArrayEntry) and e.path not in used
+    ]:
         fut.result()
 
 
@@ -373,8 +387,9 @@ def _rename_noreplace(src: Path, dst: Path) -> bool:
     """
     at_fdcwd, rename_noreplace = -100, 1
     try:
-        rc = libc().renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst),
-                               rename_noreplace)  # fmt: skip
+        rc = libc().renameat2(
+            at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace
+        )
         err = ctypes.get_errno() if rc else 0
     except AttributeError:
         rc, err = -1, errno.ENOSYS
@@ -453,10 +468,13 @@ def _in_generation(manifest: bytes, generation: str) -> bytes:
         generation + p: dataclasses.replace(e, path=generation + p) for p, e in m.packs.items()
     }
     entries = {
-        k: dataclasses.replace(e, path=generation + e.path, pack=e.pack and packs[generation + e.path])
-        if isinstance(e, ArrayEntry) else e
+        k: dataclasses.replace(
+            e, path=generation + e.path, pack=e.pack and packs[generation + e.path]
+        )
+        if isinstance(e, ArrayEntry)
+        else e
         for k, e in m.entries.items()
-    }  # fmt: skip
+    }
     return dataclasses.replace(m, entries=entries, packs=packs).to_json()
 
 
