@@ -133,6 +133,7 @@ class DefaultLoadPlanner(LoadPlanner):
     def set_up_planner(self, target: Any, manifest: Manifest, *, keys: Any = None,
                        strict: bool = True) -> None:  # fmt: skip
         self.manifest = manifest
+        self.keys = keys
         saved = list(manifest.entries)
         if target is None:
             self.treedef = None
@@ -291,7 +292,7 @@ class DefaultLoadPlanner(LoadPlanner):
             values.update(zip(keys, out))
         self.results, self.placement.placed = {}, {}
         if self.treedef is None:
-            tree = _tree.unflatten(self.manifest.tree, values)
+            tree = _tree.unflatten(self.manifest.tree, values, self.keys)
             return None if tree is _tree.MISSING else tree
         leaves = [values.get(k, self.targets[k]) for k in self.targets]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
