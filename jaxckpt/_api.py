@@ -247,9 +247,11 @@ def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: boo
         weights (a file, a folder, or its ``model.safetensors.index.json``), found by what is
         at the path (see docs/migration.md).
       target: a pytree whose leaves say where each array goes: a ``jax.Array`` (its sharding,
-        shape and dtype), a ``jax.ShapeDtypeStruct`` with a sharding, a bare
-        ``jax.sharding.Sharding`` (shape and dtype from the checkpoint) or ``None`` (a numpy
-        array, or the saved Python value). ``None`` restores the whole saved tree on the host.
+        shape and dtype), a ``jax.ShapeDtypeStruct`` (with a sharding, or without: the default
+        device, as from ``jax.eval_shape``), a bare ``jax.sharding.Sharding`` (shape and dtype
+        from the checkpoint) or ``None`` (a numpy array, or the saved Python value). A saved
+        Python number restores into a scalar array target of its kind. ``None`` restores the
+        whole saved tree on the host.
       keys: restore only these key paths or ``/``-prefixes (e.g. ``["params"]``).
       strict: missing or unexpected keys are an error naming them; with ``strict=False`` the
         keys both have are restored and other target leaves come back unchanged.

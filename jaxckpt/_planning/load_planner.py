@@ -169,12 +169,7 @@ class DefaultLoadPlanner(LoadPlanner):
 
     def _want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
         if not isinstance(entry, ArrayEntry):
-            if leaf is not None and isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-                raise ShapeMismatchError(
-                    f"Key {key!r}: the target holds an array but the checkpoint a Python value "
-                    f"({entry.value!r}). Use a Python value or None at this key in `target`."
-                )
-            return None, _HOST
+            return self._value_want(key, entry, leaf)
         dtype = _manifest.dtype_from_name(entry.dtype)
         if leaf is None or isinstance(leaf, (int, float, bool, str)):
             return dtype, _HOST
@@ -184,6 +179,8 @@ class DefaultLoadPlanner(LoadPlanner):
         sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, np.ndarray) else None
         if isinstance(leaf, jax.Array) and not leaf.committed:  # e.g. optax's jnp.zeros count
             sharding = _UNCOMMITTED
+        if isinstance(leaf, jax.ShapeDtypeStruct) and sharding is None:  # plain jax.eval_shape
+            sharding = _UNCOMMITTED  # a jax.Array on the default device, as jnp would make it
         if entry.prng_impl:
             if not jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
                 raise DtypeMismatchError(
@@ -204,6 +201,32 @@ class DefaultLoadPlanner(LoadPlanner):
                 )
             dtype = np.dtype(tdtype)
         return dtype, sharding or _HOST
+
+    def _value_want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
+        """A saved Python value: returned as it is, or into a scalar array target (e.g. the
+        ``ShapeDtypeStruct`` that ``jax.eval_shape`` makes of a ``TrainState.step`` of 0) as a
+        0-d array of the target's dtype, when the value is of that dtype's kind."""
+        if leaf is None or not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            return None, _HOST
+        value, dtype = entry.value, np.dtype(leaf.dtype)
+        if tuple(leaf.shape) != () or value is None or isinstance(value, str):
+            raise ShapeMismatchError(
+                f"Key {key!r}: the target holds an array of shape {tuple(leaf.shape)} but the "
+                f"checkpoint a Python value ({value!r}). Use a Python value or None at this key "
+                f"in `target` (a number also restores into a scalar array target, shape ())."
+            )
+        problem = _scalar_problem(value, dtype, self.allow_dtype_cast)
+        if problem:
+            cast = "pass planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast, or "
+            raise DtypeMismatchError(
+                f"Key {key!r}: on disk the Python {type(value).__name__} {value!r}, in `target` a "
+                f"scalar array of dtype {dtype.name}: {problem}. Use a target dtype of the value's kind, "
+                f"{'' if self.allow_dtype_cast else cast}a Python value or None at this key."
+            )
+        sharding = None if isinstance(leaf, np.ndarray) else getattr(leaf, "sharding", None)
+        if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
+            sharding = _HOST if isinstance(leaf, np.ndarray) else _UNCOMMITTED
+        return dtype, sharding
 
     # 2.
     def create_local_plan(self) -> LoadPlan:
@@ -265,7 +288,11 @@ class DefaultLoadPlanner(LoadPlanner):
         for key, (_, where) in self.wants.items():
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
+                dtype = self.wants[key][0]
                 values[key] = entry.value
+                if dtype is not None:  # into a scalar array target (see _value_want)
+                    weak = getattr(self.targets[key], "weak_type", False)
+                    values[key] = _scalar(entry.value, dtype, where, weak)
                 continue
             parts = self.results.get(key, [])
             if entry.prng_impl:
@@ -296,6 +323,39 @@ class DefaultLoadPlanner(LoadPlanner):
             return None if tree is _tree.MISSING else tree
         leaves = [values.get(k, self.targets[k]) for k in self.targets]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _scalar_problem(value: Any, dtype: np.dtype, cast: bool) -> str | None:
+    """Why a saved Python scalar cannot become a 0-d array of ``dtype`` (``None``: it can).
+
+    Of the value's kind it always can (bool -> bool, int -> any integer dtype that holds it,
+    float -> any float or complex dtype); across kinds only with ``cast``.
+    """
+    if dtype.kind not in "biufc":
+        return "not a numeric dtype"
+    if isinstance(value, bool):
+        ok, kind = dtype.kind == "b", "bool"
+    elif isinstance(value, int):
+        if dtype.kind in "iu" and not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
+            return f"{value} does not fit in {dtype.name}"
+        ok, kind = dtype.kind in "iu", "an integer dtype"
+    else:
+        ok, kind = dtype.kind in "fc", "a float or complex dtype"
+    return None if ok or cast else f"{dtype.name} is not {kind}"
+
+
+def _scalar(value: Any, dtype: np.dtype, where: Any, weak: bool) -> Any:
+    """A saved Python scalar as a 0-d array of ``dtype`` where the target wants it; weakly typed
+    when the target is (``jax.eval_shape`` of a Python int) and JAX gives the value ``dtype``."""
+    host = np.asarray(value, dtype)
+    if where is _HOST:
+        return host
+    src = value if weak and jax.dtypes.canonicalize_dtype(np.result_type(value)) == dtype else host
+    if where is _UNCOMMITTED:
+        return jax.device_put(src)
+    if where.is_fully_addressable:
+        return jax.device_put(src, where)
+    return jax.make_array_from_callback((), where, lambda _: host)
 
 
 def _identity(x: Any) -> Any:
