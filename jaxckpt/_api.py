@@ -52,7 +52,8 @@ def save(path: PathLike, tree: Any, *, overwrite: bool = False,
     across devices and processes; ``manifest.json`` is written last.
 
     Args:
-      path: a local directory, or a ``file://``, ``memory://``, ``s3://`` or ``gs://`` URL.
+      path: a local directory (a leading ``~`` is the home directory, as in a shell), or a
+        ``file://``, ``memory://``, ``s3://`` or ``gs://`` URL.
       tree: the state to save. Leaves: ``jax.Array`` (incl. PRNG keys), numpy arrays,
         ``int``/``float``/``bool``/``str``/``None``.
       overwrite: replace an existing checkpoint at ``path``. The old one stays intact until

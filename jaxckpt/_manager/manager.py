@@ -104,7 +104,7 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        self.directory = os.fspath(directory)
+        self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self.save_interval_steps = save_interval_steps
