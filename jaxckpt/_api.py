@@ -255,7 +255,9 @@ def restore(path: PathLike, target: Any = None, *, keys: Any = None, strict: boo
         whole saved tree on the host.
       keys: restore only these key paths or ``/``-prefixes (e.g. ``["params"]``).
       strict: missing or unexpected keys are an error naming them; with ``strict=False`` the
-        keys both have are restored and other target leaves come back unchanged.
+        keys both have are restored and other target leaves come back unchanged (an abstract
+        ``ShapeDtypeStruct`` or ``Sharding`` leaf stays abstract), with a warning on the
+        ``jaxckpt`` logger naming the target's keys the checkpoint lacks.
       planner: a :class:`LoadPlanner`; default :class:`DefaultLoadPlanner`.
 
     Returns:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import collections
 import functools
+import logging
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ from jaxckpt._format.plan import LoadPlan, ReadItem, index_to_box
 from jaxckpt._planning import tree as _tree
 from jaxckpt._runtime import placement as _placement
 
+logger = logging.getLogger("jaxckpt")
 _HOST = "host"
 _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return one like it
 DEFAULT_MAX_HOST_BYTES = 128 << 20
@@ -148,6 +150,8 @@ class DefaultLoadPlanner(LoadPlanner):
             unexpected = sorted(set(wanted) - set(tkeys))
             if strict and (missing or unexpected):
                 raise KeyMismatchError(_key_message(missing, unexpected))
+            if missing:  # strict=False: they come back as the target holds them; say so
+                logger.warning(_kept_message(missing, unexpected, self.targets))
             self.selected = in_target - set(missing)
         self.wants = {}  # key -> (dtype to return, sharding | _HOST)
         order = {k: i for i, k in enumerate(saved)}
@@ -442,8 +446,55 @@ def _key_message(missing: list[str], unexpected: list[str]) -> str:
         parts.append(
             f"{len(unexpected)} key(s) in the checkpoint not in `target`: {unexpected[:5]!r}"
         )
-    return (
-        "; ".join(parts)
-        + ". Pass strict=False to restore the keys both have (others keep the target's leaf), "
+    fix = _wrapper_hint(missing, unexpected) or (
+        "Pass strict=False to restore the keys both have (others keep the target's leaf), "
         "or keys=[...] to pick a subset."
+    )
+    return "; ".join(parts) + ". " + fix
+
+
+def _kept_message(missing: list[str], unexpected: list[str], targets: dict[str, Any]) -> str:
+    kinds = (jax.ShapeDtypeStruct, jax.sharding.Sharding)
+    abstract = [k for k in missing if isinstance(targets[k], kinds)]
+    msg = (
+        f"restore(strict=False): {len(missing)} key(s) in `target` are not in the checkpoint and "
+        f"come back as the target holds them: {missing[:5]!r}."
+    )
+    if abstract:
+        msg += (
+            f" {len(abstract)} of them are abstract (ShapeDtypeStruct or Sharding), not arrays: "
+            f"{abstract[:5]!r}; initialise them before use."
+        )
+    hint = _wrapper_hint(missing, unexpected)
+    return f"{msg} {hint}" if hint else msg
+
+
+def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
+    """'Did you mean' when every mismatched key differs by one wrapper suffix ('' otherwise)."""
+    found = _tree.wrapper_suffix(missing, unexpected)
+    if found is None:
+        return ""
+    suffix, saved_wrapped = found
+    more = f", and {len(missing) - 1} more alike" if len(missing) > 1 else ""
+    m = missing[0]
+    pair = f"{m!r} -> {m + suffix!r}" if saved_wrapped else f"{m!r} -> {m[: -len(suffix)]!r}"
+    boxes = (
+        "flax's nn.Partitioned and nnx Variables keep the array at '.../value'"
+        if suffix.endswith("value")
+        else f"a wrapper node keeps the array at '...{suffix}'"
+    )
+    if saved_wrapped:
+        return (
+            f"Did you mean (target -> checkpoint) {pair}{more}? The keys differ only by the "
+            f"suffix {suffix!r}: the checkpoint holds wrapped leaves ({boxes}), the target plain "
+            f"ones. Restore into a target wrapped the same way (e.g. jax.eval_shape(model.init, "
+            f"...) before nn.unbox, or nnx.state(nnx.eval_shape(...))), then unwrap the result "
+            f"(nn.unbox, nnx.to_pure_dict); strict=False would restore none of these keys."
+        )
+    return (
+        f"Did you mean (target -> checkpoint) {pair}{more}? The keys differ only by the suffix "
+        f"{suffix!r}: the target holds wrapped leaves ({boxes}), the checkpoint plain ones. "
+        f"Restore into the plain form (nn.unbox(target), or nnx.to_pure_dict(state)), then put "
+        f"the result back (nnx.replace_by_pure_dict(state, restored)); strict=False would "
+        f"restore none of these keys."
     )

@@ -205,6 +205,24 @@ def select(keys: list[str], wanted: list[str] | None) -> list[str]:
     return [k for k in keys if k in chosen]
 
 
+def wrapper_suffix(missing: list[str], unexpected: list[str]) -> tuple[str, bool] | None:
+    """The suffix (e.g. ``"/value"``) that every mismatched key differs by, if there is one.
+
+    ``(suffix, True)``: each key in ``unexpected`` (the checkpoint's) is one in ``missing`` (the
+    target's) plus ``suffix``; ``(suffix, False)``: the other way round; ``None``: the keys
+    differ otherwise. Flax's boxed ``nn.Partitioned`` and nnx ``Variable``s hold their array at
+    ``.../value``, so the boxed and the plain tree of one model differ exactly so.
+    """
+    if not missing or len(missing) != len(unexpected):
+        return None
+    for short, long, saved_longer in ((missing, unexpected, True), (unexpected, missing, False)):
+        for base in (k for k in short if long[0].startswith(k + SEP)):
+            suffix = long[0][len(base) :]
+            if {k + suffix for k in short} == set(long):
+                return suffix, saved_longer
+    return None
+
+
 def matches(key: str, wanted: str | list[str]) -> bool:
     """Whether ``key`` is one of ``wanted`` (key paths or ``/``-prefixes)."""
     if isinstance(wanted, str):
