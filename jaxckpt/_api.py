@@ -42,7 +42,8 @@ def save(
     across devices and processes; ``manifest.json`` is written last.
 
     Args:
-      path: a local directory, or a ``file://``, ``memory://``, ``s3://`` or ``gs://`` URL.
+      path: a local directory (a leading ``~`` is the home directory, as in a shell), or a
+        ``file://``, ``memory://``, ``s3://`` or ``gs://`` URL.
       tree: the state to save. Leaves: ``jax.Array`` (incl. PRNG keys), numpy arrays,
         ``int``/``float``/``bool``/``str``/``None``.
       overwrite: replace an existing checkpoint at ``path``. The old one stays intact until
@@ -289,12 +290,16 @@ def restore(
         weights (a file, a folder, or its ``model.safetensors.index.json``), found by what is
         at the path (see docs/migration.md).
       target: a pytree whose leaves say where each array goes: a ``jax.Array`` (its sharding,
-        shape and dtype), a ``jax.ShapeDtypeStruct`` with a sharding, a bare
-        ``jax.sharding.Sharding`` (shape and dtype from the checkpoint) or ``None`` (a numpy
-        array, or the saved Python value). ``None`` restores the whole saved tree on the host.
+        shape and dtype), a ``jax.ShapeDtypeStruct`` (with a sharding, or without: the default
+        device, as from ``jax.eval_shape``), a bare ``jax.sharding.Sharding`` (shape and dtype
+        from the checkpoint) or ``None`` (a numpy array, or the saved Python value). A saved
+        Python number restores into a scalar array target of its kind. ``None`` restores the
+        whole saved tree on the host.
       keys: restore only these key paths or ``/``-prefixes (e.g. ``["params"]``).
       strict: missing or unexpected keys are an error naming them; with ``strict=False`` the
-        keys both have are restored and other target leaves come back unchanged.
+        keys both have are restored and other target leaves come back unchanged (an abstract
+        ``ShapeDtypeStruct`` or ``Sharding`` leaf stays abstract), with a warning on the
+        ``jaxckpt`` logger naming the target's keys the checkpoint lacks.
       planner: a :class:`LoadPlanner`; default :class:`DefaultLoadPlanner`.
 
     Returns:

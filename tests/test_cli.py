@@ -365,3 +365,37 @@ def test_cli_never_initialises_a_jax_backend(runs):
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
+
+
+def _cli_md_example() -> tuple[str, str]:
+    """The command and the output of docs/cli.md's inspect example."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    block = doc.split("## inspect\n", 1)[1].split("```\n", 2)[1]
+    command, _, output = block.partition("\n")
+    return command.removeprefix("$ "), output
+
+
+def test_cli_md_inspect_example_is_what_inspect_prints(capsys, tmp_path, monkeypatch):
+    # The page's example predated packing (issue 31.9); pinned to the real output now. Packed
+    # arrays say "packed"; where in the pack only with -v (issue 31.8).
+    m = mesh((4, 2), ("x", "y"))
+    kernel = put(jnp.arange(1024 * 512, dtype=jnp.float32).reshape(1024, 512), m, "x", "y")
+    tree = {
+        "params": {
+            "dense": {"kernel": kernel, "bias": put(jnp.zeros(512), m)},
+            "norm": {"scale": np.ones(512, np.float32)},
+        },
+        "step": 7,
+    }
+    monkeypatch.chdir(tmp_path)
+    planner = jaxckpt.DefaultSavePlanner(pack_bytes=256 << 10)  # the default (autouse: off)
+    jaxckpt.save("checkpoints/000100", tree, planner=planner)
+    command, output = _cli_md_example()
+    assert command == "jaxckpt inspect checkpoints/000100"
+    assert run(capsys, *command.split()[1:]) == (0, output, "")
+    code, verbose, _ = run(capsys, "inspect", "-v", "checkpoints/000100")
+    assert "packed in arrays/pack.float32.0 at 512  2.0 KiB" in verbose
+    assert "packed in" not in output and " at 0 " not in output
+    code, out, _ = run(capsys, "inspect", "--json", "checkpoints/000100")
+    entries = {e["key"]: e for e in json.loads(out)["entries"]}
+    assert entries["params/norm/scale"]["offset"] == 512

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +38,25 @@ def test_directory_without_manifest_is_not_a_checkpoint(ckpt):
     (ckpt / "manifest.json").unlink()
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match="unfinished or failed save"):
         jaxckpt.restore(ckpt)
+
+
+def test_a_run_directory_says_so_and_how_to_restore_its_latest_step(tmp_path):
+    run = tmp_path / "run"
+    with jaxckpt.CheckpointManager(run) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"w": jnp.full(2, step)})
+    (run / "00000040" / "arrays").mkdir(parents=True)  # unfinished: not a committed step
+    latest, here = re.escape(repr(str(run / "00000030"))), re.escape(repr(str(run)))
+    expected = (
+        rf"{re.escape(str(run))} is a run directory .*CheckpointManager.* committed step\(s\): "
+        rf"\[10, 20, 30\]\. Restore one step, e.g. the latest: jaxckpt.restore\({latest}\)"
+        rf".*CheckpointManager\({here}\).restore\(\)"
+    )
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=expected):
+        jaxckpt.restore(run)
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="is a run directory"):
+        jaxckpt.metadata(run)  # and so `jaxckpt inspect RUN_DIR`
+    assert int(jaxckpt.restore(run / "00000030")["w"][0]) == 30  # the suggestion works
 
 
 def test_corrupted_manifest_json(ckpt):

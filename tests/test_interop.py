@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -126,3 +127,66 @@ def test_equinox_module_roundtrip_with_partition(tmp_path: Path):
     with pytest.raises(jaxckpt.ShapeMismatchError, match="layers/0/weight"):
         wider = eqx.nn.MLP(4, 2, 16, depth=2, key=jax.random.key(2))
         jaxckpt.restore(tmp_path / "eqx", eqx.filter(wider, eqx.is_array))
+
+
+def _linen_variables():
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+            return nn.Dense(3, kernel_init=init)(x)
+
+    return nn, lambda: Model().init(jax.random.key(0), jnp.ones((1, 2)))
+
+
+def test_boxed_against_plain_keys_say_did_you_mean_with_the_mapping(tmp_path):
+    # Issue 31.8: nn.Partitioned / nnx.State keep the array at '.../value'; a target of the
+    # other kind is told the mapping and the fix, not just strict=False (which restores none).
+    from flax import nnx
+
+    nn, init = _linen_variables()
+    jaxckpt.save(tmp_path / "linen", init())  # boxed: params/Dense_0/kernel/value
+    plain = nn.unbox(jax.eval_shape(init))
+    with pytest.raises(
+        jaxckpt.KeyMismatchError,
+        match=r"Did you mean \(target -> checkpoint\) 'params/Dense_0/kernel' -> "
+        r"'params/Dense_0/kernel/value'\?.*suffix '/value'.*nn.Partitioned.*"
+        r"Restore into a target wrapped the same way.*nn.unbox",
+    ):
+        jaxckpt.restore(tmp_path / "linen", plain)
+    back = nn.unbox(jaxckpt.restore(tmp_path / "linen", jax.eval_shape(init)))  # the fix
+    want = nn.unbox(init())["params"]["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(back["params"]["Dense_0"]["kernel"], want)
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    jaxckpt.save(tmp_path / "pure", nnx.to_pure_dict(nnx.state(model)))  # plain: kernel
+    abstract = nnx.state(nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0))))
+    with pytest.raises(
+        jaxckpt.KeyMismatchError,
+        match=r"Did you mean \(target -> checkpoint\) 'bias/value' -> 'bias', and 1 more alike\?"
+        r".*the target holds wrapped leaves.*nnx.to_pure_dict",
+    ):
+        jaxckpt.restore(tmp_path / "pure", abstract)
+    restored = jaxckpt.restore(tmp_path / "pure", nnx.to_pure_dict(abstract))  # the fix
+    nnx.replace_by_pure_dict(abstract, restored)
+    np.testing.assert_array_equal(abstract["kernel"][...], model.kernel[...])
+
+
+def test_strict_false_logs_target_leaves_missing_from_the_checkpoint(tmp_path, caplog):
+    jaxckpt.save(tmp_path / "c", {"w": jnp.ones(3)})
+    head = jnp.zeros(2)
+    sds3, sds4 = jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32)
+    target = {"w": sds3, "head": head, "new": sds4}
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        back = jaxckpt.restore(tmp_path / "c", target, strict=False)
+    assert isinstance(back["w"], jax.Array) and back["head"] is head
+    assert back["new"] is target["new"]  # documented: kept as the target holds it, and logged
+    (record,) = [r for r in caplog.records if "strict=False" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert re.search(
+        r"2 key\(s\) in `target` are not in the checkpoint.*\['head', 'new'\].*"
+        r"1 of them are abstract.*\['new'\]; initialise them",
+        record.getMessage(),
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -214,3 +216,46 @@ def test_sharded_training_resumes_with_the_uninterrupted_loss(tmp_path):
         state, loss = step_fn(state, *_batch(m, s))
         resumed.append(float(loss))
     assert resumed == uninterrupted[start:]
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def test_a_saved_step_is_never_replaced_force_included_as_the_faq_says(tmp_path):
+    # faq.md said "without force=True", but force only skips save_interval_steps (31.9).
+    with jaxckpt.CheckpointManager(tmp_path, save_interval_steps=2, async_save=False) as mgr:
+        assert mgr.save(3, _state(3), force=True)
+        with pytest.raises(
+            jaxckpt.CheckpointExistsError,
+            match=r"Step 3 is already saved .*never replaced, force=True included.*"
+            r"save_interval_steps",
+        ):
+            mgr.save(3, _state(4), force=True)
+    assert int(mgr.restore(3)["step"]) == 3
+    faq = " ".join((DOCS / "faq.md").read_text().split())
+    assert "saved twice without `force=True`" not in faq
+    assert "saved twice, with or without `force=True`" in faq
+
+
+def test_manager_md_retention_table_holds_for_jaxckpt_and_orbax(tmp_path):
+    # keep_every_n_steps steps do not count toward max_to_keep; Orbax's keep_period steps do
+    # (31.9). The table's example row is run against both libraries.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    doc = (DOCS / "manager.md").read_text()
+    assert "**Steps kept by `keep_every_n_steps` do not count toward `max_to_keep`.**" in doc
+    example = r"^\| steps 2, 4, …, 12 saved, `max_to_keep=3`, K = 10 \| (.*) \| (.*) \|$"
+    row = re.search(example, doc, re.M)
+    ours, orbax = ([int(s) for s in cell.split(", ")] for cell in row.groups())
+    kw = {"max_to_keep": 3, "save_interval_steps": 2}
+    with jaxckpt.CheckpointManager(tmp_path / "j", keep_every_n_steps=10, **kw) as mgr:
+        for s in range(1, 13):
+            mgr.save(s, _state(s))
+    assert mgr.all_steps() == ours == [6, 8, 10, 12]
+    opts = ocp.CheckpointManagerOptions(keep_period=10, **kw)
+    with ocp.CheckpointManager(tmp_path / "o", options=opts) as om:
+        for s in range(1, 13):
+            om.save(s, args=ocp.args.StandardSave({"w": np.zeros(2)}))
+        om.wait_until_finished()
+        assert om.all_steps() == orbax == [8, 10, 12]
+        with pytest.raises(ocp.checkpoint_manager.StepAlreadyExistsError):  # as the FAQ says
+            om.save(12, args=ocp.args.StandardSave({"w": np.zeros(2)}), force=True)

@@ -147,3 +147,35 @@ def test_dotdot_paths_work(tmp_path, monkeypatch):
     jaxckpt.save("../ck", {"w": np.arange(3)})
     np.testing.assert_array_equal(jaxckpt.restore(str(tmp_path / "ck"))["w"], np.arange(3))
     assert sorted(os.listdir(tmp_path)) == ["ck", "sub"]
+
+
+def test_tilde_is_the_home_directory_everywhere_a_local_path_is_taken(
+    tmp_path, monkeypatch, capsys
+):
+    # "~/ck" used to become ./~/ck under the current directory (issue 31.7).
+    from jaxckpt._cli.main import main
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    jaxckpt.save("~/ck", {"w": np.arange(3)})
+    assert (home / "ck" / "manifest.json").is_file() and os.listdir(cwd) == []
+    np.testing.assert_array_equal(jaxckpt.restore("~/ck")["w"], np.arange(3))
+    assert jaxckpt.metadata("~/ck").entries["w"].shape == (3,)
+    with jaxckpt.CheckpointManager("~/run") as mgr:
+        mgr.save(1, {"w": np.arange(2)})
+    assert mgr.all_steps() == [1] and (home / "run" / "00000001").is_dir()
+    assert mgr.directory == str(home / "run")  # its messages name the real place
+    for argv in (
+        ["inspect", "~/ck"],
+        ["verify", "~/ck"],
+        ["ls", "~/run"],
+        ["export", "~/ck", "~/w.npz"],
+        ["convert", "~/ck", "~/ck2"],
+    ):
+        assert main(argv) == 0, capsys.readouterr().err
+    assert (home / "w.npz").is_file() and (home / "ck2" / "manifest.json").is_file()
+    assert os.listdir(cwd) == []
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=f"No checkpoint at {home}/nope"):
+        jaxckpt.restore("~/nope")  # the message names where it looked

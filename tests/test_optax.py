@@ -77,3 +77,19 @@ def test_adamw_state_round_trips_and_training_continues(tmp_path):
     _, _, lm = step(moved["params"], moved["opt_state"], x, y)
     _, _, l0 = step(params, opt_state, x, y)
     np.testing.assert_allclose(float(lm), float(l0), rtol=1e-5)
+
+
+def test_keys_returns_only_what_was_asked_for_not_empty_optax_states(tmp_path):
+    # optax.sgd's state is (EmptyState(), EmptyState()): leafless subtrees outside keys=[...]
+    # must not leak into the result (issue 31.5), those inside it stay.
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    sgd = optax.sgd(0.1).init(params)
+    adam = optax.chain(optax.scale_by_adam(), optax.scale(-0.1)).init(params)
+    jaxckpt.save(tmp_path / "c", {"params": params, "opt": sgd, "adam": adam, "step": 3})
+    back = jaxckpt.restore(tmp_path / "c", keys=["params"])
+    assert set(back) == {"params"} and set(back["params"]) == {"w", "b"}
+    back = jaxckpt.restore(tmp_path / "c", keys=["params/w", "step"])
+    assert back == {"params": {"w": back["params"]["w"]}, "step": 3}
+    back = jaxckpt.restore(tmp_path / "c", keys=["adam"])
+    assert set(back) == {"adam"} and back["adam"][1] == {}  # scale's EmptyState, asked for
+    assert int(back["adam"][0]["count"]) == 0

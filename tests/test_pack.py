@@ -181,6 +181,9 @@ def test_cli_verify_inspect_export_packed(tmp_path, capsys):
     assert "every checksum matches" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
+    assert "float32[8,8]  packed  256 B" in out  # where in the pack only with -v
+    assert main(["inspect", "-v", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
     assert "float32[8,8]  packed in arrays/pack.float32.0 at 1  256 B" in out
     assert main(["inspect", "--json", str(tmp_path / "c")]) == 0
     doc = json.loads(capsys.readouterr().out)

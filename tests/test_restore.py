@@ -103,7 +103,14 @@ def test_shape_and_dtype_mismatch_name_the_key(saved):
 
 def test_array_target_for_a_saved_value_is_an_error(saved):
     path, _ = saved
-    with pytest.raises(jaxckpt.ShapeMismatchError, match=r"'opt/1'.*Python value"):
+    with pytest.raises(jaxckpt.ShapeMismatchError, match=r"'opt/1'.*\(2,\).*Python value"):
+        jaxckpt.restore(path, {"opt": [None, jnp.zeros(2)]}, keys=["opt"])
+    # A scalar array target takes a saved number of its kind (below); across kinds it names
+    # both and the fix, as for arrays.
+    with pytest.raises(
+        jaxckpt.DtypeMismatchError,
+        match=r"'opt/1'.*int 3.*dtype float32.*not an integer.*allow_dtype_cast",
+    ):
         jaxckpt.restore(path, {"opt": [None, jnp.zeros(())]}, keys=["opt"])
 
 
@@ -198,3 +205,50 @@ def test_keys_with_a_target_lacking_them_reports_missing_not_a_bad_checkpoint(sa
         jaxckpt.restore(path, target, keys=["params"])
     back = jaxckpt.restore(path, target, keys=["params"], strict=False)
     assert back == target  # nothing selected in the target: returned unchanged
+
+
+def test_eval_shape_targets_restore_as_jax_arrays_python_step_included(tmp_path):
+    # The usual way to build a target: jax.eval_shape of the init. Its ShapeDtypeStructs have
+    # no sharding (-> jax.Arrays on the default device, not numpy), and TrainState.step is a
+    # Python 0 before the first jitted step, whose eval_shape is a weak int32 scalar (31.6).
+    import optax
+    from flax.training import train_state
+
+    def init():
+        params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
+        return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+
+    state = init()
+    assert state.step == 0 and isinstance(state.step, int)
+    jaxckpt.save(tmp_path / "c", state)
+    target = jax.eval_shape(init)
+    back = jaxckpt.restore(tmp_path / "c", target)
+    for leaf in jax.tree.leaves(back):
+        assert isinstance(leaf, jax.Array) and leaf.devices() == {jax.devices()[0]}
+    assert back.step.shape == () and back.step.dtype == jnp.int32 and back.step.weak_type
+    assert int(back.step) == 0 and type(back.tx) is type(state.tx)
+    np.testing.assert_array_equal(back.params["w"], np.ones((4, 2)))
+    grads = jax.tree.map(jnp.ones_like, back.params)
+    stepped = jax.jit(lambda s, g: s.apply_gradients(grads=g))(back, grads)
+    assert int(stepped.step) == 1
+    # Onto a sharding, and into other integer dtypes that hold the value.
+    s = NamedSharding(M42, P())
+    sds = jax.ShapeDtypeStruct((), jnp.int16, sharding=s)
+    got = jaxckpt.restore(tmp_path / "c", {"step": sds}, keys=["step"], strict=False)["step"]
+    assert got.sharding == s and got.dtype == jnp.int16 and int(got) == 0
+
+
+def test_saved_scalars_into_scalar_targets_need_a_compatible_dtype(tmp_path):
+    jaxckpt.save(tmp_path / "c", {"n": 300, "flag": True, "lr": 0.5})
+    i8 = jax.ShapeDtypeStruct((), jnp.int8)
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=r"'n'.*300 does not fit in int8"):
+        jaxckpt.restore(tmp_path / "c", {"n": i8, "flag": None, "lr": None})
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=r"'flag'.*float32 is not bool.*cast"):
+        jaxckpt.restore(tmp_path / "c", {"n": None, "flag": f32, "lr": f32})
+    cast = jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True)
+    back = jaxckpt.restore(
+        tmp_path / "c", {"n": f32, "flag": f32, "lr": np.zeros((), np.float16)}, planner=cast
+    )
+    assert float(back["n"]) == 300.0 and float(back["flag"]) == 1.0
+    assert isinstance(back["lr"], np.ndarray) and back["lr"].dtype == np.float16  # numpy target

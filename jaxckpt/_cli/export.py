@@ -28,7 +28,7 @@ _SAFETENSORS = {v: k for k, v in _safetensors.DTYPES.items()}
 
 
 def run_export(args: argparse.Namespace) -> int:
-    out: Path = args.out
+    out: Path = args.out.expanduser()  # a quoted "~/w.npz" reaches us as it is
     kind = out.suffix.lower()
     if kind not in (".safetensors", ".npz"):
         raise UsageError(f"{out}: OUT must end in .safetensors or .npz (the format to write).")

@@ -57,14 +57,14 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"{args.path}: {plural(len(arrays), 'array')} ({human_bytes(total)}), "
         f"{plural(n_values, 'value')}, format v{m.version}"
     )
-    rows = list(_tree_rows(m))
+    rows = list(_tree_rows(m, args.verbose))
     width = max((len(r[0]) for r in rows), default=0)
     for name, cols in rows:
         print(f"{name:<{width}}  {cols}".rstrip() if cols else name)
     return 0
 
 
-def _tree_rows(m: Manifest) -> Iterator[tuple[str, str]]:
+def _tree_rows(m: Manifest, verbose: bool = False) -> Iterator[tuple[str, str]]:
     """(indented name, description) for each directory and entry, in saved order."""
     shown: tuple[str, ...] = ()
     for key, e in m.entries.items():
@@ -76,17 +76,19 @@ def _tree_rows(m: Manifest) -> Iterator[tuple[str, str]]:
         for depth in range(common, len(parents)):
             yield "  " * depth + parents[depth] + "/", ""
         shown = parents
-        yield "  " * len(parents) + parts[-1], _describe(e)
+        yield "  " * len(parents) + parts[-1], _describe(e, verbose)
 
 
-def _describe(e: ArrayEntry | ValueEntry) -> str:
+def _describe(e: ArrayEntry | ValueEntry, verbose: bool = False) -> str:
     if isinstance(e, ValueEntry):
         return f"= {e.value!r}"
     shape = ",".join(map(str, e.shape))
     grid = "x".join(map(str, e.grid)) or "1"
     chunk = ",".join(map(str, e.chunks))
     dtype = f"key<{e.prng_impl}>:{e.dtype}" if e.prng_impl else e.dtype
-    where = f"packed in {e.path} at {e.offset}" if e.pack else f"chunks {grid} of [{chunk}]"
+    where = f"chunks {grid} of [{chunk}]"
+    if e.pack:  # where in its pack is storage detail: only asked for (--verbose, --json)
+        where = f"packed in {e.path} at {e.offset}" if verbose else "packed"
     cols = [f"{dtype}[{shape}]", where, human_bytes(e.nbytes)]
     if e.sharding:  # drop what is the same for nearly every array
         cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))

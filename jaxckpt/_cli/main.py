@@ -4,7 +4,7 @@ A thin layer over :func:`jaxckpt.metadata` and storage reading; it never touches
 Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exporting),
 2 a usage error or a path that holds no checkpoint (one line on stderr, no traceback)::
 
-    jaxckpt inspect PATH [--json]          keys, shapes, dtypes, chunk grids, bytes
+    jaxckpt inspect PATH [--json] [-v]     keys, shapes, dtypes, chunk grids, bytes
     jaxckpt verify PATH                    read every chunk, check every checksum
     jaxckpt ls DIR [--all] [--json]        the checkpoints (steps) in a directory
     jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("inspect", help="keys, shapes, dtypes, chunk grids and bytes")
     c.add_argument("path", metavar="PATH")
     c.add_argument("--json", action="store_true", help="print the listing as JSON")
+    c.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show where each packed array lies in its pack",
+    )
     c.set_defaults(run=run_inspect)
     c = sub.add_parser("verify", help="read every chunk and check its checksum")
     c.add_argument("path", metavar="PATH")

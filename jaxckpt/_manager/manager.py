@@ -69,7 +69,8 @@ class CheckpointManager:
       max_to_keep: keep this many steps (the newest, or the best with ``best_fn``);
         ``None`` keeps all. The newest committed step is never deleted, so with ``best_fn``
         it is kept on top of the best ones when it is not among them.
-      keep_every_n_steps: also keep, forever, every step that is a multiple of this.
+      keep_every_n_steps: also keep, forever, every step that is a multiple of this; those
+        steps do not count toward ``max_to_keep`` (unlike Orbax's ``keep_period``).
       save_interval_steps: ``save()`` saves only steps that are multiples of this (unless
         ``force=True``, or at a preemption).
       async_save: write in the background (default); ``False`` makes ``save()`` block until
@@ -115,7 +116,7 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        self.directory = os.fspath(directory)
+        self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self.save_interval_steps = save_interval_steps
@@ -148,13 +149,15 @@ class CheckpointManager:
             overwritten as soon as this returns.
           metrics: JSON-able numbers for this step (e.g. ``{"loss": 0.3}``, jax/numpy scalars
             allowed), stored in ``metrics.json`` and used by ``best_fn``.
-          force: save even if ``step`` is not a multiple of ``save_interval_steps``.
+          force: save even if ``step`` is not a multiple of ``save_interval_steps`` (a step
+            already saved is never replaced, ``force`` or not).
 
         Returns:
           Whether a save was started (it is committed when ``wait()`` returns).
 
         Raises:
-          CheckpointExistsError: ``step`` is already saved in the directory.
+          CheckpointExistsError: ``step`` is already saved in the directory (also with
+            ``force=True``).
           UnsupportedLeafError: a metric is not a JSON-able number or string.
           CheckpointError: the previous save failed (its error, raised once), or the manager
             is closed.
@@ -173,8 +176,10 @@ class CheckpointManager:
         loc = self._loc.join(_name(step))
         if _location.exists(loc):
             raise CheckpointExistsError(
-                f"Step {step} is already saved in {self.directory} ({loc}). Save a later step, "
-                f"or restore it (CheckpointManager.restore({step})) and go on from there."
+                f"Step {step} is already saved in {self.directory} ({loc}). A saved step is never "
+                f"replaced, force=True included (force only skips save_interval_steps). Save a "
+                f"later step, or restore it (CheckpointManager.restore({step})) and go on from "
+                f"there."
             )
         handle = save_async(str(loc), tree)
         self.last_save = handle

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import collections
 import functools
+import logging
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ from jaxckpt._format.plan import LoadPlan, ReadItem, index_to_box
 from jaxckpt._planning import tree as _tree
 from jaxckpt._runtime import placement as _placement
 
+logger = logging.getLogger("jaxckpt")
 _HOST = "host"
 _UNCOMMITTED = "uncommitted"  # a target array not committed to a device: return one like it
 DEFAULT_MAX_HOST_BYTES = 128 << 20
@@ -139,6 +141,7 @@ class DefaultLoadPlanner(LoadPlanner):
         self, target: Any, manifest: Manifest, *, keys: Any = None, strict: bool = True
     ) -> None:
         self.manifest = manifest
+        self.keys = keys
         saved = list(manifest.entries)
         if target is None:
             self.treedef = None
@@ -153,6 +156,8 @@ class DefaultLoadPlanner(LoadPlanner):
             unexpected = sorted(set(wanted) - set(tkeys))
             if strict and (missing or unexpected):
                 raise KeyMismatchError(_key_message(missing, unexpected))
+            if missing:  # strict=False: they come back as the target holds them; say so
+                logger.warning(_kept_message(missing, unexpected, self.targets))
             self.selected = in_target - set(missing)
         self.wants = {}  # key -> (dtype to return, sharding | _HOST)
         order = {k: i for i, k in enumerate(saved)}
@@ -174,12 +179,7 @@ class DefaultLoadPlanner(LoadPlanner):
 
     def _want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
         if not isinstance(entry, ArrayEntry):
-            if leaf is not None and isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-                raise ShapeMismatchError(
-                    f"Key {key!r}: the target holds an array but the checkpoint a Python value "
-                    f"({entry.value!r}). Use a Python value or None at this key in `target`."
-                )
-            return None, _HOST
+            return self._value_want(key, entry, leaf)
         dtype = _manifest.dtype_from_name(entry.dtype)
         if leaf is None or isinstance(leaf, (int, float, bool, str)):
             return dtype, _HOST
@@ -189,6 +189,8 @@ class DefaultLoadPlanner(LoadPlanner):
         sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, np.ndarray) else None
         if isinstance(leaf, jax.Array) and not leaf.committed:  # e.g. optax's jnp.zeros count
             sharding = _UNCOMMITTED
+        if isinstance(leaf, jax.ShapeDtypeStruct) and sharding is None:  # plain jax.eval_shape
+            sharding = _UNCOMMITTED  # a jax.Array on the default device, as jnp would make it
         if entry.prng_impl:
             if not jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
                 raise DtypeMismatchError(
@@ -209,6 +211,32 @@ class DefaultLoadPlanner(LoadPlanner):
                 )
             dtype = np.dtype(tdtype)
         return dtype, sharding or _HOST
+
+    def _value_want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
+        """A saved Python value: returned as it is, or into a scalar array target (e.g. the
+        ``ShapeDtypeStruct`` that ``jax.eval_shape`` makes of a ``TrainState.step`` of 0) as a
+        0-d array of the target's dtype, when the value is of that dtype's kind."""
+        if leaf is None or not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            return None, _HOST
+        value, dtype = entry.value, np.dtype(leaf.dtype)
+        if tuple(leaf.shape) != () or value is None or isinstance(value, str):
+            raise ShapeMismatchError(
+                f"Key {key!r}: the target holds an array of shape {tuple(leaf.shape)} but the "
+                f"checkpoint a Python value ({value!r}). Use a Python value or None at this key "
+                f"in `target` (a number also restores into a scalar array target, shape ())."
+            )
+        problem = _scalar_problem(value, dtype, self.allow_dtype_cast)
+        if problem:
+            cast = "pass planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast, or "
+            raise DtypeMismatchError(
+                f"Key {key!r}: on disk the Python {type(value).__name__} {value!r}, in `target` a "
+                f"scalar array of dtype {dtype.name}: {problem}. Use a target dtype of the value's kind, "
+                f"{'' if self.allow_dtype_cast else cast}a Python value or None at this key."
+            )
+        sharding = None if isinstance(leaf, np.ndarray) else getattr(leaf, "sharding", None)
+        if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
+            sharding = _HOST if isinstance(leaf, np.ndarray) else _UNCOMMITTED
+        return dtype, sharding
 
     # 2.
     def create_local_plan(self) -> LoadPlan:
@@ -272,7 +300,11 @@ class DefaultLoadPlanner(LoadPlanner):
         for key, (_, where) in self.wants.items():
             entry = self.manifest.entries[key]
             if not isinstance(entry, ArrayEntry):
+                dtype = self.wants[key][0]
                 values[key] = entry.value
+                if dtype is not None:  # into a scalar array target (see _value_want)
+                    weak = getattr(self.targets[key], "weak_type", False)
+                    values[key] = _scalar(entry.value, dtype, where, weak)
                 continue
             parts = self.results.get(key, [])
             if entry.prng_impl:
@@ -299,10 +331,43 @@ class DefaultLoadPlanner(LoadPlanner):
             values.update(zip(keys, out))
         self.results, self.placement.placed = {}, {}
         if self.treedef is None:
-            tree = _tree.unflatten(self.manifest.tree, values)
+            tree = _tree.unflatten(self.manifest.tree, values, self.keys)
             return None if tree is _tree.MISSING else tree
         leaves = [values.get(k, self.targets[k]) for k in self.targets]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _scalar_problem(value: Any, dtype: np.dtype, cast: bool) -> str | None:
+    """Why a saved Python scalar cannot become a 0-d array of ``dtype`` (``None``: it can).
+
+    Of the value's kind it always can (bool -> bool, int -> any integer dtype that holds it,
+    float -> any float or complex dtype); across kinds only with ``cast``.
+    """
+    if dtype.kind not in "biufc":
+        return "not a numeric dtype"
+    if isinstance(value, bool):
+        ok, kind = dtype.kind == "b", "bool"
+    elif isinstance(value, int):
+        if dtype.kind in "iu" and not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
+            return f"{value} does not fit in {dtype.name}"
+        ok, kind = dtype.kind in "iu", "an integer dtype"
+    else:
+        ok, kind = dtype.kind in "fc", "a float or complex dtype"
+    return None if ok or cast else f"{dtype.name} is not {kind}"
+
+
+def _scalar(value: Any, dtype: np.dtype, where: Any, weak: bool) -> Any:
+    """A saved Python scalar as a 0-d array of ``dtype`` where the target wants it; weakly typed
+    when the target is (``jax.eval_shape`` of a Python int) and JAX gives the value ``dtype``."""
+    host = np.asarray(value, dtype)
+    if where is _HOST:
+        return host
+    src = value if weak and jax.dtypes.canonicalize_dtype(np.result_type(value)) == dtype else host
+    if where is _UNCOMMITTED:
+        return jax.device_put(src)
+    if where.is_fully_addressable:
+        return jax.device_put(src, where)
+    return jax.make_array_from_callback((), where, lambda _: host)
 
 
 def _identity(x: Any) -> Any:
@@ -389,8 +454,55 @@ def _key_message(missing: list[str], unexpected: list[str]) -> str:
         parts.append(
             f"{len(unexpected)} key(s) in the checkpoint not in `target`: {unexpected[:5]!r}"
         )
-    return (
-        "; ".join(parts)
-        + ". Pass strict=False to restore the keys both have (others keep the target's leaf), "
+    fix = _wrapper_hint(missing, unexpected) or (
+        "Pass strict=False to restore the keys both have (others keep the target's leaf), "
         "or keys=[...] to pick a subset."
+    )
+    return "; ".join(parts) + ". " + fix
+
+
+def _kept_message(missing: list[str], unexpected: list[str], targets: dict[str, Any]) -> str:
+    kinds = (jax.ShapeDtypeStruct, jax.sharding.Sharding)
+    abstract = [k for k in missing if isinstance(targets[k], kinds)]
+    msg = (
+        f"restore(strict=False): {len(missing)} key(s) in `target` are not in the checkpoint and "
+        f"come back as the target holds them: {missing[:5]!r}."
+    )
+    if abstract:
+        msg += (
+            f" {len(abstract)} of them are abstract (ShapeDtypeStruct or Sharding), not arrays: "
+            f"{abstract[:5]!r}; initialise them before use."
+        )
+    hint = _wrapper_hint(missing, unexpected)
+    return f"{msg} {hint}" if hint else msg
+
+
+def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
+    """'Did you mean' when every mismatched key differs by one wrapper suffix ('' otherwise)."""
+    found = _tree.wrapper_suffix(missing, unexpected)
+    if found is None:
+        return ""
+    suffix, saved_wrapped = found
+    more = f", and {len(missing) - 1} more alike" if len(missing) > 1 else ""
+    m = missing[0]
+    pair = f"{m!r} -> {m + suffix!r}" if saved_wrapped else f"{m!r} -> {m[: -len(suffix)]!r}"
+    boxes = (
+        "flax's nn.Partitioned and nnx Variables keep the array at '.../value'"
+        if suffix.endswith("value")
+        else f"a wrapper node keeps the array at '...{suffix}'"
+    )
+    if saved_wrapped:
+        return (
+            f"Did you mean (target -> checkpoint) {pair}{more}? The keys differ only by the "
+            f"suffix {suffix!r}: the checkpoint holds wrapped leaves ({boxes}), the target plain "
+            f"ones. Restore into a target wrapped the same way (e.g. jax.eval_shape(model.init, "
+            f"...) before nn.unbox, or nnx.state(nnx.eval_shape(...))), then unwrap the result "
+            f"(nn.unbox, nnx.to_pure_dict); strict=False would restore none of these keys."
+        )
+    return (
+        f"Did you mean (target -> checkpoint) {pair}{more}? The keys differ only by the suffix "
+        f"{suffix!r}: the target holds wrapped leaves ({boxes}), the checkpoint plain ones. "
+        f"Restore into the plain form (nn.unbox(target), or nnx.to_pure_dict(state)), then put "
+        f"the result back (nnx.replace_by_pure_dict(state, restored)); strict=False would "
+        f"restore none of these keys."
     )

@@ -148,20 +148,25 @@ def _node(x: Any, path: tuple) -> dict:
     return {"type": "node", "name": type(x).__qualname__, "keys": keys, "children": kids}
 
 
-def unflatten(node: dict, values: dict[str, Any]) -> Any:
+def unflatten(node: dict, values: dict[str, Any], selected: Any = None, path: str = "") -> Any:
     """Rebuild a tree from its JSON structure, taking leaves from ``values``.
 
     Leaves whose key is not in ``values`` are dropped; a container that loses children becomes
     a dict of the children that remain (keyed as in the key path), and one that loses all of
-    them is dropped. ``MISSING`` is returned for a dropped subtree.
+    them is dropped. ``MISSING`` is returned for a dropped subtree. With ``selected`` (the
+    ``keys=`` of a restore: key paths or prefixes), an empty container (e.g. optax's ``EmptyState()``)
+    outside them is dropped too: it was not asked for.
     """
     kind = node["type"]
     if kind == "leaf":
         return values.get(node["key"], MISSING)
-    kids = [unflatten(c, values) for c in node["children"]]
-    keys = node.get("keys") or [str(i) for i in range(len(kids))]
+    keys = node.get("keys") or [str(i) for i in range(len(node["children"]))]
+    kids = [
+        unflatten(c, values, selected, f"{path}{SEP}{k}" if path else str(k))
+        for k, c in zip(keys, node["children"])
+    ]
     kept = [(k, v) for k, v in zip(keys, kids) if v is not MISSING]
-    if not kept and kids:
+    if not kept and (kids or (selected is not None and not matches(path, selected))):
         return MISSING
     if len(kept) < len(kids) or kind in ("namedtuple", "node"):
         return {k if kind == "dict" else str(k): v for k, v in kept}
@@ -200,6 +205,24 @@ def select(keys: list[str], wanted: list[str] | None) -> list[str]:
         )
     chosen = {k for ks in hit.values() for k in ks}
     return [k for k in keys if k in chosen]
+
+
+def wrapper_suffix(missing: list[str], unexpected: list[str]) -> tuple[str, bool] | None:
+    """The suffix (e.g. ``"/value"``) that every mismatched key differs by, if there is one.
+
+    ``(suffix, True)``: each key in ``unexpected`` (the checkpoint's) is one in ``missing`` (the
+    target's) plus ``suffix``; ``(suffix, False)``: the other way round; ``None``: the keys
+    differ otherwise. Flax's boxed ``nn.Partitioned`` and nnx ``Variable``s hold their array at
+    ``.../value``, so the boxed and the plain tree of one model differ exactly so.
+    """
+    if not missing or len(missing) != len(unexpected):
+        return None
+    for short, long, saved_longer in ((missing, unexpected, True), (unexpected, missing, False)):
+        for base in (k for k in short if long[0].startswith(k + SEP)):
+            suffix = long[0][len(base) :]
+            if {k + suffix for k in short} == set(long):
+                return suffix, saved_longer
+    return None
 
 
 def matches(key: str, wanted: str | list[str]) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from jaxckpt._errors import CheckpointNotFoundError
 from jaxckpt._format.manifest import MANIFEST, Manifest
+from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import reader as _reader
 
@@ -39,6 +40,25 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
                 break
             if found is not None:
                 return found
-        raise missing from None
+        raise _run_directory_error(loc) or missing from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
     return manifest, _reader.CheckpointReader(loc, stamp)
+
+
+def _run_directory_error(loc: _location.Location) -> CheckpointNotFoundError | None:
+    """What to say when ``loc`` is a local directory of numbered checkpoints (the steps of a
+    ``CheckpointManager``) rather than one; ``None`` when it is not."""
+    if loc.local is None or not loc.local.is_dir():
+        return None  # an object store would have to be listed whole: keep the plain message
+    steps = [name for name, ok in _catalog.children(loc) if ok and name.isdigit()]
+    if not steps:
+        return None
+    nums = [int(n) for n in steps]
+    shown = ", ".join(map(str, nums if len(nums) <= 8 else [*nums[:3], "...", *nums[-3:]]))
+    manager = f", or jaxckpt.CheckpointManager({str(loc)!r}).restore()"
+    return CheckpointNotFoundError(
+        f"{loc} is a run directory (e.g. of a CheckpointManager), not a checkpoint: it holds "
+        f"{len(nums)} committed step(s): [{shown}]. Restore one step, e.g. the latest: "
+        f"jaxckpt.restore({str(loc.join(steps[-1]))!r})"
+        f"{manager if len(steps[-1]) == 8 else ''}."  # the manager's names: 8 digits
+    )

@@ -1,7 +1,7 @@
 """Where checkpoints live: local paths and tensorstore kvstore URLs, and the manifest's bytes.
 
-``Location`` turns what a user passes as ``path`` (a local path, ``file://``, ``memory://``,
-``s3://``, ``gs://``) into a tensorstore kvstore spec; one tensorstore context serves the
+``Location`` turns what a user passes as ``path`` (a local path, with ``~`` expanded as a shell
+would; ``file://``, ``memory://``, ``s3://``, ``gs://``) into a tensorstore kvstore spec; one tensorstore context serves the
 process, so ``memory://`` checkpoints live as long as it does.
 """
 
@@ -31,6 +31,8 @@ class Location:
 
     def __init__(self, path: str | os.PathLike) -> None:
         text = os.fspath(path)
+        if "://" not in text:  # "~/ck" is the home directory's, as in a shell (not ./~/ck)
+            text = os.path.expanduser(text)
         self.url = text
         if text.startswith("file://"):
             text = text[len("file://") :]
