@@ -41,4 +41,4 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
                 return found
         raise missing from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
-    return manifest, _reader.CheckpointReader(loc, stamp)
+    return manifest, _reader.CheckpointReader(loc, stamp, manifest.refs)
