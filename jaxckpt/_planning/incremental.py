@@ -20,9 +20,11 @@ local file systems, a reference to the base's whole array on object stores.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 import xxhash
@@ -35,6 +37,10 @@ from jaxckpt._format.manifest import (
     storage_entries,
 )
 from jaxckpt._format.plan import WriteItem
+from jaxckpt._runtime import pools
+
+HASH_AHEAD = 64 << 20  # bytes of boxes hashed ahead of the one being decided
+HASH_AHEAD_ITEMS = 8
 
 
 def digest(data: np.ndarray) -> str:
@@ -143,9 +149,10 @@ class Tracker:
         self.reused_bytes = 0
         self.changed: set[str] = set()  # keys with a box the base does not hold
 
-    def check(self, item: WriteItem, data: np.ndarray) -> Match | None:
-        """Record the box's digest; the base's match, if the base holds the same bytes."""
-        found = digest(data)
+    def check(self, item: WriteItem, data: np.ndarray, found: str | None = None) -> Match | None:
+        """Record the box's digest (``found``, or computed here); the base's match, if the
+        base holds the same bytes."""
+        found = digest(data) if found is None else found
         self.digests.setdefault(self.entries[item.key].path, {})[
             box_key(item.offsets, item.sizes)
         ] = found
@@ -158,13 +165,29 @@ class Tracker:
     def to_write(
         self, items: Iterable[tuple[WriteItem, np.ndarray]]
     ) -> Iterator[tuple[WriteItem, np.ndarray]]:
-        """The items to write: every one whose box the base lacks or ``link`` cannot reuse."""
+        """The items to write: every one whose box the base lacks or ``link`` cannot reuse.
+
+        Boxes are hashed on the staging threads a few boxes ahead (the hash releases the GIL),
+        at most ``HASH_AHEAD`` bytes beyond the box being decided.
+        """
+        pool = pools.stage_pool()
+        ahead: collections.deque = collections.deque()
+        held = 0
         for item, data in items:
-            match = self.check(item, data)
-            if match is not None and self.link is not None and self.link(item, match):
-                self.reused_bytes += item.nbytes
-                continue
-            yield item, data
+            ahead.append((item, data, pool.submit(digest, data)))
+            held += item.nbytes
+            while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
+                held -= ahead[0][0].nbytes
+                yield from self._decide(*ahead.popleft())
+        while ahead:
+            yield from self._decide(*ahead.popleft())
+
+    def _decide(self, item: WriteItem, data: np.ndarray, hashed: Future) -> Iterator[tuple]:
+        match = self.check(item, data, hashed.result())
+        if match is not None and self.link is not None and self.link(item, match):
+            self.reused_bytes += item.nbytes
+            return
+        yield item, data
 
 
 def _same_array(e: ArrayEntry, b: ArrayEntry) -> bool:

@@ -100,6 +100,8 @@ class Writer:
         self.loc = loc
         self.overwrite = overwrite
         self.is_coordinator = is_coordinator
+        self._linkable: dict[str, bool] = {}  # base array folders checked for links (link())
+        self._folders: set[str] = set()  # chunk folders link() has made
         if loc.local is not None:
             # Only the coordinator checks the target and makes the staging dir; the others
             # write into the same dir (shared storage), and only the coordinator commits or
@@ -275,17 +277,24 @@ class Writer:
         """
         if self.loc.local is None or base.local is None:
             return False
-        src_dir = base.local / base_path
-        if not _inside(src_dir, base.local):
+        src_dir = os.path.join(base.local, base_path)
+        inside = self._linkable.get(src_dir)
+        if inside is None:  # once per array: no link below the base leads out of it
+            inside = self._linkable[src_dir] = _inside(src_dir, base.local)
+        if not inside:
             return False
-        dst_dir = Path(self.root["path"]) / entry.path
+        dst_dir = os.path.join(self.root["path"], entry.path)
         try:
             for idx in chunks_touching(offsets, sizes, entry.chunks):
                 name = chunk_key(idx)
-                if not stat.S_ISREG(os.lstat(src_dir / name).st_mode):
+                src, dst = os.path.join(src_dir, name), os.path.join(dst_dir, name)
+                if not stat.S_ISREG(os.lstat(src).st_mode):
                     return False
-                (dst_dir / name).parent.mkdir(parents=True, exist_ok=True)
-                os.link(src_dir / name, dst_dir / name, follow_symlinks=False)
+                folder = os.path.dirname(dst)
+                if folder not in self._folders:
+                    os.makedirs(folder, exist_ok=True)
+                    self._folders.add(folder)
+                os.link(src, dst, follow_symlinks=False)
         except OSError:  # a link made already is replaced by the write
             return False
         return True
@@ -295,7 +304,7 @@ class Writer:
             shutil.rmtree(self.staging, ignore_errors=True)
 
 
-def _inside(path: Path, root: Path) -> bool:
+def _inside(path: str, root: Path) -> bool:
     """Whether ``path`` resolves below ``root`` (no link leads out of it)."""
     return os.path.realpath(path).startswith(os.path.realpath(root) + os.sep)
 
