@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt._format.manifest import ArrayEntry, Manifest
+from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import SavePlan, WriteItem
+from jaxckpt._incremental import Increment
 from jaxckpt._planning.global_plan import GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
@@ -26,7 +27,6 @@ from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
-from jaxckpt._storage import packs as _pack
 from jaxckpt._storage import writer as _storage
 
 logger = logging.getLogger("jaxckpt")
@@ -34,7 +34,12 @@ PathLike = str | os.PathLike
 
 
 def save(
-    path: PathLike, tree: Any, *, overwrite: bool = False, planner: SavePlanner | None = None
+    path: PathLike,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    planner: SavePlanner | None = None,
+    base: PathLike | None = None,
 ) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
@@ -49,6 +54,11 @@ def save(
       overwrite: replace an existing checkpoint at ``path``. The old one stays intact until
         the new one is committed.
       planner: a :class:`SavePlanner`; default :class:`DefaultSavePlanner`.
+      base: an earlier checkpoint to save incrementally against (e.g. the previous step):
+        every box whose bytes the base already holds is hard-linked from it (local files) or,
+        for arrays that did not change at all, referenced (object stores; the base must then
+        sit beside ``path``) instead of written. The new checkpoint is whole either way
+        (docs/format.md, "Incremental steps").
 
     Raises:
       CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite=False``.
@@ -61,11 +71,16 @@ def save(
       >>> jaxckpt.restore(d + "/ckpt")["step"]
       7
     """
-    _start_save(path, tree, overwrite=overwrite, planner=planner, stage=False).wait()
+    _start_save(path, tree, overwrite=overwrite, planner=planner, stage=False, base=base).wait()
 
 
 def save_async(
-    path: PathLike, tree: Any, *, overwrite: bool = False, planner: SavePlanner | None = None
+    path: PathLike,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    planner: SavePlanner | None = None,
+    base: PathLike | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the device data is staged on the host.
 
@@ -81,7 +96,7 @@ def save_async(
       >>> h.wait(); h.done()
       True
     """
-    return _start_save(path, tree, overwrite=overwrite, planner=planner, stage=True)
+    return _start_save(path, tree, overwrite=overwrite, planner=planner, stage=True, base=base)
 
 
 class SaveHandle:
@@ -104,6 +119,7 @@ class SaveHandle:
         self.path = path
         self.timings: dict[str, float] = {}
         self.nbytes = 0
+        self.reused_bytes = 0  # bytes an incremental save took from its base instead
         self._error: BaseException | None = None
         self._future: Future | None = None  # the background run, staging buffers released
         self._runner: int | None = None  # the thread id that runs it
@@ -142,7 +158,13 @@ class SaveHandle:
 
 
 def _start_save(
-    path: PathLike, tree: Any, *, overwrite: bool, planner: SavePlanner | None, stage: bool
+    path: PathLike,
+    tree: Any,
+    *,
+    overwrite: bool,
+    planner: SavePlanner | None,
+    stage: bool,
+    base: PathLike | None = None,
 ) -> SaveHandle:
     """Plan on every process, stage (if ``stage``), then write and commit: in the background
     when staged, else here."""
@@ -153,6 +175,13 @@ def _start_save(
     # Made first, so that a failure on any process from here on reaches all of them.
     sync = _distributed.SaveSync(str(loc))
     global_plan, local = _plan_everywhere(sync, planner, tree)
+    entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
+    increment = None
+    if base is not None:  # its manifest is read here, before anything is written
+        base_loc = _location.Location(base)
+        increment = sync.run(
+            "base", lambda: Increment(base_loc, loc, global_plan.manifest, entries)
+        )
     handle.timings["plan"] = time.perf_counter() - t0
     writer = sync.run(
         "open",
@@ -160,7 +189,6 @@ def _start_save(
             loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
         ),
     )
-    entries = _pack.storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     t1 = time.perf_counter()
     if stage:  # copy every item off the caller's buffers, which it may reuse once we return
         data, arena = _stage(planner, local.items, loc, sync, writer)
@@ -170,7 +198,9 @@ def _start_save(
     pending = [data]  # popped by the writer, so nothing holds the staged bytes once written
 
     def run() -> None:
-        _write_and_commit(handle, loc, sync, writer, entries, global_plan, local, pending)
+        _write_and_commit(
+            handle, loc, sync, writer, entries, global_plan, local, pending, increment
+        )
 
     if stage:
 
@@ -244,28 +274,38 @@ def _write_and_commit(
     global_plan: GlobalSavePlan,
     local: SavePlan,
     pending: list[Iterator[tuple[WriteItem, Any]]],
+    increment: Increment | None = None,
 ) -> None:
     """Create the arrays, write this process's items, commit; errors go to ``handle``."""
     try:
         t2 = time.perf_counter()
+        items, skip = pending.pop(), set()  # popped: nothing holds the staged bytes once written
+        if increment is not None:  # hash each box; the base's boxes are linked or referenced
+            items, skip = increment.to_write(items, sync, writer)
         if sync.is_coordinator:
-            writer.open_arrays(entries.values(), create=True)
+            writer.open_arrays((e for k, e in entries.items() if k not in skip), create=True)
         sync.barrier("created", wait_for_all=False)
         if not sync.is_coordinator:
-            writer.open_arrays((entries[k] for k in {i.key for i in local.items}), create=False)
-        handle.nbytes = writer.write(entries, pending.pop())  # staged copies freed after
+            own = {i.key for i in local.items} - skip
+            writer.open_arrays((entries[k] for k in own), create=False)
+        handle.nbytes = writer.write(entries, items)
         writer.flush()
-        sync.barrier("written")
+        payloads = sync.gather("written", increment.payload() if increment else "")
         t3 = time.perf_counter()
         if sync.is_coordinator:
-            writer.commit(global_plan.manifest.to_json())
+            manifest = global_plan.manifest
+            if increment is not None:
+                manifest = increment.manifest(manifest, payloads)
+            writer.commit(manifest.to_json())
         sync.barrier("committed", wait_for_all=False)
+        handle.reused_bytes = increment.reused_bytes if increment is not None else 0
         handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
         logger.info(
-            "saved %s: %.1f MB at %.2f GB/s, %s",
+            "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused), %s",
             loc,
             handle.nbytes / 1e6,
             handle.gbps,
+            handle.reused_bytes / 1e6,
             {k: round(v, 3) for k, v in handle.timings.items()},
         )
     except BaseException as e:  # re-raised by wait()

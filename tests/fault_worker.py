@@ -34,21 +34,26 @@ from jaxckpt._storage import writer  # noqa: E402
 N_SMALL = 48  # many small arrays: many files, so deletes and writes take a while
 
 
-def host_state(step: int) -> dict:
-    """The state saved at ``step``, as numpy (what a restore with target=None returns)."""
+def host_state(step: int, frozen: bool = False) -> dict:
+    """The state saved at ``step``, as numpy (what a restore with target=None returns).
+
+    ``frozen``: like a fine-tuning run, ``w`` and every other small array stay the same from
+    step to step (what an incremental save links), the rest changes.
+    """
     base = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
     small = np.arange(64 * 32, dtype=np.int32).reshape(64, 32)
+    moving = [0 if frozen and i % 2 else step for i in range(N_SMALL)]
     return {
-        "w": base + np.float32(step),
-        "small": [small * (i + 1) + step for i in range(N_SMALL)],
+        "w": base + np.float32(0 if frozen else step),
+        "small": [small * (i + 1) + m for i, m in enumerate(moving)],
         "step": step,
     }
 
 
-def device_state(step: int) -> dict:
-    """``host_state(step)`` laid out over a (4, 2) mesh."""
+def device_state(step: int, frozen: bool = False) -> dict:
+    """``host_state(step, frozen)`` laid out over a (4, 2) mesh."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-    h = host_state(step)
+    h = host_state(step, frozen)
     return {
         "w": jax.device_put(h["w"], NamedSharding(mesh, P("data", "model"))),
         "small": [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in h["small"]],
@@ -74,8 +79,8 @@ _COMMIT = re.compile(r"\.[0-9]+\.tmp-[0-9a-f]+$")
 def arm(trap: str, progress: str) -> None:
     """Kill this process at the next ``trap`` moment (wraps the OS call, in this process only)."""
     log(progress, f"armed {trap}")
-    rename, replace, unlink, copyto = os.rename, os.replace, os.unlink, np.copyto
-    count = {"unlink": 0, "copy": 0}
+    rename, replace, unlink, copyto, link = os.rename, os.replace, os.unlink, np.copyto, os.link
+    count = {"unlink": 0, "copy": 0, "link": 0}
 
     def moment(src, dst, when: str) -> None:
         src, dst = os.fspath(src), os.fspath(dst)
@@ -117,7 +122,14 @@ def arm(trap: str, progress: str) -> None:
             _die()
         return copyto(dst, src, *args, **kwargs)
 
+    def trapped_link(src, dst, *args, **kwargs):  # an incremental save links the base's chunks
+        count["link"] += 1
+        if trap == "mid_link" and count["link"] == 3:
+            _die()
+        return link(src, dst, *args, **kwargs)
+
     os.rename, os.replace, np.copyto = trapped_rename, trapped_replace, trapped_copyto
+    os.link = trapped_link
     if trap == "mid_delete":
 
         def trapped_rmtree(path, *args, **kwargs):
@@ -131,18 +143,18 @@ def arm(trap: str, progress: str) -> None:
         shutil.rmtree = trapped_rmtree
 
 
-def save_loop(directory: str, progress: str, trap: str | None) -> None:
+def save_loop(directory: str, progress: str, trap: str | None, incremental: bool = False) -> None:
     """Save step after step (async, keep 2) until killed; ``started N`` once save(N) returned.
 
     When ``save(N)`` returns, step ``N - 1`` is committed and its retention is done.
     """
     try:
-        mgr = jaxckpt.CheckpointManager(directory, max_to_keep=2)
+        mgr = jaxckpt.CheckpointManager(directory, max_to_keep=2, incremental=incremental)
         step = (mgr.latest_step() or 0) + 1
         log(progress, f"first {step}")
         first = step
         while True:
-            mgr.save(step, device_state(step), metrics={"loss": 1.0 / step})
+            mgr.save(step, device_state(step, incremental), metrics={"loss": 1.0 / step})
             log(progress, f"started {step}")
             if trap is not None and step == first + 1:  # once this worker has committed a step
                 arm(trap, progress)

@@ -223,9 +223,25 @@ def stage_two(checks: _Checks, work: Path, pid: int) -> None:
         data["packs_written"] = sorted(i.key for i in mine if i.key.startswith("<pack "))
         check_state(jaxckpt.restore(work / "packed", target("two")))
 
+    def save_incremental():
+        # The same state against ckpt2: every process links each box it writes from ckpt2, and
+        # the coordinator's manifest records every process's digests.
+        planner = _planner()
+        h = jaxckpt.save_async(
+            work / "inc2", make_state("two"), planner=planner, base=work / "ckpt2"
+        )
+        h.wait()
+        every = [i for p in range(2) for i in planner.global_plan.for_process(p).items]
+        data["inc_items"], data["inc_bytes"] = len(every), sum(i.nbytes for i in every)
+        data["inc_written"], data["inc_reused"] = h.nbytes, h.reused_bytes
+        m = jaxckpt.metadata(work / "inc2")
+        data["inc_digests"] = sum(len(boxes) for boxes in m.digests.values())
+        check_state(jaxckpt.restore(work / "inc2", target("two")))
+
     checks.run("restore_1", restore_1)
     checks.run("save_2", save_2)
     checks.run("save_packed", save_packed)
+    checks.run("save_incremental", save_incremental)
 
 
 class _FailingPlanner(jaxckpt.DefaultSavePlanner):

@@ -220,7 +220,7 @@ def test_ls_lists_steps_in_order_with_status_and_size(capsys, runs):
     code, out, _ = run(capsys, "ls", runs)
     assert code == 0
     rows = [line.split() for line in out.splitlines()]
-    assert rows[0] == ["NAME", "STATUS", "SIZE"]
+    assert rows[0] == ["NAME", "STATUS", "SIZE", "BASE"]
     assert [r[:2] for r in rows[1:]] == [
         ["000020", "committed"],
         ["000100", "committed"],

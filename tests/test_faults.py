@@ -32,6 +32,7 @@ DELAYS = [
     0.075, 0.09, 0.11, 0.13, 0.15, 0.18, 0.21, 0.25, 0.3, 0.35, 0.42, 0.5,
 ]  # fmt: skip
 TRAPS = [
+    "mid_link",  # incremental saves only: while linking the base's chunk files
     "mid_staging",
     "before_commit_rename",
     "after_commit_rename",
@@ -92,7 +93,9 @@ def _last_started(lines: list[str]) -> int | None:
     return max(started, default=None)
 
 
-def _check_after_crash(d: Path, last_started: int | None) -> tuple[int, list[str]]:
+def _check_after_crash(
+    d: Path, last_started: int | None, frozen: bool = False
+) -> tuple[int, list[str]]:
     """The directory a killed save left: returns (latest step, leftovers seen before cleanup)."""
     leftovers = sorted(n for n in os.listdir(d) if n.startswith("."))
     visible = sorted(n for n in os.listdir(d) if not n.startswith(".") and n != "metrics.json")
@@ -106,7 +109,7 @@ def _check_after_crash(d: Path, last_started: int | None) -> tuple[int, list[str
     if last_started is not None:  # save(N) returned => step N - 1 was committed
         assert latest >= last_started - 1, (latest, last_started)
     for step in steps:
-        assert_tree_equal(mgr.restore(step), fw.host_state(step))
+        assert_tree_equal(mgr.restore(step), fw.host_state(step, frozen))
     assert [n for n in os.listdir(d) if n.startswith(".")] == []
     return latest, leftovers
 
@@ -119,12 +122,16 @@ def _phase(leftovers: list[str]) -> str:
     return "between"
 
 
-def test_sigkill_at_a_spread_of_moments(ctx, tmp_path, fast_dir):
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_sigkill_at_a_spread_of_moments(ctx, tmp_path, fast_dir, incremental):
+    """Incremental: every save links the base's unchanged chunks and retention deletes steps
+    that later steps link to; a kill at any moment loses no committed step."""
     d = fast_dir / "ckpt"
     phases = []
     for i, delay in enumerate(DELAYS):
         progress = tmp_path / f"progress{i}"
-        proc = ctx.Process(target=fw.save_loop, args=(str(d), str(progress), None), daemon=True)
+        args = (str(d), str(progress), None, incremental)
+        proc = ctx.Process(target=fw.save_loop, args=args, daemon=True)
         proc.start()
         lines = _wait_for(progress, proc, "first ")
         first = int(lines[0].split()[1])
@@ -133,23 +140,30 @@ def test_sigkill_at_a_spread_of_moments(ctx, tmp_path, fast_dir):
         proc.kill()
         proc.join(30)
         assert proc.exitcode == -signal.SIGKILL, _lines(progress)
-        latest, leftovers = _check_after_crash(d, _last_started(_lines(progress)))
+        latest, leftovers = _check_after_crash(d, _last_started(_lines(progress)), incremental)
         assert latest >= first
         phases.append(_phase(leftovers))
     print("phase at each kill:", phases)
     assert "saving" in phases  # the kills did land inside saves
-    mgr = jaxckpt.CheckpointManager(d, max_to_keep=2)  # and the next save succeeds
+    mgr = jaxckpt.CheckpointManager(d, max_to_keep=2, incremental=incremental)  # next save works
     step = mgr.latest_step() + 1
-    mgr.save(step, fw.device_state(step))
+    mgr.save(step, fw.device_state(step, incremental))
     mgr.wait()
-    assert_tree_equal(mgr.restore(step), fw.host_state(step))
+    assert_tree_equal(mgr.restore(step), fw.host_state(step, incremental))
+    if incremental:  # the steps did share their unchanged chunks
+        assert mgr.last_save.reused_bytes > 0
+        assert any(p.stat().st_nlink > 1 for p in (d / f"{step:08d}").rglob("c/*"))
 
 
-@pytest.mark.parametrize("trap", TRAPS)
-def test_sigkill_at_a_chosen_moment(ctx, tmp_path, fast_dir, trap):
+CHOSEN = [(t, False) for t in TRAPS if t != "mid_link"] + [(t, True) for t in TRAPS]
+
+
+@pytest.mark.parametrize("trap,incremental", CHOSEN)
+def test_sigkill_at_a_chosen_moment(ctx, tmp_path, fast_dir, trap, incremental):
     d = fast_dir / "ckpt"
     progress = tmp_path / "progress"
-    proc = ctx.Process(target=fw.save_loop, args=(str(d), str(progress), trap), daemon=True)
+    args = (str(d), str(progress), trap, incremental)
+    proc = ctx.Process(target=fw.save_loop, args=args, daemon=True)
     proc.start()
     proc.join(60)
     if proc.exitcode is None:
@@ -158,14 +172,14 @@ def test_sigkill_at_a_chosen_moment(ctx, tmp_path, fast_dir, trap):
     lines = _lines(progress)
     assert proc.exitcode == -signal.SIGKILL, lines
     assert f"armed {trap}" in lines
-    latest, leftovers = _check_after_crash(d, _last_started(lines))
-    if trap in ("before_commit_rename", "after_delete_rename", "mid_delete"):
+    latest, leftovers = _check_after_crash(d, _last_started(lines), incremental)
+    if trap in ("before_commit_rename", "after_delete_rename", "mid_delete", "mid_link"):
         assert leftovers, f"{trap}: expected a temporary to clean up"
-    mgr = jaxckpt.CheckpointManager(d, max_to_keep=2)
-    mgr.save(latest + 1, fw.device_state(latest + 1))
+    mgr = jaxckpt.CheckpointManager(d, max_to_keep=2, incremental=incremental)
+    mgr.save(latest + 1, fw.device_state(latest + 1, incremental))
     mgr.wait()
     assert mgr.latest_step() == latest + 1
-    assert_tree_equal(mgr.restore(), fw.host_state(latest + 1))
+    assert_tree_equal(mgr.restore(), fw.host_state(latest + 1, incremental))
 
 
 def test_sigterm_saves_the_current_step_and_stops(ctx, tmp_path, fast_dir):

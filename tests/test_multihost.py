@@ -233,6 +233,17 @@ def test_replicated_boxes_are_read_once_across_processes(groups):
     assert all(r <= 0.3 * st for r in st_read) and sum(st_read) <= 1.1 * st, (st_read, st)
 
 
+def test_incremental_save_links_on_every_process(groups):
+    """Each process decides for the boxes it writes; one manifest holds every digest."""
+    records = groups["two"]
+    for record in records:
+        assert record["checks"]["save_incremental"] == "ok", record
+        assert record["data"]["inc_written"] == 0 and record["data"]["inc_reused"] > 0, record
+    data = records[0]["data"]
+    assert data["inc_digests"] == data["inc_items"]  # every box, written by either process
+    assert sum(r["data"]["inc_reused"] for r in records) == data["inc_bytes"]
+
+
 def test_failure_on_one_process_raises_on_every_process(groups):
     _ok(groups["four"], "failure")
     assert os.listdir(groups["work"] / "fail") == []  # no checkpoint, no staging dir

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from jaxckpt._api import metadata
 from jaxckpt._cli.text import UsageError, human_bytes, plural
+from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
 from jaxckpt._planning import tree as _tree
 from jaxckpt._storage import catalog as _catalog
@@ -106,7 +107,8 @@ def run_ls(args: argparse.Namespace) -> int:
     rows = []
     for name, committed in found:
         child = loc.join(name)
-        rows.append({"name": name, "committed": committed, "nbytes": _size(child, committed)})
+        row = {"name": name, "committed": committed, "nbytes": _size(child, committed)}
+        rows.append({**row, **(_lineage(child) if committed else {})})
     if args.json:
         print(json.dumps({"path": args.path, "entries": rows}, indent=1))
         return 0
@@ -114,12 +116,39 @@ def run_ls(args: argparse.Namespace) -> int:
         print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)
         return 0
     width = max(4, *(len(r["name"]) for r in rows))
-    print(f"{'NAME':<{width}}  {'STATUS':<10}  SIZE")
+    print(f"{'NAME':<{width}}  {'STATUS':<10}  {'SIZE':<9}  BASE")
     for r in rows:
         status = "committed" if r["committed"] else "incomplete"
         size = "?" if r["nbytes"] is None else human_bytes(r["nbytes"])
-        print(f"{r['name']:<{width}}  {status:<10}  {size}")
+        print(f"{r['name']:<{width}}  {status:<10}  {size:<9}  {_base_text(r)}".rstrip())
     return 0
+
+
+def _lineage(loc: _location.Location) -> dict:
+    """An incremental step's base and reuse, and the steps whose data it needs (refs)."""
+    try:
+        m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
+    except CheckpointError:
+        return {}
+    out: dict = {}
+    if "base" in m.created:
+        out["base"] = str(m.created["base"])
+        out["reused_bytes"] = m.created.get("reused_bytes")
+    if m.refs:
+        out["needs"] = sorted({t.split("/")[1] for t in m.refs.values()})
+    return out
+
+
+def _base_text(row: dict) -> str:
+    if "base" not in row:
+        return ""
+    reused = row.get("reused_bytes")
+    text = f"{row['base']}" + (
+        f" ({human_bytes(reused)} reused)" if isinstance(reused, int) else ""
+    )
+    if row.get("needs"):
+        text += f", needs {', '.join(row['needs'])}"
+    return text
 
 
 def _size(loc: _location.Location, committed: bool) -> int | None:

@@ -15,11 +15,10 @@ import tensorstore as ts
 from jaxckpt._cli.text import Progress, human_bytes, one_line, plural
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.grid import chunk_key, grid_indices
-from jaxckpt._format.manifest import ArrayEntry
+from jaxckpt._format.manifest import ArrayEntry, storage_entries
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
-from jaxckpt._storage import packs as _pack
 from jaxckpt._storage import writer as _storage
 
 _VERIFY_THREADS = 8
@@ -42,7 +41,7 @@ def run_verify(args: argparse.Namespace) -> int:
     m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
     foreign = reader.kind != "jaxckpt"  # no checksums: every byte is read
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
-    stored = _pack.storage_entries(m)  # what has files: unpacked arrays and packs
+    stored = storage_entries(m)  # what has files: unpacked arrays and packs
     members: dict[str, list[str]] = {}  # pack key -> the keys packed in it
     for e in arrays:
         if e.pack is not None:
@@ -76,16 +75,20 @@ def run_verify(args: argparse.Namespace) -> int:
         bad_chunks += 1
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
         files = [] if foreign else list(stored.values())
-        for e, problem in zip(files, pool.map(lambda e: _zarr_json_problem(loc, e), files)):
+        held = {e.key: _held(reader, e.path) for e in files}
+        for e, problem in zip(
+            files, pool.map(lambda e: _zarr_json_problem(*held[e.key], e), files)
+        ):
             if problem is not None:
-                print(f"DAMAGED {_who(e, members)} metadata at {e.path}/zarr.json: {problem}")
+                where = _where(reader, e.path)
+                print(f"DAMAGED {_who(e, members)} metadata at {where}/zarr.json: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append("zarr.json")
         for (e, idx, _), problem in _bounded_map(pool, check, jobs):
             progress.step(e.key)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
-                where = e.path if foreign else f"{e.path}/{chunk_key(idx)}"
+                where = e.path if foreign else f"{_where(reader, e.path)}/{chunk_key(idx)}"
                 print(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
@@ -146,11 +149,23 @@ def _who(e: ArrayEntry, members: dict[str, list[str]]) -> str:
     return f"{', '.join(keys[:5])}{more} (packed in {e.path})"
 
 
-def _zarr_json_problem(loc: _location.Location, e: ArrayEntry) -> str | None:
+def _held(reader: Any, path: str) -> tuple[_location.Location, str]:
+    """Where the array at ``path`` lives: here, or in the step an incremental step references."""
+    return reader.holder(path) if hasattr(reader, "holder") else (reader.loc, path)
+
+
+def _where(reader: Any, path: str) -> str:
+    loc, held = _held(reader, path)
+    if loc is reader.loc:
+        return path
+    return f"{loc}/{held} (an array this incremental step references)"
+
+
+def _zarr_json_problem(loc: _location.Location, path: str, e: ArrayEntry) -> str | None:
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
         ts.open(
-            _storage.array_spec(loc.child(e.path), e), open=True, context=_location.CONTEXT
+            _storage.array_spec(loc.child(path), e), open=True, context=_location.CONTEXT
         ).result()
     except ValueError as err:
         msg = str(err)

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -19,11 +20,12 @@ import numpy as np
 
 from jaxckpt._errors import ManifestError
 from jaxckpt._format.grid import grid_shape
-from jaxckpt._format.names import is_storage_path
+from jaxckpt._format.names import is_reference, is_storage_path
 
 FORMAT = "jaxckpt"
 VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
-VERSIONS = (1, 2)  # the versions this jaxckpt reads
+REFS_VERSION = 3  # 3 adds references to another step's arrays (incremental, object stores)
+VERSIONS = (1, 2, 3)  # the versions this jaxckpt reads
 MANIFEST = "manifest.json"
 
 # zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
@@ -165,6 +167,11 @@ class Manifest:
     created: dict = dataclasses.field(default_factory=dict)
     version: int = VERSION
     packs: dict[str, PackEntry] = dataclasses.field(default_factory=dict)  # by path
+    # Content digests of the stored boxes, by storage path then box (``box_key``): what an
+    # incremental save compares its bytes with. Optional; readers never need them.
+    digests: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    # Arrays (by storage path) whose data lives in a sibling step: ``../STEP/arrays/NAME``.
+    refs: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> bytes:
         """``manifest.json``'s bytes: one line per top-level field and per entry."""
@@ -179,6 +186,10 @@ class Manifest:
         }
         if self.packs:
             head["packs"] = {p: _pack_to_json(e) for p, e in self.packs.items()}
+        if self.refs:
+            head["refs"] = self.refs
+        if self.digests:
+            head["digests"] = self.digests
         lines = [f" {dump(k)}: {dump(v)}," for k, v in head.items()]
         entries = ",\n".join(
             f"  {dump(k)}: {dump(_entry_to_json(e))}" for k, e in self.entries.items()
@@ -221,7 +232,64 @@ class Manifest:
         _check_tree(tree, entries, where)
         created = doc.get("created") if isinstance(doc.get("created"), dict) else {}
         raise_if_bad_packs(entries, packs, where)
-        return cls(tree=tree, entries=entries, created=created, version=version, packs=packs)
+        stored = set(paths)
+        refs = _refs_from_json(
+            doc.get("refs", {}) if version >= REFS_VERSION else {}, stored, where
+        )
+        digests = _digests_from_json(doc.get("digests", {}), stored, where)
+        return cls(tree=tree, entries=entries, created=created, version=version, packs=packs,
+                   digests=digests, refs=refs)  # fmt: skip
+
+
+def storage_entries(manifest: Manifest) -> dict[str, ArrayEntry]:
+    """What storage writes: every unpacked array, and each pack as a 1-D array (by key)."""
+    out = {
+        k: e for k, e in manifest.entries.items() if isinstance(e, ArrayEntry) and e.pack is None
+    }
+    out.update((p.key, p.as_array()) for p in manifest.packs.values())
+    return out
+
+
+def box_key(offsets: Sequence[int], sizes: Sequence[int]) -> str:
+    """How a box is named in ``Manifest.digests``: ``"0,8+4,8"`` (offsets, then sizes).
+
+    >>> box_key((0, 8), (4, 8)), box_key((), ())
+    ('0,8+4,8', '+')
+    """
+    return ",".join(map(str, offsets)) + "+" + ",".join(map(str, sizes))
+
+
+_BOX = re.compile(r"[0-9,]{0,1300}\+[0-9,]{0,1300}")
+_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+def _digests_from_json(raw: Any, stored: set[str], where: str) -> dict[str, dict[str, str]]:
+    if not isinstance(raw, dict):
+        raise ManifestError(f'{where}: "digests" must be an object.')
+    for path, boxes in raw.items():
+        ok = path in stored and isinstance(boxes, dict)
+        if not ok or not all(
+            isinstance(b, str) and _BOX.fullmatch(b) and isinstance(h, str) and _HEX.fullmatch(h)
+            for b, h in boxes.items()
+        ):
+            raise ManifestError(
+                f"{where}: the digests of {path!r} are malformed or name no stored array. The "
+                f"manifest is damaged or was not written by jaxckpt; nothing was read."
+            )
+    return raw
+
+
+def _refs_from_json(raw: Any, stored: set[str], where: str) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        raise ManifestError(f'{where}: "refs" must be an object.')
+    for path, target in raw.items():
+        if path not in stored or not is_reference(target):
+            raise ManifestError(
+                f"{where}: reference {path!r} -> {target!r} is not a sibling step's array "
+                f"(../STEP/arrays/NAME). The manifest is damaged or was not written by jaxckpt; "
+                f"nothing was read."
+            )
+    return raw
 
 
 def _entry_to_json(e: Entry) -> dict:

@@ -80,6 +80,23 @@ def is_storage_path(path: object) -> bool:
     return isinstance(path, str) and bool(_PATH_RE.match(path)) and ".." not in path
 
 
+_STEP_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}"
+_REF_RE = re.compile(
+    rf"\.\./{_STEP_NAME}/(g[0-9a-f]{{8}}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{{0,254}}"
+)
+
+
+def is_reference(path: object) -> bool:
+    """Whether ``path`` names an array of a sibling step: ``../STEP/arrays/NAME`` (what an
+    incremental step on an object store records instead of copying an unchanged array).
+
+    Example:
+      >>> is_reference("../00000100/arrays/w"), is_reference("../../etc/arrays/w")
+      (True, False)
+    """
+    return isinstance(path, str) and bool(_REF_RE.fullmatch(path))
+
+
 def staging_name(name: str, tag: str) -> str:
     """The hidden sibling ``.NAME.tmp-TAG`` of ``name``, short enough for any legal name.
 

@@ -30,7 +30,7 @@ import operator
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
@@ -40,7 +40,13 @@ from jaxckpt._api import SaveHandle, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._format import names as _names
 from jaxckpt._format.manifest import MANIFEST
-from jaxckpt._manager.retention import METRICS, MetricsFile, json_metrics, steps_to_delete
+from jaxckpt._manager.retention import (
+    METRICS,
+    MetricsFile,
+    json_metrics,
+    referenced,
+    steps_to_delete,
+)
 from jaxckpt._planning.load_planner import LoadPlanner
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
@@ -81,6 +87,11 @@ class CheckpointManager:
       save_on_preemption: on SIGTERM (or JAX's multi-host preemption notice), the next
         ``save()`` saves its step whatever the interval and waits for the commit;
         ``reached_preemption(step)`` then tells the loop to stop.
+      incremental: save each step against the newest committed one: boxes whose bytes did not
+        change (frozen weights, their optimizer states) are hard-linked from it (local files)
+        or, for arrays unchanged as a whole, referenced (object stores) instead of written.
+        Every step stays a whole checkpoint; deleting any step never breaks another
+        (docs/manager.md, "Incremental steps").
 
     Raises:
       ValueError: an argument is out of range.
@@ -106,6 +117,7 @@ class CheckpointManager:
         best_fn: Callable[[Mapping[str, Any]], float] | None = None,
         best_mode: Literal["min", "max"] = "min",
         save_on_preemption: bool = False,
+        incremental: bool = False,
     ) -> None:
         for name, value in (
             ("max_to_keep", max_to_keep),
@@ -135,6 +147,7 @@ class CheckpointManager:
         if self._primary:
             self._clean_up()
         self._watcher = PreemptionWatcher() if save_on_preemption else None
+        self.incremental = incremental
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -181,7 +194,11 @@ class CheckpointManager:
                 f"later step, or restore it (CheckpointManager.restore({step})) and go on from "
                 f"there."
             )
-        handle = save_async(str(loc), tree)
+        base = None
+        if self.incremental:
+            latest = self.latest_step()
+            base = None if latest is None else str(self._loc.join(_name(latest)))
+        handle = save_async(str(loc), tree, base=base)
         self.last_save = handle
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
@@ -388,9 +405,18 @@ class CheckpointManager:
         gone = {str(s) for s in doomed} & set(metrics)
         if gone or changed:
             self._metrics.write({k: v for k, v in metrics.items() if k not in gone})
+        keep = self._referenced(s for s in steps if s not in doomed)
         for step in doomed:
-            _catalog.delete(self._loc.join(_name(step)))
+            _catalog.delete(self._loc.join(_name(step)), keep=keep.get(_name(step), ()))
             logger.info("deleted step %d from %s (retention)", step, self.directory)
+        if doomed and self._loc.local is None and self.incremental:
+            self._clean_up()  # arrays kept for a step deleted now may be referenced no more
+
+    def _referenced(self, steps: Iterable[int]) -> dict[str, set[str]]:
+        """What committed ``steps`` reference in other steps (object stores; see retention)."""
+        if self._loc.local is not None:  # local incremental steps hold hard links, not refs
+            return {}
+        return referenced(self._loc, [_name(s) for s in steps])
 
     def _score(self, record: Mapping[str, Any] | None) -> float | None:
         if record is None or self.best_fn is None:
@@ -404,10 +430,12 @@ class CheckpointManager:
     def _clean_up(self) -> None:
         """Remove what interrupted saves and deletes left behind."""
         if self._loc.local is None:
-            for name, committed in _catalog.children(self._loc):
+            children = _catalog.children(self._loc)
+            keep = self._referenced(int(n) for n, ok in children if ok and _STEP.fullmatch(n))
+            for name, committed in children:
                 if _STEP.fullmatch(name) and not committed:
                     try:
-                        _catalog.delete(self._loc.join(name))
+                        _catalog.delete(self._loc.join(name), keep=keep.get(name, ()))
                     except CheckpointError as e:  # holds objects jaxckpt did not write: keep
                         logger.warning("not cleaning up %s: %s", self._loc.join(name), e)
             return

@@ -14,12 +14,13 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from jaxckpt._errors import UnsupportedLeafError
+from jaxckpt._errors import CheckpointError, UnsupportedLeafError
+from jaxckpt._format.manifest import Manifest
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
@@ -118,3 +119,22 @@ class MetricsFile:
         tmp = self.loc.local / f".{METRICS}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.write_bytes(raw)
         os.replace(tmp, self.loc.local / METRICS)
+
+
+def referenced(run: _location.Location, steps: Iterable[str]) -> dict[str, set[str]]:
+    """The arrays of each step (by name) that the committed ``steps`` of ``run`` reference:
+    ``{held_by: {storage path in it}}`` (incremental steps on object stores; empty elsewhere).
+
+    One manifest read per step. A step whose manifest cannot be read references nothing here:
+    it is damaged already, and what it referenced is not kept for it.
+    """
+    out: dict[str, set[str]] = {}
+    for name in steps:
+        try:
+            m = Manifest.from_json(_location.read_manifest(run.join(name)))
+        except CheckpointError:
+            continue
+        for target in m.refs.values():
+            _, held_by, path = target.split("/", 2)
+            out.setdefault(held_by, set()).add(path)
+    return out

@@ -157,6 +157,32 @@ class SaveSync:
         else:
             self._released(name)
 
+    def gather(self, name: str, value: str) -> dict[int, str] | None:
+        """A barrier that also brings every process's ``value`` to the coordinator.
+
+        Returns:
+          On the coordinator, ``{process: value}`` of every process; elsewhere ``None``.
+        """
+        if self.count == 1:
+            return {0: value}
+        got = self._arrive(name, value)
+        if got is not None:
+            self._release(name, "ok")
+        else:
+            self._released(name)
+        return got
+
+    def reduce(self, name: str, value: str, combine: Callable[[list[str]], str]) -> str:
+        """``combine`` of every process's ``value`` (in process order), on every process."""
+        if self.count == 1:
+            return combine([value])
+        got = self._arrive(name, value)
+        if got is None:
+            return self._released(name)
+        out = combine([got[p] for p in sorted(got)])
+        self._release(name, out)
+        return out
+
     def broadcast(self, name: str, value: str) -> str:
         """The coordinator's ``value`` on every process (the others' ``value`` is ignored)."""
         if self.count == 1:

@@ -86,7 +86,7 @@ class Arena:
             self.used += _aligned(n)
             outs.append(out)
             rows = math.ceil(n / _SPLIT) if data.ndim and n > _SPLIT else 1
-            step = ceil_div(data.shape[0], rows) if data.ndim else 1
+            step = max(1, ceil_div(data.shape[0], rows)) if data.ndim else 1
             for r in range(0, data.shape[0] if data.ndim else 1, step):
                 part = slice(r, r + step) if data.ndim else ...
                 jobs.append((out[part], data[part]))

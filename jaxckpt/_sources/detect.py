@@ -42,7 +42,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
                 return found
         raise _run_directory_error(loc) or missing from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
-    return manifest, _reader.CheckpointReader(loc, stamp)
+    return manifest, _reader.CheckpointReader(loc, stamp, manifest.refs)
 
 
 def _run_directory_error(loc: _location.Location) -> CheckpointNotFoundError | None:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 
 import tensorstore as ts
@@ -35,12 +36,16 @@ def list_keys(loc: Location) -> list[str]:
         ) from e
 
 
-def delete(loc: Location) -> None:
+def delete(loc: Location, *, keep: Collection[str] = ()) -> None:
     """Delete the checkpoint, or an unfinished save's leftovers, at ``loc`` on any store.
 
     The checkpoint stops being one first (the local directory is renamed away, the manifest
     object is deleted before the arrays), so an interrupted delete never leaves a damaged
     checkpoint. Nothing at ``loc`` is not an error.
+
+    ``keep`` (object stores): storage paths of arrays that other steps reference
+    (incremental steps, ``Manifest.refs``); they stay after the manifest goes, until no
+    committed step references them.
 
     Raises:
       CheckpointError: ``loc`` holds files or objects jaxckpt did not write (e.g. it is the
@@ -63,7 +68,13 @@ def delete(loc: Location) -> None:
     if foreign:
         raise _not_ours_to_delete(loc, foreign[0])
     kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
+    if not keep:
+        kv.delete_range(ts.KvStore.KeyRange()).result()
+        return
+    kept = tuple(p + "/" for p in keep)
+    for f in [kv.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in list_keys(loc)
+              if not k.startswith(kept)]:  # fmt: skip
+        f.result()
 
 
 def _not_ours_to_delete(loc: Location, name: str) -> CheckpointError:

@@ -51,6 +51,12 @@ class Location:
         """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
         return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
 
+    def sibling(self, name: str) -> Location:
+        """The location ``name`` beside this one (another step of the same run directory)."""
+        if self.local is not None:
+            return Location(self.local.parent / name)
+        return Location(self.url.rstrip("/").rpartition("/")[0] + "/" + name)
+
     def join(self, name: str) -> Location:
         """The location ``name`` below this one (e.g. a step of a checkpoint directory)."""
         if self.local is not None:

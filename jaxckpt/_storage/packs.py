@@ -12,17 +12,8 @@ from typing import Any
 import numpy as np
 
 from jaxckpt._errors import CorruptChunkError
-from jaxckpt._format.manifest import ArrayEntry, PackEntry, dtype_from_name
+from jaxckpt._format.manifest import PackEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
-
-
-def storage_entries(manifest: Any) -> dict[str, ArrayEntry]:
-    """What storage writes: every unpacked array, and each pack as a 1-D array (by key)."""
-    out = {
-        k: e for k, e in manifest.entries.items() if isinstance(e, ArrayEntry) and e.pack is None
-    }
-    out.update((p.key, p.as_array()) for p in manifest.packs.values())
-    return out
 
 
 def split(entries: dict[str, Any], items: Iterable[ReadItem]) -> tuple[list, list]:

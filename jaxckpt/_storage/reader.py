@@ -73,13 +73,23 @@ class CheckpointReader:
 
     kind = "jaxckpt"
 
-    def __init__(self, loc: Location, stamp: Stamp | None = None) -> None:
+    def __init__(self, loc: Location, stamp: Stamp | None = None,
+                 refs: dict[str, str] | None = None) -> None:  # fmt: skip
         self.loc = loc
         self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
+        # Arrays held by a sibling step (incremental steps on object stores): path -> target.
+        self.refs = refs or {}
+        if self.refs and loc.local is not None:
+            raise ManifestError(
+                f"{loc} is an incremental step saved on an object store: {len(self.refs)} of its "
+                f"arrays live in sibling steps ({next(iter(self.refs.values()))}), which jaxckpt "
+                f"reads only on object stores. Restore it there, or `jaxckpt convert` it there "
+                f"into a self-contained checkpoint first."
+            )
         self._open: dict[str, Any] = {}
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
-        self._listing: dict[str, set[str]] | None = None
+        self._listing: dict[str, dict[str, set[str]]] = {}  # by step ("" for this one)
         self._inplace = _chunkfile.InPlace(loc.local, str(loc)) if loc.local is not None else None
 
     def _store(self, entry: ArrayEntry) -> Any:
@@ -87,7 +97,8 @@ class CheckpointReader:
         if store is None:
             self._check_inside(entry)
             self.check_chunks(entry)
-            spec = array_spec(self.loc.child(entry.path), entry)
+            loc, path = self.holder(entry.path)
+            spec = array_spec(loc.child(path), entry)
             spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
             try:
                 # The manifest is the source of truth for the array's metadata: zarr.json is
@@ -157,8 +168,8 @@ class CheckpointReader:
                     raise CorruptChunkError(
                         f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in "
                         f"{self.loc} is missing ({len(found)} of {math.prod(grid)} declared chunks "
-                        f"found). The checkpoint is damaged: restore an earlier one; "
-                        f"`jaxckpt verify PATH` reports every damaged array."
+                        f"found){self._held_by(entry.path)}. The checkpoint is damaged: restore "
+                        f"an earlier one; `jaxckpt verify PATH` reports every damaged array."
                     )
         if isinstance(found, dict) and entry.nbytes > _STAT_ABOVE:  # local: sizes, cheap here
             per_chunk = math.prod(entry.chunks) * dtype_from_name(entry.storage_dtype).itemsize
@@ -178,7 +189,8 @@ class CheckpointReader:
         Local: a dict of each key's directory entry (for its size, stat'ed only if asked).
         """
         if self.loc.local is None:
-            return self._object_chunks().get(entry.path, set())
+            loc, path = self.holder(entry.path)
+            return self._object_chunks(loc).get(path, set())
         found: dict[str, os.DirEntry] = {}
         stack = [(self.loc.local / entry.path, "")]
         while stack:  # one scandir per folder; is_symlink() needs no stat (d_type)
@@ -202,18 +214,38 @@ class CheckpointReader:
                         found[name] = e
         return found
 
-    def _object_chunks(self) -> dict[str, set[str]]:
-        """Object stores: chunk keys by array path, from one listing of the checkpoint (cached).
+    def _held_by(self, path: str) -> str:
+        if path not in self.refs:
+            return ""
+        loc, _ = self.holder(path)
+        return (
+            f"; this incremental step references that array in {loc}, whose data is gone "
+            f"(deleted by hand? retention never deletes what a kept step references)"
+        )
+
+    def holder(self, path: str) -> tuple[Location, str]:
+        """Where the array at storage ``path`` lives: this checkpoint, or the sibling step an
+        incremental step references (``../STEP/arrays/NAME``), and its path there."""
+        ref = self.refs.get(path)
+        if ref is None:
+            return self.loc, path
+        _, step, rest = ref.split("/", 2)
+        return self.loc.sibling(step), rest
+
+    def _object_chunks(self, loc: Location) -> dict[str, set[str]]:
+        """Object stores: chunk keys by array path, from one listing of the checkpoint (or of
+        a step it references), cached.
 
         One paginated list for the whole checkpoint costs far less than a request per array.
         """
-        if self._listing is None:
-            listing: dict[str, set[str]] = collections.defaultdict(set)
-            for k in list_keys(self.loc):
+        listing = self._listing.get(str(loc))
+        if listing is None:
+            listing = collections.defaultdict(set)
+            for k in list_keys(loc):
                 for m in re.finditer(r"/c(?=/|$)", k):  # every ``/c`` segment: an array's chunks?
                     listing[k[: m.start()]].add(k[m.start() + 1 :])
-            self._listing = listing
-        return self._listing
+            self._listing[str(loc)] = listing
+        return listing
 
     def read(
         self,

@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,6 +39,7 @@ from jaxckpt._errors import (
     CheckpointError,
     CheckpointExistsError,
 )
+from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest
 from jaxckpt._format.names import TMP, staging_name
 from jaxckpt._format.plan import WriteItem
@@ -98,6 +100,8 @@ class Writer:
         self.loc = loc
         self.overwrite = overwrite
         self.is_coordinator = is_coordinator
+        self._linkable: dict[str, bool] = {}  # base array folders checked for links (link())
+        self._folders: set[str] = set()  # chunk folders link() has made
         if loc.local is not None:
             # Only the coordinator checks the target and makes the staging dir; the others
             # write into the same dir (shared storage), and only the coordinator commits or
@@ -261,9 +265,48 @@ class Writer:
         if self.generation:
             _delete_all_but(kv, self.loc, self.generation)  # the replaced arrays go only now
 
+    def link(self, base: Location, base_path: str, entry: ArrayEntry, offsets: tuple[int, ...],
+             sizes: tuple[int, ...]) -> bool:  # fmt: skip
+        """Store a box as hard links to the base checkpoint's chunk files of it (an
+        incremental save, local files only); ``False`` where that cannot be done (another
+        file system, an object store, a chunk file that is missing or not a regular file),
+        and the caller writes the box instead.
+
+        A link is another name for the same file: deleting the base later leaves this one
+        whole, and a write never changes a linked file (tensorstore replaces files by rename).
+        """
+        if self.loc.local is None or base.local is None:
+            return False
+        src_dir = os.path.join(base.local, base_path)
+        inside = self._linkable.get(src_dir)
+        if inside is None:  # once per array: no link below the base leads out of it
+            inside = self._linkable[src_dir] = _inside(src_dir, base.local)
+        if not inside:
+            return False
+        dst_dir = os.path.join(self.root["path"], entry.path)
+        try:
+            for idx in chunks_touching(offsets, sizes, entry.chunks):
+                name = chunk_key(idx)
+                src, dst = os.path.join(src_dir, name), os.path.join(dst_dir, name)
+                if not stat.S_ISREG(os.lstat(src).st_mode):
+                    return False
+                folder = os.path.dirname(dst)
+                if folder not in self._folders:
+                    os.makedirs(folder, exist_ok=True)
+                    self._folders.add(folder)
+                os.link(src, dst, follow_symlinks=False)
+        except OSError:  # a link made already is replaced by the write
+            return False
+        return True
+
     def abort(self) -> None:
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _inside(path: str, root: Path) -> bool:
+    """Whether ``path`` resolves below ``root`` (no link leads out of it)."""
+    return os.path.realpath(path).startswith(os.path.realpath(root) + os.sep)
 
 
 def _write_error(loc: Location, what: str, e: Exception) -> CheckpointError:

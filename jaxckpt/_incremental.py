@@ -1,0 +1,142 @@
+"""A save against a base checkpoint: the planner's content decisions, storage's links.
+
+``jaxckpt._planning.incremental`` decides from content which boxes the base already holds;
+this module carries those decisions out for one save, on every process:
+
+* **local files**: each process hashes its boxes as they pass to the writer and hard-links the
+  base's chunk files for the boxes the base holds (``Writer.link``), writing the rest. No
+  exchange: the digests travel to the coordinator with the "written" barrier.
+* **object stores** (no links): every process hashes its boxes first, the processes agree in
+  one small exchange which arrays changed anywhere, and each array that changed nowhere is
+  recorded as a reference to the base's copy (``Manifest.refs``); the others are written whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxckpt._errors import CheckpointError
+from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
+from jaxckpt._format.plan import ReadItem, WriteItem
+from jaxckpt._planning.incremental import Match, Reuse, Tracker, digest, recorded
+from jaxckpt._runtime.distributed import SaveSync
+from jaxckpt._storage import writer as _storage
+from jaxckpt._storage.location import Location, read_manifest
+from jaxckpt._storage.reader import CheckpointReader
+
+Items = Iterable[tuple[WriteItem, np.ndarray]]
+
+
+class Increment:
+    """One save's reuse of ``base``.
+
+    Args:
+      base: the base checkpoint (committed; e.g. the run's previous step).
+      loc: where this save goes.
+      manifest: this save's planned manifest.
+      entries: this save's storage entries (arrays, and packs as arrays), by key.
+
+    Raises:
+      CheckpointNotFoundError, ManifestError: ``base`` is no readable checkpoint.
+    """
+
+    def __init__(self, base: Location, loc: Location, manifest: Manifest,
+                 entries: dict[str, ArrayEntry]) -> None:  # fmt: skip
+        if (base.local is None) != (loc.local is None):
+            raise CheckpointError(
+                f"Incremental save to {loc} from base {base}: the base must be on the same kind "
+                f"of storage (a local path for a local save, the same bucket for an object "
+                f"store). Save without base=, or pick a base beside the new checkpoint."
+            )
+        self.base, self.loc, self.entries = base, loc, entries
+        self.writer: _storage.Writer | None = None
+        self.base_manifest = Manifest.from_json(read_manifest(base), where=f"{base}/manifest.json")
+        self.reuse = Reuse(manifest, self.base_manifest)
+        self.base_name = _sibling_name(base, loc)
+        # References are to a sibling step only, never to this path's own older generation.
+        self.refs_ok = loc.local is None and self.base_name not in (None, _name(loc))
+        link = self._link if loc.local is not None else None
+        self._base_reader = CheckpointReader(base, None, self.base_manifest.refs)
+        self._base_entries = storage_entries(self.base_manifest)
+        self.tracker = Tracker(self.reuse, entries, link, self._read_digest)
+        self.refs: dict[str, str] = {}
+
+    def _link(self, item: WriteItem, match: Match) -> bool:
+        entry = self.entries[item.key]
+        assert self.writer is not None  # set by to_write
+        return self.writer.link(self.base, match.base_entry.path, entry, item.offsets, item.sizes)
+
+    def _read_digest(self, item: WriteItem, base_entry: ArrayEntry) -> str | None:
+        """The digest of the base's bytes of ``item``'s box, read from the base (which
+        recorded none); ``None`` where they cannot be read, and the box is written."""
+        want = ReadItem(base_entry.key, item.offsets, item.sizes)
+        try:
+            for _, data in self._base_reader.read(self._base_entries, [want]):
+                return digest(data)
+        except CheckpointError:
+            return None
+        return None
+
+    def to_write(self, items: Items, sync: SaveSync,
+                 writer: _storage.Writer) -> tuple[Iterator[tuple[WriteItem, Any]], set[str]]:  # fmt: skip
+        """The items ``writer`` still writes, and the keys of arrays nobody writes.
+
+        Local files: lazily, linking as the items pass. Object stores: every box is hashed
+        first, then one exchange settles which arrays changed on no process; those become
+        references and are neither created nor written.
+        """
+        self.writer = writer
+        if self.loc.local is not None:
+            return self.tracker.to_write(items), set()
+        hashed = [(item, data, self.tracker.check(item, data)) for item, data in items]
+        changed = json.loads(sync.reduce("reuse", json.dumps(sorted(self.tracker.changed)), _union))
+        whole = self.reuse.whole_arrays(changed) if self.refs_ok else set()
+        for key in whole:
+            match = self.reuse.match_array(key)
+            self.refs[self.entries[key].path] = (
+                match.base_ref or f"../{self.base_name}/{match.base_entry.path}"
+            )
+        self.tracker.reused_bytes = sum(i.nbytes for i, _, _ in hashed if i.key in whole)
+        return ((i, d) for i, d, _ in hashed if i.key not in whole), whole
+
+    def payload(self) -> str:
+        """What this process tells the coordinator at the "written" barrier."""
+        return json.dumps({"digests": self.tracker.digests, "reused": self.tracker.reused_bytes})
+
+    def manifest(self, planned: Manifest, payloads: dict[int, str]) -> Manifest:
+        """The manifest to commit: the planned one with every process's digests and the
+        references recorded (coordinator)."""
+        digests: dict[str, dict[str, str]] = {}
+        reused = 0
+        for text in payloads.values():
+            got = json.loads(text)
+            reused += got["reused"]
+            for path, boxes in got["digests"].items():
+                digests.setdefault(path, {}).update(boxes)
+        name = self.base_name if self.base_name is not None else str(self.base)
+        return recorded(planned, digests, refs=self.refs, base_name=name, reused_bytes=reused)
+
+    @property
+    def reused_bytes(self) -> int:
+        """Bytes of this process's boxes that were not written, being the base's already."""
+        return self.tracker.reused_bytes
+
+
+def _union(values: list[str]) -> str:
+    return json.dumps(sorted({k for v in values for k in json.loads(v)}))
+
+
+def _name(loc: Location) -> str:
+    return loc.local.name if loc.local is not None else loc.url.rstrip("/").rpartition("/")[2]
+
+
+def _sibling_name(base: Location, loc: Location) -> str | None:
+    """The base's name if it sits beside ``loc`` (the steps of one run), else ``None``."""
+    if base.local is not None and loc.local is not None:
+        return base.local.name if base.local.parent == loc.local.parent else None
+    parent = loc.url.rstrip("/").rpartition("/")[0]
+    return _name(base) if base.url.rstrip("/").rpartition("/")[0] == parent else None

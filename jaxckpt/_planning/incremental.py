@@ -1,0 +1,234 @@
+"""Incremental saves: which boxes of this save the base checkpoint already holds, by content.
+
+A save given a base (``jaxckpt.save(..., base=PREV)``, or ``CheckpointManager(...,
+incremental=True)``, whose base is the newest committed step) hashes every box it writes and
+records the digests in its manifest (``Manifest.digests``). A box is reused instead of written
+when the base holds the same array — same key, shape, dtype, storage dtype, chunk grid and
+checksum, and for a pack the same members at the same offsets — and recorded, for the very
+same box, the digest this save computes for its bytes. Nothing is compared by identity: a
+jitted step hands back new arrays whose bytes did not change, and they are found.
+
+The digest is XXH3-128 of the box's bytes in C order and little-endian byte order: 128 bits,
+so two different boxes of one array agree by accident with probability 2^-128. It runs at
+memory speed (tens of GB/s), so a save that reuses nothing costs what it did. It is no
+defence against someone who crafts tensors to collide: the base is trusted like the run's own
+directory (docs/format.md).
+
+How a reused box is stored is storage's business: a hard link to the base's chunk files on
+local file systems, a reference to the base's whole array on object stores.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+
+import numpy as np
+import xxhash
+
+from jaxckpt._format.manifest import (
+    REFS_VERSION,
+    ArrayEntry,
+    Manifest,
+    box_key,
+    storage_entries,
+)
+from jaxckpt._format.plan import WriteItem
+from jaxckpt._runtime import pools
+
+HASH_AHEAD = 64 << 20  # bytes of boxes hashed ahead of the one being decided
+HASH_AHEAD_ITEMS = 8
+
+
+def digest(data: np.ndarray) -> str:
+    """The 128-bit content digest of a box: 32 hex digits.
+
+    The bytes are taken in C order and little-endian byte order, so a Fortran-ordered or
+    big-endian array has the digest of the values it holds, as stored.
+
+    Example:
+      >>> import numpy as np
+      >>> a = np.arange(6, dtype=np.float32).reshape(2, 3)
+      >>> digest(a) == digest(np.asfortranarray(a)) == digest(a.astype(">f4"))
+      True
+      >>> digest(a) == digest(np.where(a == 5, -0.0, a).astype(np.float32))
+      False
+    """
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    flat = np.ascontiguousarray(data).reshape(-1)
+    return xxhash.xxh3_128_hexdigest(memoryview(flat.view(np.uint8)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """A box the base already holds: the base's storage entry of the same array."""
+
+    base_entry: ArrayEntry
+    base_ref: str | None  # where the base itself found the array (a sibling step), if anywhere
+
+
+class Reuse:
+    """Decides, box by box, whether ``base`` already holds the bytes this save would write.
+
+    Args:
+      manifest: the manifest of this save (its plan's).
+      base: the base checkpoint's manifest.
+    """
+
+    def __init__(self, manifest: Manifest, base: Manifest) -> None:
+        new = storage_entries(manifest)
+        old = storage_entries(base)
+        mine, theirs = _pack_layouts(manifest), _pack_layouts(base)
+        self.base = base
+        self._same: dict[str, ArrayEntry] = {}
+        for key, e in new.items():
+            b = old.get(key)
+            if b is None or not _same_array(e, b):
+                continue
+            if (e.path in mine or b.path in theirs) and mine.get(e.path) != theirs.get(b.path):
+                continue  # a pack: reused only with the same members at the same offsets
+            self._same[key] = b
+
+    def match(
+        self,
+        key: str,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        found: str,
+        base_digest: Callable[[ArrayEntry], str | None] | None = None,
+    ) -> Match | None:
+        """The base's entry if it holds bytes of digest ``found`` for this very box of ``key``.
+
+        ``base_digest(base_entry)``: the digest of the base's box, for a base that recorded
+        none (saved without ``base=``, or by an older jaxckpt): it reads the base's bytes.
+        """
+        b = self._same.get(key)
+        if b is None:
+            return None
+        recorded = self.base.digests.get(b.path, {}).get(box_key(offsets, sizes))
+        if recorded is None and base_digest is not None:
+            recorded = base_digest(b)
+        return Match(b, self.base.refs.get(b.path)) if recorded == found else None
+
+    def match_array(self, key: str) -> Match:
+        """The base's entry of ``key``, an array :meth:`whole_arrays` found unchanged."""
+        b = self._same[key]
+        return Match(b, self.base.refs.get(b.path))
+
+    def whole_arrays(self, changed: Iterable[str]) -> set[str]:
+        """Keys of arrays the base holds whole (every box unchanged): all comparable arrays
+        but the ``changed`` ones (keys with a box that differs, on any process)."""
+        return set(self._same) - set(changed)
+
+
+class Tracker:
+    """Hashes each box on its way to storage and keeps those the base already holds back.
+
+    Args:
+      reuse: the decisions against the base.
+      entries: this save's storage entries (arrays, and packs as arrays), by key.
+      link: ``link(item, match) -> bool``: store the box by reference to the base (a hard link
+        of its chunk files); ``False`` where that is impossible, and the box is written.
+      base_digest: ``base_digest(item, base_entry)``: the digest of the base's bytes of the
+        item's box, read from the base, where the base recorded none.
+    """
+
+    def __init__(
+        self,
+        reuse: Reuse,
+        entries: dict[str, ArrayEntry],
+        link: Callable[[WriteItem, Match], bool] | None = None,
+        base_digest: Callable[[WriteItem, ArrayEntry], str | None] | None = None,
+    ) -> None:
+        self.reuse, self.entries, self.link, self.base_digest = reuse, entries, link, base_digest
+        self.digests: dict[str, dict[str, str]] = {}  # by storage path, then box
+        self.reused_bytes = 0
+        self.changed: set[str] = set()  # keys with a box the base does not hold
+
+    def check(self, item: WriteItem, data: np.ndarray, found: str | None = None) -> Match | None:
+        """Record the box's digest (``found``, or computed here); the base's match, if the
+        base holds the same bytes."""
+        found = digest(data) if found is None else found
+        self.digests.setdefault(self.entries[item.key].path, {})[
+            box_key(item.offsets, item.sizes)
+        ] = found
+        read = None if self.base_digest is None else functools.partial(self.base_digest, item)
+        match = self.reuse.match(item.key, item.offsets, item.sizes, found, read)
+        if match is None:
+            self.changed.add(item.key)
+        return match
+
+    def to_write(
+        self, items: Iterable[tuple[WriteItem, np.ndarray]]
+    ) -> Iterator[tuple[WriteItem, np.ndarray]]:
+        """The items to write: every one whose box the base lacks or ``link`` cannot reuse.
+
+        Boxes are hashed on the staging threads a few boxes ahead (the hash releases the GIL),
+        at most ``HASH_AHEAD`` bytes beyond the box being decided.
+        """
+        pool = pools.stage_pool()
+        ahead: collections.deque = collections.deque()
+        held = 0
+        for item, data in items:
+            ahead.append((item, data, pool.submit(digest, data)))
+            held += item.nbytes
+            while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
+                held -= ahead[0][0].nbytes
+                yield from self._decide(*ahead.popleft())
+        while ahead:
+            yield from self._decide(*ahead.popleft())
+
+    def _decide(self, item: WriteItem, data: np.ndarray, hashed: Future) -> Iterator[tuple]:
+        match = self.check(item, data, hashed.result())
+        if match is not None and self.link is not None and self.link(item, match):
+            self.reused_bytes += item.nbytes
+            return
+        yield item, data
+
+
+def _same_array(e: ArrayEntry, b: ArrayEntry) -> bool:
+    return (e.shape, e.dtype, e.storage_dtype, e.chunks, e.checksum) == (
+        b.shape,
+        b.dtype,
+        b.storage_dtype,
+        b.chunks,
+        b.checksum,
+    )
+
+
+def _pack_layouts(manifest: Manifest) -> dict[str, list[tuple]]:
+    """Per pack path, its members as ``(key, offset, shape, dtype)`` in offset order."""
+    out: dict[str, list[tuple]] = {}
+    for e in manifest.entries.values():
+        if isinstance(e, ArrayEntry) and e.pack is not None:
+            out.setdefault(e.path, []).append((e.offset, e.key, e.shape, e.dtype))
+    return {p: sorted(m) for p, m in out.items()}
+
+
+def recorded(
+    manifest: Manifest,
+    digests: dict[str, dict[str, str]],
+    *,
+    refs: dict[str, str] | None = None,
+    base_name: str | None = None,
+    reused_bytes: int = 0,
+) -> Manifest:
+    """``manifest`` with this save's digests (by storage path), references and base recorded.
+
+    A manifest with references is format version 3: a reader that predates them refuses it
+    instead of looking for the arrays in the wrong place.
+    """
+    created = dict(manifest.created)
+    if base_name is not None:
+        created.update(base=base_name, reused_bytes=reused_bytes)
+    return dataclasses.replace(
+        manifest,
+        digests=digests,
+        refs=refs or {},
+        created=created,
+        version=REFS_VERSION if refs else manifest.version,
+    )

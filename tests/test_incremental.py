@@ -1,0 +1,309 @@
+"""Incremental saves: a step writes only the boxes whose bytes changed, and stays whole.
+
+Local files: unchanged boxes are hard links to the base's chunk files, so deleting any step
+(by retention or rm -rf) never breaks another. Object stores: arrays unchanged as a whole are
+referenced from the manifest, and retention keeps what a kept step references.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zarr
+from helpers import assert_tree_equal, mesh, put
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto server)
+
+import jaxckpt
+from jaxckpt._cli.main import main
+
+M = mesh((4, 2), ("data", "model"))
+FROZEN = (
+    np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+)  # 4 MiB: unpacked
+
+
+def state(step: int) -> dict:
+    """A frozen sharded base, a frozen small leaf, and adapters that change every step."""
+    return {
+        "base": put(FROZEN, M, "data", "model"),
+        "emb": put(FROZEN[:64, :64].astype(jnp.bfloat16), M, "data"),
+        "adapter": put(np.full((64, 8), step, np.float32), M, "data"),
+        "norm": jnp.full(8, 1.5),  # small: packed with its kind
+        "step": step,
+    }
+
+
+def chunk_files(ckpt) -> dict[str, os.stat_result]:
+    root = os.fspath(ckpt) + "/arrays"
+    return {
+        os.path.relpath(os.path.join(r, f), root): os.stat(os.path.join(r, f))
+        for r, _, fs in os.walk(root)
+        for f in fs
+        if "/c" in r.replace(root, "") or f == "c"
+    }
+
+
+def test_unchanged_boxes_are_linked_not_written(tmp_path):
+    jaxckpt.save(tmp_path / "1", state(1))
+    h = jaxckpt.save_async(tmp_path / "2", state(2), base=tmp_path / "1")
+    h.wait()
+    assert h.reused_bytes == FROZEN.nbytes + 64 * 64 * 2  # base, and the bfloat16 pack of emb
+    assert h.nbytes == (64 * 8 + 8) * 4  # the float32 pack: adapter and norm
+    files = chunk_files(tmp_path / "2")
+    linked = {k for k, s in files.items() if s.st_nlink == 2}
+    assert any(k.startswith("base/") for k in linked), sorted(files)
+    assert not any(k.startswith("adapter/") for k in linked)
+    created = json.loads((tmp_path / "2" / "manifest.json").read_text())["created"]
+    assert created["base"] == "1" and created["reused_bytes"] == h.reused_bytes
+    assert_tree_equal(jaxckpt.restore(tmp_path / "2", state(0)), state(2))
+
+
+def test_every_step_survives_deleting_the_others(tmp_path):
+    """rm -rf of the base, cp -r of a step: each step is a whole checkpoint on its own."""
+    jaxckpt.save(tmp_path / "1", state(1))
+    jaxckpt.save(tmp_path / "2", state(2), base=tmp_path / "1")
+    jaxckpt.save(tmp_path / "3", state(3), base=tmp_path / "2")
+    shutil.copytree(tmp_path / "3", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "2")
+    shutil.rmtree(tmp_path / "1")
+    assert_tree_equal(jaxckpt.restore(tmp_path / "3"), jax.device_get(state(3)))
+    shutil.rmtree(tmp_path / "3")
+    assert_tree_equal(jaxckpt.restore(tmp_path / "copy"), jax.device_get(state(3)))
+    assert main(["verify", str(tmp_path / "copy")]) == 0
+
+
+def test_new_arrays_with_the_same_bytes_are_found(tmp_path):
+    """What a jitted step hands back: new arrays, identical bytes (no identity is used)."""
+    s1 = state(1)
+    jaxckpt.save(tmp_path / "1", s1)
+    s2 = {**s1, "base": jax.jit(lambda x: x * 1.0)(s1["base"]), "step": 2}
+    assert s2["base"] is not s1["base"]
+    h = jaxckpt.save_async(tmp_path / "2", s2, base=tmp_path / "1")
+    h.wait()
+    assert h.reused_bytes >= FROZEN.nbytes
+
+
+FLIPS = {
+    "one_element": lambda a: a.at[17, 300].add(1.0),
+    "one_bit": lambda a: jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(a, jnp.uint32).at[200, 5].add(1), jnp.float32
+    ),
+    "negative_zero": lambda a: a.at[1023, 1023].set(-0.0),
+    "nan_payload": lambda a: jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(a.at[1, 1].set(jnp.nan), jnp.uint32).at[1, 1].add(3),
+        jnp.float32,
+    ),
+}
+
+
+@pytest.mark.parametrize("flip", sorted(FLIPS))
+def test_a_changed_box_is_always_written(tmp_path, flip):
+    x = np.array(FROZEN)
+    x[1023, 1023] = 0.0  # so that -0.0 is a change of bits only
+    x[1, 1] = np.nan
+    base = put(x, M, "data", "model")
+    jaxckpt.save(tmp_path / "1", {"w": base})
+    changed = put(np.asarray(FLIPS[flip](jnp.asarray(x))), M, "data", "model")
+    assert np.asarray(changed).tobytes() != x.tobytes()
+    h = jaxckpt.save_async(tmp_path / "2", {"w": changed}, base=tmp_path / "1")
+    h.wait()
+    back = jaxckpt.restore(tmp_path / "2")["w"]
+    assert back.tobytes() == np.asarray(changed).tobytes()  # bit for bit, NaN payload included
+    assert h.nbytes == x.nbytes // 8  # exactly the one changed shard of the 8
+    assert h.reused_bytes == x.nbytes - x.nbytes // 8
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    index=st.tuples(st.integers(0, 15), st.integers(0, 7)),
+    bit=st.integers(0, 31),
+    packed=st.booleans(),
+)
+def test_any_single_bit_flip_is_saved(tmp_path, index, bit, packed):
+    """Property: whatever bit of whatever element changes, the new step holds the new bits."""
+    d = tmp_path / f"{index[0]}-{index[1]}-{bit}-{packed}"
+    planner = jaxckpt.DefaultSavePlanner(pack_bytes=None if packed else 0)
+    a = np.arange(128, dtype=np.uint32).reshape(16, 8)
+    jaxckpt.save(d / "1", {"a": a, "b": a + 1}, planner=planner)
+    b = a.copy()
+    b[index] ^= np.uint32(1 << bit)
+    jaxckpt.save(d / "2", {"a": b, "b": a + 1}, planner=planner, base=d / "1")
+    back = jaxckpt.restore(d / "2")
+    assert back["a"].tobytes() == b.tobytes() and back["b"].tobytes() == (a + 1).tobytes()
+
+
+def test_a_pack_is_reused_only_whole(tmp_path):
+    small = {f"p{i}": np.full(16, i, np.float32) for i in range(20)}
+    jaxckpt.save(tmp_path / "1", small)
+    h = jaxckpt.save_async(tmp_path / "2", small, base=tmp_path / "1")
+    h.wait()
+    assert h.nbytes == 0 and h.reused_bytes == 20 * 16 * 4
+    changed = {**small, "p7": np.full(16, -1, np.float32)}
+    h = jaxckpt.save_async(tmp_path / "3", changed, base=tmp_path / "2")
+    h.wait()
+    assert h.reused_bytes == 0 and h.nbytes == 20 * 16 * 4
+    assert_tree_equal(jaxckpt.restore(tmp_path / "3"), changed)
+
+
+def test_a_base_saved_without_digests_is_read_once(tmp_path):
+    """A base of an older jaxckpt (or saved without base=) has no digests: its bytes are read."""
+    jaxckpt.save(tmp_path / "1", state(1))
+    m = json.loads((tmp_path / "1" / "manifest.json").read_text())
+    m.pop("digests", None)
+    assert "digests" not in m
+    h = jaxckpt.save_async(tmp_path / "2", state(2), base=tmp_path / "1")
+    h.wait()
+    assert h.reused_bytes >= FROZEN.nbytes
+    assert "digests" in json.loads((tmp_path / "2" / "manifest.json").read_text())
+
+
+def test_an_old_format_base_is_compared_by_content(tmp_path):
+    """tests/data/v1_main, written by an earlier jaxckpt (no digests, no packs), as a base:
+    arrays saved with the same layout are reused, the others written."""
+    old = os.path.join(os.path.dirname(__file__), "data", "v1_main")
+    tree = jaxckpt.restore(old)
+    planner = jaxckpt.DefaultSavePlanner(pack_bytes=0)  # laid out as v1 did: one array per leaf
+    h = jaxckpt.save_async(tmp_path / "2", tree, planner=planner, base=old)
+    h.wait()
+    # "q" (uint4) and "params/b" are whole-array chunks on both sides; "params/w" was sharded
+    assert h.reused_bytes >= tree["q"].nbytes + tree["params"]["b"].nbytes
+    assert_tree_equal(jaxckpt.restore(tmp_path / "2"), tree)
+
+
+def test_every_reader_reads_an_incremental_step(tmp_path, capsys):
+    jaxckpt.save(tmp_path / "1", state(1))
+    jaxckpt.save(tmp_path / "2", state(2), base=tmp_path / "1")
+    step = tmp_path / "2"
+    other = mesh((2, 4), ("x", "y"))
+    shard = jax.sharding.NamedSharding(other, jax.sharding.PartitionSpec("y", "x"))
+    got = jaxckpt.restore(step, {"base": shard}, keys=["base"], strict=False)
+    assert got["base"].sharding == shard and np.array_equal(got["base"], FROZEN)
+    assert jaxckpt.metadata(step).entries["base"].shape == FROZEN.shape
+    assert main(["verify", str(step)]) == 0
+    assert main(["inspect", str(step)]) == 0
+    entry = jaxckpt.metadata(step).entries["base"]
+    assert np.array_equal(zarr.open_array(str(step / entry.path), mode="r")[...], FROZEN)
+    assert main(["export", str(step), str(tmp_path / "out.npz")]) == 0
+    assert np.array_equal(np.load(tmp_path / "out.npz")["base"], FROZEN)
+    jaxckpt.convert(str(step), str(tmp_path / "converted"))
+    assert_tree_equal(jaxckpt.restore(tmp_path / "converted"), jax.device_get(state(2)))
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 " in out and "reused" in out
+
+
+def test_manager_incremental_with_retention(tmp_path):
+    d = tmp_path / "run"
+    with jaxckpt.CheckpointManager(d, max_to_keep=2, incremental=True) as mgr:
+        sizes = []
+        for step in range(1, 6):
+            mgr.save(step, state(step))
+            mgr.wait()
+            sizes.append((mgr.last_save.nbytes, mgr.last_save.reused_bytes))
+        assert mgr.all_steps() == [4, 5]
+        for step in (4, 5):
+            assert_tree_equal(mgr.restore(step), jax.device_get(state(step)))
+    first, later = sizes[0], sizes[1:]
+    assert first[1] == 0
+    assert all(reused >= FROZEN.nbytes and written < first[0] / 4 for written, reused in later)
+
+
+def test_base_on_another_kind_of_storage_is_refused(tmp_path):
+    jaxckpt.save(tmp_path / "1", state(1))
+    with pytest.raises(jaxckpt.CheckpointError, match=r"same kind of storage.*base="):
+        jaxckpt.save("memory://x/2", state(2), base=tmp_path / "1")
+
+
+def test_a_missing_base_names_it(tmp_path):
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="nosuch"):
+        jaxckpt.save(tmp_path / "2", state(2), base=tmp_path / "nosuch")
+    assert not (tmp_path / "2").exists()
+
+
+def test_s3_references_and_reference_aware_retention(s3, prefix):  # noqa: F811
+    run = f"s3://{BUCKET}/{prefix}"
+    with jaxckpt.CheckpointManager(run, max_to_keep=2, incremental=True) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state(step))
+            mgr.wait()
+            if step > 1:
+                assert mgr.last_save.reused_bytes >= FROZEN.nbytes
+        assert mgr.all_steps() == [3, 4]
+        refs = jaxckpt.metadata(f"{run}/00000004").refs
+        assert refs and all(t.startswith("../00000001/") for t in refs.values()), refs
+        assert jaxckpt.metadata(f"{run}/00000004").version == 3
+        # step 1 is gone as a checkpoint, but what steps 3 and 4 reference of it stays
+        stored = keys(s3, prefix)
+        assert "00000001/manifest.json" not in stored
+        assert any(k.startswith("00000001/arrays/base/") for k in stored)
+        assert not any(k.startswith("00000002/") for k in stored)
+        for step in (3, 4):
+            assert_tree_equal(mgr.restore(step), jax.device_get(state(step)))
+
+
+def test_s3_verify_reports_referenced_data_removed_by_hand(s3, prefix, capsys):  # noqa: F811
+    run = f"s3://{BUCKET}/{prefix}"
+    jaxckpt.save(f"{run}/1", state(1))
+    jaxckpt.save(f"{run}/2", state(2), base=f"{run}/1")
+    for k in keys(s3, prefix):
+        if k.startswith("1/"):
+            s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/{k}")
+    assert main(["verify", f"{run}/2"]) == 1
+    err = capsys.readouterr()
+    assert "an array this incremental step references" in err.out + err.err
+    with pytest.raises(jaxckpt.CorruptChunkError, match=r"references that array in .*/1"):
+        jaxckpt.restore(f"{run}/2")
+
+
+def test_local_copy_of_an_object_store_step_says_what_to_do(tmp_path):
+    jaxckpt.save("memory://inc/1", state(1))
+    jaxckpt.save("memory://inc/2", state(2), base="memory://inc/1")
+    raw = jaxckpt.metadata("memory://inc/2")
+    assert raw.refs
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "manifest.json").write_bytes(raw.to_json())
+    with pytest.raises(jaxckpt.ManifestError, match="incremental step saved on an object store"):
+        jaxckpt.restore(tmp_path / "2")
+
+
+def test_hashing_happens_after_staging(tmp_path):
+    """save_async returns before the write: donating the arrays after it is safe."""
+    x = put(FROZEN, M, "data", "model")
+    jaxckpt.save(tmp_path / "1", {"w": x})
+    f = jax.jit(lambda a: a + 1, donate_argnums=0)
+    h = jaxckpt.save_async(tmp_path / "2", {"w": x}, base=tmp_path / "1")
+    f(x)  # donated while the save hashes and links in the background
+    h.wait()
+    assert np.array_equal(jaxckpt.restore(tmp_path / "2")["w"], FROZEN)
+
+
+def test_an_older_reader_refuses_a_v3_step():
+    """A manifest with references is version 3: a reader of versions 1-2 says to upgrade."""
+    code = (
+        "import jaxckpt._format.manifest as m, sys\n"
+        "m.VERSIONS = (1, 2)\n"
+        "try:\n"
+        "    m.Manifest.from_json(sys.stdin.buffer.read())\n"
+        "except m.ManifestError as e:\n"
+        "    print(e)\n"
+    )
+    jaxckpt.save("memory://v3/1", state(1))
+    jaxckpt.save("memory://v3/2", state(2), base="memory://v3/1")
+    raw = jaxckpt.metadata("memory://v3/2").to_json()
+    r = subprocess.run(
+        [sys.executable, "-c", code], input=raw, capture_output=True, env={**os.environ}
+    )
+    assert b"version 3" in r.stdout and b"Upgrade jaxckpt" in r.stdout, r
