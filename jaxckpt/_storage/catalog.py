@@ -20,7 +20,8 @@ from jaxckpt._format.manifest import MANIFEST
 from jaxckpt._format.names import staging_name
 from jaxckpt._storage.location import Location, kvstore
 
-OWN_KEY = re.compile(r"^(manifest\.json$|(g[0-9a-f]{8}/)?arrays/)")
+# \Z, not $: "$" also matches before a trailing newline ("manifest.json\n" is not ours)
+OWN_KEY = re.compile(r"^(manifest\.json\Z|(g[0-9a-f]{8}/)?arrays/)")
 
 
 def list_keys(loc: Location) -> list[str]:

@@ -204,7 +204,7 @@ class CheckpointReader:
         if self._listing is None:
             listing: dict[str, set[str]] = collections.defaultdict(set)
             for k in list_keys(self.loc):
-                for m in re.finditer(r"/c(?=/|$)", k):  # every ``/c`` segment: an array's chunks?
+                for m in re.finditer(r"/c(?=/|\Z)", k):  # every ``/c`` segment: an array's chunks?
                     listing[k[: m.start()]].add(k[m.start() + 1 :])
             self._listing = listing
         return self._listing

@@ -304,7 +304,7 @@ def _drop_unused(kv: ts.KvStore, ours: bytes) -> None:
         fut.result()
 
 
-_OWN_TMP = re.compile(rf"^\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?$")  # see Writer
+_OWN_TMP = re.compile(rf"\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?")  # fullmatch; see Writer
 
 
 def _check_target_dir(path: Path, overwrite: bool) -> None:
@@ -318,7 +318,7 @@ def _check_target_dir(path: Path, overwrite: bool) -> None:
     if not path.is_dir():
         raise CheckpointExistsError(f"{path} exists and is not a directory; choose another path.")
     names = sorted(p.name for p in path.iterdir())
-    foreign = [n for n in names if n not in (MANIFEST, "arrays") and not _OWN_TMP.match(n)]
+    foreign = [n for n in names if n not in (MANIFEST, "arrays") and not _OWN_TMP.fullmatch(n)]
     if foreign:
         raise _foreign_error(Location(path), foreign[0], committed=MANIFEST in names)
     if names and not overwrite:
