@@ -18,6 +18,7 @@ from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import ArrayEntry, ValueEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._planning import tree as _tree
+from jaxckpt._planning.load_planner import check_prng_keys
 from jaxckpt._sources import convert as _convert_mod
 from jaxckpt._sources import detect as _sources
 from jaxckpt._sources import safetensors as _safetensors
@@ -36,7 +37,9 @@ def run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"{out} exists: pass --force to replace it, or choose another name.")
     if not out.parent.is_dir():
         raise UsageError(f"{out}: directory {out.parent} does not exist; create it first.")
-    m, reader = _sources.open_source(_location.Location(args.path))
+    loc = _location.Location(args.path)
+    m, reader = _sources.open_source(loc)
+    check_prng_keys(m, f"{loc}/manifest.json")
     keys = _tree.select(list(m.entries), args.keys)
     arrays, values, skipped = [], {}, []
     for k in keys:

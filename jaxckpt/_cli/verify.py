@@ -16,6 +16,7 @@ from jaxckpt._cli.text import Progress, human_bytes, one_line, plural
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import ArrayEntry
 from jaxckpt._format.plan import ReadItem
+from jaxckpt._planning.load_planner import check_prng_keys
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import packs as _pack
@@ -41,6 +42,7 @@ _VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array 
 def run_verify(args: argparse.Namespace) -> int:
     loc = _location.Location(args.path)
     m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
+    check_prng_keys(m, f"{loc}/manifest.json")
     foreign = reader.kind != "jaxckpt"  # no checksums: every byte is read
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     stored = _pack.storage_entries(m)  # what has files: unpacked arrays and packs

@@ -260,6 +260,8 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         raise _bad(where, key, f"has an invalid shape {shape!r}")
     if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
         raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
+    if any(c > max(s, 1) for s, c in zip(shape, chunks)):  # tensorstore allocates whole chunks
+        raise _bad(where, key, f"has a chunk shape {chunks!r} larger than its shape {shape!r}")
     if not is_storage_path(path):
         raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
     dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
@@ -274,11 +276,17 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         )
     if math.prod(shape) * logical.itemsize > _MAX_BYTES:
         raise _bad(where, key, f"claims an absurd size {shape!r}")
+    if math.prod(chunks) * logical.itemsize > _MAX_BYTES:  # a zero-size array's chunks too
+        raise _bad(where, key, f"claims an absurd chunk size {chunks!r}")
     if d.get("checksum", "crc32c") not in ("crc32c", "none"):
         raise _bad(where, key, f"has unknown checksum {d.get('checksum')!r}")
     impl = d.get("prng_impl")
     if impl is not None and not (isinstance(impl, str) and re.fullmatch(r"[a-z0-9_]+", impl)):
         raise _bad(where, key, f"has an invalid prng_impl {impl!r}")
+    if impl is not None:
+        problem = prng_problem(impl, tuple(shape), dtype)
+        if problem:
+            raise _bad(where, key, problem)
     sharding = d.get("sharding")
     pack, offset = None, d.get("offset")
     if offset is not None:  # packed: path names a pack, which holds [offset, offset + size)
@@ -294,6 +302,28 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
                       chunks=tuple(chunks), path=path, checksum=d.get("checksum", "crc32c"),
                       prng_impl=impl, sharding=sharding if isinstance(sharding, str) else None,
                       pack=pack, offset=offset or 0)  # fmt: skip
+
+
+# Key data of the PRNG implementations jax ships: uint32 words per key. Others (registered with
+# jax.extend.random.define_prng_impl) are checked against jax by the load planner.
+PRNG_KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+
+
+def prng_problem(impl: str, shape: tuple[int, ...], dtype: str,
+                 key_shape: tuple[int, ...] | None = None) -> str | None:  # fmt: skip
+    """Why key data of ``shape``/``dtype`` cannot be keys of ``impl`` (``None`` if it can).
+
+    ``key_shape``: the impl's key data shape if known (else :data:`PRNG_KEY_SHAPES`'s).
+    """
+    key_shape = key_shape or PRNG_KEY_SHAPES.get(impl)
+    if dtype != "uint32":
+        return f"is a PRNG key array ({impl}) stored as {dtype}; key data is uint32"
+    if key_shape is not None and (len(shape) < 1 or shape[-len(key_shape) :] != key_shape):
+        return (f"is a PRNG key array ({impl}) of key data shape {list(shape)}, which must end "
+                f"in {list(key_shape)} for {impl}")  # fmt: skip
+    if len(shape) < 1:
+        return f"is a PRNG key array ({impl}) with scalar key data; it needs a trailing dimension"
+    return None
 
 
 def _pack_to_json(p: PackEntry) -> dict:
@@ -316,6 +346,8 @@ def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
             what = f"has an invalid shape {shape!r} or chunk shape {chunks!r} (1-D expected)"
         elif chunks[0] < 1 or not isinstance(sdtype, str) or sdtype not in _NATIVE:
             what = f"has an invalid chunk size {chunks!r} or data type {sdtype!r}"
+        elif chunks[0] > max(shape[0], 1):  # tensorstore allocates whole chunks
+            what = f"has a chunk size {chunks!r} larger than its shape {shape!r}"
         elif shape[0] * dtype_from_name(sdtype).itemsize > _MAX_BYTES:
             what = f"claims an absurd size {shape!r}"
         elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
