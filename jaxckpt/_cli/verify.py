@@ -134,9 +134,10 @@ def _who(e: ArrayEntry, members: dict[str, list[str]]) -> str:
 def _zarr_json_problem(loc: _location.Location, e: ArrayEntry) -> str | None:
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
-        ts.open(
-            _storage.array_spec(loc.child(e.path), e), open=True, context=_location.CONTEXT
-        ).result()
+        _location.wait(
+            ts.open(_storage.array_spec(loc.child(e.path), e), open=True, context=_location.CONTEXT),
+            loc, f"opening {e.path}/zarr.json",
+        )  # fmt: skip
     except ValueError as err:
         msg = str(err)
         if "NOT_FOUND" in msg:

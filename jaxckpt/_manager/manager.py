@@ -79,6 +79,10 @@ class CheckpointManager:
       save_on_preemption: on SIGTERM (or JAX's multi-host preemption notice), the next
         ``save()`` saves its step whatever the interval and waits for the commit;
         ``reached_preemption(step)`` then tells the loop to stop.
+      io_timeout: seconds each object-store operation of this manager (its saves, restores,
+        listings, deletes) may take before it fails with a ``CheckpointError``; ``None``:
+        ``$JAXCKPT_IO_TIMEOUT``, else 30 (docs/object_storage.md, *Deadlines*). Local
+        directories have no deadline.
 
     Raises:
       ValueError: an argument is out of range.
@@ -97,7 +101,7 @@ class CheckpointManager:
                  keep_every_n_steps: int | None = None, save_interval_steps: int = 1,
                  async_save: bool = True, best_fn: Callable[[Mapping[str, Any]], float] | None = None,
                  best_mode: Literal["min", "max"] = "min",
-                 save_on_preemption: bool = False) -> None:  # fmt: skip
+                 save_on_preemption: bool = False, io_timeout: float | None = None) -> None:  # fmt: skip
         for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps),
                             ("save_interval_steps", save_interval_steps)):  # fmt: skip
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -112,7 +116,11 @@ class CheckpointManager:
         self.best_fn = best_fn
         self.best_mode = best_mode
         self.last_save: SaveHandle | None = None
-        self._loc = _location.Location(self.directory)
+        if io_timeout is not None:
+            io_timeout = _location.positive_seconds(io_timeout, "io_timeout")
+        self.io_timeout = io_timeout
+        with _location.deadline(io_timeout):
+            self._loc = _location.Location(self.directory)
         self._metrics = MetricsFile(self._loc)
         self._primary = _distributed.process_index() == 0
         self._pending: Future | None = None  # the commit of the save in flight
@@ -164,7 +172,8 @@ class CheckpointManager:
                 f"Step {step} is already saved in {self.directory} ({loc}). Save a later step, "
                 f"or restore it (CheckpointManager.restore({step})) and go on from there."
             )
-        handle = save_async(str(loc), tree)
+        with _location.deadline(self._loc.io_timeout):
+            handle = save_async(str(loc), tree)
         self.last_save = handle
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
@@ -292,8 +301,9 @@ class CheckpointManager:
                 f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
                 f"Pick one of those (or None for the latest)."
             )
-        return restore(str(self._loc.join(_name(step))), target, keys=keys, strict=strict,
-                       planner=planner)  # fmt: skip
+        with _location.deadline(self._loc.io_timeout):
+            return restore(str(self._loc.join(_name(step))), target, keys=keys, strict=strict,
+                           planner=planner)  # fmt: skip
 
     # -- life cycle -----------------------------------------------------------------------------
 

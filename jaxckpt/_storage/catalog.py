@@ -18,7 +18,7 @@ import tensorstore as ts
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import MANIFEST
 from jaxckpt._format.names import staging_name
-from jaxckpt._storage.location import Location, kvstore
+from jaxckpt._storage.location import Location, kvstore, wait
 
 # \Z, not $: "$" also matches before a trailing newline ("manifest.json\n" is not ours)
 OWN_KEY = re.compile(r"^(manifest\.json\Z|(g[0-9a-f]{8}/)?arrays/)")
@@ -27,7 +27,7 @@ OWN_KEY = re.compile(r"^(manifest\.json\Z|(g[0-9a-f]{8}/)?arrays/)")
 def list_keys(loc: Location) -> list[str]:
     """Every key under an object-store location (relative to it)."""
     try:
-        return [k.decode() for k in kvstore(loc.kvstore).list().result()]
+        return [k.decode() for k in wait(kvstore(loc.kvstore, loc).list(), loc, "listing")]
     except ValueError as e:
         raise CheckpointError(
             f"Cannot list {loc}: {' '.join(str(e).split('[', 1)[0].split())}. Check that the "
@@ -59,12 +59,14 @@ def delete(loc: Location) -> None:
         fsync_dir(loc.local.parent)
         shutil.rmtree(doomed, ignore_errors=True)
         return
-    kv = kvstore(loc.kvstore)
+    kv = kvstore(loc.kvstore, loc)
     foreign = [k for k in list_keys(loc) if not OWN_KEY.match(k)]
     if foreign:
         raise _foreign_error(loc, foreign[0])
-    kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")).result()
-    kv.delete_range(ts.KvStore.KeyRange()).result()
+    wait(
+        kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")), loc, f"deleting {MANIFEST}"
+    )
+    wait(kv.delete_range(ts.KvStore.KeyRange()), loc, "deleting the arrays")
 
 
 def _foreign_error(loc: Location, name: str) -> CheckpointError:

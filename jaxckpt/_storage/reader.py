@@ -25,7 +25,7 @@ from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import packs as _pack
 from jaxckpt._storage.catalog import list_keys
-from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed
+from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed, wait
 from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, array_spec
 
 _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
@@ -86,7 +86,8 @@ class CheckpointReader:
             try:
                 # The manifest is the source of truth for the array's metadata: zarr.json is
                 # not read (one file less per array), and cannot change how bytes decode.
-                store = ts.open(spec, assume_metadata=True, context=CONTEXT).result()
+                store = wait(ts.open(spec, assume_metadata=True, context=CONTEXT), self.loc,
+                             f"opening array {entry.path} of key {entry.key!r}")  # fmt: skip
             except ValueError as e:
                 raise CorruptChunkError(
                     f"Key {entry.key!r}: array {entry.path} in {self.loc} cannot be opened or does "
@@ -272,11 +273,13 @@ class CheckpointReader:
             fut = ts.array(out, copy=False, write=True).write(store)
         else:
             fut = store.read()
-        return lambda: self._result(entry, fut, out)
+        nbytes = math.prod(item.sizes) * dtype.itemsize
+        return lambda: self._result(entry, fut, out, nbytes)
 
-    def _result(self, entry: ArrayEntry, fut: Any, out: np.ndarray | None) -> np.ndarray:
+    def _result(self, entry: ArrayEntry, fut: Any, out: np.ndarray | None,
+                nbytes: int = 0) -> np.ndarray:  # fmt: skip
         try:
-            data = fut.result()
+            data = wait(fut, self.loc, f"reading key {entry.key!r} ({entry.path})", nbytes)
         except ValueError as e:
             raise _chunk_error(entry, self.loc, e) from e
         return self._view(entry, data if out is None else out)

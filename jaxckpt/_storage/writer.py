@@ -45,7 +45,7 @@ from jaxckpt._format.names import TMP, staging_name
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._storage import writeback as _writeback
 from jaxckpt._storage.catalog import OWN_KEY, fsync_dir, list_keys
-from jaxckpt._storage.location import CONTEXT, Location, kvstore
+from jaxckpt._storage.location import CONTEXT, Location, kvstore, wait
 
 MAX_INFLIGHT_BYTES = 1 << 30
 
@@ -129,7 +129,8 @@ class Writer:
             for e in entries
         ]
         try:
-            self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
+            self.arrays = {e.key: wait(f, self.loc, f"creating array {e.path} of key {e.key!r}")
+                           for e, f in zip(entries, futures)}  # fmt: skip
         except ValueError as e:
             if create and not self.overwrite and "ALREADY_EXISTS" in str(e):
                 # Object stores: another save to the same prefix created its arrays first.
@@ -173,17 +174,20 @@ class Writer:
                 total += data.nbytes
                 while inflight > max_inflight_bytes and pending:
                     fut, n, e = pending.popleft()
-                    self._finish(fut, e)
+                    self._finish(fut, e, n)
                     inflight -= n
-            for fut, _, e in pending:
-                self._finish(fut, e)
+            while pending:
+                fut, n, e = pending.popleft()
+                self._finish(fut, e, n)
         finally:
+            for fut, _, _ in pending:  # after an error: stop what is still queued
+                fut.cancel()
             hints.wait()
         return total
 
-    def _finish(self, fut: Any, entry: ArrayEntry) -> None:
+    def _finish(self, fut: Any, entry: ArrayEntry, nbytes: int) -> None:
         try:
-            fut.result()
+            wait(fut, self.loc, f"writing key {entry.key!r} ({entry.path})", nbytes)
         except (ValueError, OSError) as e:
             raise _write_error(self.loc, f"writing key {entry.key!r} ({entry.path})", e) from e
 
@@ -239,14 +243,15 @@ class Writer:
         raise _lost_error(self.loc, (target / MANIFEST).exists())
 
     def _commit_object_store(self, manifest: bytes) -> None:
-        kv = kvstore(self.loc.kvstore)
+        kv = kvstore(self.loc.kvstore, self.loc)
         if self.generation:
             manifest = _in_generation(manifest, self.generation)
+        what = f"writing {MANIFEST} (the commit)"
         if self.overwrite:
-            kv.write(MANIFEST, manifest).result()  # the commit
-        elif not kv.write(MANIFEST, manifest, if_equal=_NO_VALUE).result().generation:
+            wait(kv.write(MANIFEST, manifest), self.loc, what)
+        elif not wait(kv.write(MANIFEST, manifest, if_equal=_NO_VALUE), self.loc, what).generation:
             # Another save's manifest got there first: drop only the arrays it does not use.
-            _drop_unused(kv, manifest)
+            _drop_unused(kv, self.loc, manifest)
             raise _lost_error(self.loc, True)
         if self.generation:
             _delete_all_but(kv, self.loc, self.generation)  # the replaced arrays go only now
@@ -291,17 +296,17 @@ def _lost_error(loc: Location, committed: bool, writing: bool = False) -> Checkp
 _NO_VALUE = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp.generation
 
 
-def _drop_unused(kv: ts.KvStore, ours: bytes) -> None:
+def _drop_unused(kv: ts.KvStore, loc: Location, ours: bytes) -> None:
     """After a lost object-store commit: delete our arrays that the winner's manifest lacks."""
     try:
-        theirs = Manifest.from_json(kv.read(MANIFEST).result().value)
+        theirs = Manifest.from_json(wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}").value)
     except (CheckpointError, ValueError):
         return  # unreadable: leave everything, deleting nothing we cannot attribute
     used = {e.path for e in theirs.entries.values() if isinstance(e, ArrayEntry)}
     mine = Manifest.from_json(ours).entries.values()
     for fut in [kv.delete_range(_prefix_range(e.path + "/"))
                 for e in mine if isinstance(e, ArrayEntry) and e.path not in used]:  # fmt: skip
-        fut.result()
+        wait(fut, loc, "deleting this save's arrays")
 
 
 _OWN_TMP = re.compile(rf"\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?")  # fullmatch; see Writer
@@ -420,8 +425,8 @@ def _syncfs(path: Path) -> None:
 # the old manifest, so every process of a save computes the same one without talking.
 def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) -> str:
     """Check the target prefix; return the generation prefix (``""`` or ``"gXXXXXXXX/"``)."""
-    kv = kvstore(loc.kvstore)
-    old = kv.read(MANIFEST).result()
+    kv = kvstore(loc.kvstore, loc)
+    old = wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}")
     if old.state == "value" and not overwrite:
         raise _exists_error(loc)
     if is_coordinator:  # overwrite deletes every other key under the prefix: none may be foreign
@@ -432,10 +437,11 @@ def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) 
     if old.state == "value":
         generation = _generation(old.value)
         if is_coordinator:  # leftovers of an earlier failed overwrite of the same checkpoint
-            kv.delete_range(_prefix_range(generation)).result()
+            wait(kv.delete_range(_prefix_range(generation)), loc, "deleting leftovers")
         return generation
     if is_coordinator and keys:
-        kv.delete_range(ts.KvStore.KeyRange()).result()  # an unfinished save's, never committed
+        # an unfinished save's, never committed
+        wait(kv.delete_range(ts.KvStore.KeyRange()), loc, "deleting leftovers")
     return ""
 
 
@@ -482,4 +488,4 @@ def _delete_all_but(kv: ts.KvStore, loc: Location, generation: str) -> None:
         else:
             futures += [kv.delete(k) for k in keys if OWN_KEY.match(k)]
     for fut in futures:
-        fut.result()
+        wait(fut, loc, "deleting the replaced arrays")
