@@ -127,7 +127,13 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._closed = False
         if self._loc.local is not None:
-            self._loc.local.mkdir(parents=True, exist_ok=True)
+            try:
+                self._loc.local.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CheckpointError(
+                    f"Cannot create the checkpoint directory {self._loc.local}: {e}. Check that "
+                    f"its parents are directories and writable, or pass another directory."
+                ) from e
         if self._primary:
             self._clean_up()
         self._watcher = PreemptionWatcher() if save_on_preemption else None

@@ -103,7 +103,11 @@ class Writer:
                 _check_target_dir(loc.local, overwrite)
                 name = staging_name(loc.local.name, uuid.uuid4().hex[:8])
                 self.staging = loc.local.parent / name
-                self.staging.mkdir(parents=True)
+                try:
+                    self.staging.mkdir(parents=True)
+                except OSError as e:  # a parent that is a file, a read-only file system, ...
+                    self.staging = None
+                    raise _write_error(loc, f"creating {loc.local.parent / name}", e) from e
             if broadcast is not None:
                 name = broadcast("staging", name)
             elif not is_coordinator:
@@ -135,7 +139,7 @@ class Writer:
             if create and not self.overwrite and "ALREADY_EXISTS" in str(e):
                 # Object stores: another save to the same prefix created its arrays first.
                 raise _lost_error(self.loc, False, writing=True) from e
-            raise
+            raise _write_error(self.loc, "creating the arrays' zarr.json", e) from e
 
     def _child(self, name: str) -> dict:
         return {**self.root, "path": self.root["path"] + name + "/"}
@@ -215,19 +219,24 @@ class Writer:
                 os.fsync(f.fileno())
         except OSError as e:
             raise _write_error(self.loc, f"writing {MANIFEST}", e) from e
-        if not self.overwrite:
-            self._commit_noreplace(target)
-        elif target.exists():
-            _check_target_dir(target, True)  # again: files may have appeared during the save
-            if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
-                old = self.staging.with_name(self.staging.name + "-old")
-                os.rename(target, old)
-                os.rename(self.staging, target)
-                _remove_own(old)
+        try:
+            if not self.overwrite:
+                self._commit_noreplace(target)
+            elif target.exists() or target.is_symlink():
+                _check_target_dir(target, True)  # again: files may have appeared during the save
+                if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
+                    old = self.staging.with_name(self.staging.name + "-old")
+                    os.rename(target, old)
+                    os.rename(self.staging, target)
+                    _remove_own(old)
+                else:
+                    _remove_own(self.staging)  # now holds the old checkpoint
             else:
-                _remove_own(self.staging)  # now holds the old checkpoint
-        else:
-            os.rename(self.staging, target)
+                os.rename(self.staging, target)
+        except CheckpointError:  # CheckpointExistsError is an OSError too: it passes as it is
+            raise
+        except OSError as e:
+            raise _write_error(self.loc, f"renaming {self.staging.name} into place", e) from e
         fsync_dir(target.parent)
 
     def _commit_noreplace(self, target: Path) -> None:
@@ -318,6 +327,12 @@ def _check_target_dir(path: Path, overwrite: bool) -> None:
     Overwrite swaps the whole directory and deletes the old one, so it may replace only what
     jaxckpt wrote there: ``manifest.json``, ``arrays/`` and its own temporaries.
     """
+    if path.is_symlink():  # an overwrite would swap the link for a directory, deleting through it
+        raise CheckpointExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); jaxckpt never saves through or "
+            f"replaces a link. Save to the link's target ({os.path.realpath(path)}) instead, or "
+            f"remove the link first."
+        )
     if not path.exists():
         return
     if not path.is_dir():
@@ -340,6 +355,8 @@ def _remove_own(old: Path) -> None:
 
     A file that appeared between the last check and the swap stays, in the hidden old folder.
     """
+    if old.is_symlink():  # a link swapped in after the last check: never delete through it
+        return
     shutil.rmtree(old / "arrays", ignore_errors=True)
     (old / MANIFEST).unlink(missing_ok=True)
     try:
