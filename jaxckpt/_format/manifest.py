@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import re
+import sys
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -407,11 +408,28 @@ def _value_from_json(key: str, d: dict, where: str) -> Any:
     raise _bad(where, key, f"has an invalid value of type {kind!r}")
 
 
-_MAX_DEPTH = 400  # tree nesting; _check_tree and unflatten recurse once per level
+# The deepest tree nesting (a leaf at depth MAX_DEPTH, the root at 0) and the longest int value
+# (decimal digits) a manifest holds. Save refuses more (UnsupportedLeafError) and restore reads
+# up to them: _check_tree and unflatten recurse once per level, well inside Python's recursion
+# limit, and Python's int <-> str conversion (json) refuses longer ints by default.
+MAX_DEPTH = 400
+MAX_INT_DIGITS = 4300  # sys.int_info.default_max_str_digits
+
+
+def int_digits_over(value: int) -> int | None:
+    """The digit limit ``value`` exceeds (``MAX_INT_DIGITS``, or this interpreter's lower
+    ``sys.get_int_max_str_digits()``), or ``None`` if it fits. No str conversion: O(1) mostly."""
+    limit = min(MAX_INT_DIGITS, sys.get_int_max_str_digits() or MAX_INT_DIGITS)
+    return limit if abs(value) >= _power_of_ten(limit) else None
+
+
+@functools.cache
+def _power_of_ten(n: int) -> int:
+    return 10**n
 
 
 def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
-    if depth > _MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
+    if depth > MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
         raise ManifestError(f"{where}: the tree structure is malformed.")
     kind = node.get("type")
     if kind == "leaf":
