@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import zipfile
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ def run_export(args: argparse.Namespace) -> int:
     m, reader = _sources.open_source(loc)
     check_prng_keys(m, f"{loc}/manifest.json")
     keys = _tree.select(list(m.entries), args.keys)
+    for k in keys:  # before anything is written
+        _check_member_name(k, out)
     arrays, values, skipped = [], {}, []
     for k in keys:
         e = m.entries[k]
@@ -83,6 +86,23 @@ def run_export(args: argparse.Namespace) -> int:
         f"wrote {out}: {plural(len(arrays), 'array')}, {human_bytes(sum(e.nbytes for e in arrays))}"
     )
     return 0
+
+
+def _check_member_name(key: str, out: Path) -> None:
+    """Refuse a key path that is not a safe relative name: it becomes an ``.npz`` member (a file
+    name when extracted) or a ``.safetensors`` tensor name verbatim (zip-slip otherwise)."""
+    parts = key.split("/")
+    bad = (
+        key.startswith("/") or "\\" in key or "\0" in key or re.match(r"[A-Za-z]:", key)
+        or any(p in (".", "..") for p in parts)
+    )  # fmt: skip
+    if bad:
+        raise UsageError(
+            f"key {key!r} is not a safe name inside {out.name} (an absolute path, a drive, a '.' "
+            f"or '..' part, a backslash or NUL could write outside the archive when it is "
+            f"extracted); nothing was written. Leave it out with --keys, or restore the "
+            f"checkpoint and save that leaf under another key."
+        )
 
 
 def _exportable(e: ArrayEntry, kind: str) -> bool:
