@@ -162,3 +162,19 @@ def test_a_foreign_name_ending_in_a_newline_is_not_taken_for_jaxckpts_own(tmp_pa
     with pytest.raises(jaxckpt.CheckpointExistsError, match=r"'.x.tmp-0a\\n', which jaxckpt"):
         jaxckpt.save(d, {"w": np.zeros(2)}, overwrite=True)
     assert (d / ".x.tmp-0a\n").read_text() == "mine"
+
+
+# 29.11: restore reads by the manifest alone; only verify checks zarr.json (as documented) ----
+
+
+def test_a_zarr_json_that_disagrees_is_ignored_by_restore_and_reported_by_verify(tmp_path, capsys):
+    d = tmp_path / "c"
+    jaxckpt.save(d, {"w": np.arange(8.0)}, planner=UNPACKED)
+    meta = d / "arrays" / "w" / "zarr.json"
+    meta.write_text(meta.read_text().replace('"float64"', '"int16"'))
+    np.testing.assert_array_equal(jaxckpt.restore(d)["w"], np.arange(8.0))
+    assert main(["verify", str(d)]) == 1
+    assert "DAMAGED w metadata at arrays/w/zarr.json" in capsys.readouterr().out
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    assert "or the read fails with `CorruptChunkError`" not in doc  # what it used to claim
+    assert "does not affect a\nrestore" in doc and "`jaxckpt verify` checks" in doc
