@@ -20,7 +20,7 @@ from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import SavePlan, WriteItem
 from jaxckpt._incremental import Increment
 from jaxckpt._planning.global_plan import GlobalSavePlan
-from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
+from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner, check_prng_keys
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
@@ -357,7 +357,7 @@ def restore(
       >>> jaxckpt.restore(d, {"w": s})["w"].sharding == s
       True
     """
-    manifest, reader = _sources.open_source(_location.Location(path))  # jaxckpt, Orbax, safetensors
+    manifest, reader = _open(path)
     planner = planner if planner is not None else DefaultLoadPlanner()
     planner.set_up_planner(target, manifest, keys=keys, strict=strict)
     plan = planner.create_local_plan()
@@ -381,4 +381,12 @@ def metadata(path: PathLike) -> Manifest:
       >>> jaxckpt.metadata(d).entries["w"].shape
       (4, 2)
     """
-    return _sources.open_source(_location.Location(path))[0]
+    return _open(path)[0]
+
+
+def _open(path: PathLike) -> tuple[Manifest, Any]:
+    """The manifest (checked where it takes jax to check it) and the reader at ``path``."""
+    loc = _location.Location(path)
+    manifest, reader = _sources.open_source(loc)  # jaxckpt, Orbax, safetensors
+    check_prng_keys(manifest, f"{loc}/manifest.json")
+    return manifest, reader

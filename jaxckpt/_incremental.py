@@ -44,8 +44,9 @@ class Increment:
       CheckpointNotFoundError, ManifestError: ``base`` is no readable checkpoint.
     """
 
-    def __init__(self, base: Location, loc: Location, manifest: Manifest,
-                 entries: dict[str, ArrayEntry]) -> None:  # fmt: skip
+    def __init__(
+        self, base: Location, loc: Location, manifest: Manifest, entries: dict[str, ArrayEntry]
+    ) -> None:
         if (base.local is None) != (loc.local is None):
             raise CheckpointError(
                 f"Incremental save to {loc} from base {base}: the base must be on the same kind "
@@ -81,8 +82,9 @@ class Increment:
             return None
         return None
 
-    def to_write(self, items: Items, sync: SaveSync,
-                 writer: _storage.Writer) -> tuple[Iterator[tuple[WriteItem, Any]], set[str]]:  # fmt: skip
+    def to_write(
+        self, items: Items, sync: SaveSync, writer: _storage.Writer
+    ) -> tuple[Iterator[tuple[WriteItem, Any]], set[str]]:
         """The items ``writer`` still writes, and the keys of arrays nobody writes.
 
         Local files: lazily, linking as the items pass. Object stores: every box is hashed

@@ -321,7 +321,7 @@ def _edit(ckpt: Path, fn) -> None:
         ),
         (lambda d: d["entries"]["b"].update(offset=1), r"keys 'a' and 'b' overlap in pack"),
         (
-            lambda d: d["packs"]["arrays/pack.float32.0"].update(shape=[4]),
+            lambda d: d["packs"]["arrays/pack.float32.0"].update(shape=[4], chunks=[4]),
             r"entry 'b' lies at \[3, 5\) outside its pack",
         ),
         (

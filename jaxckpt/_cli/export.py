@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import zipfile
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import ArrayEntry, ValueEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._planning import tree as _tree
+from jaxckpt._planning.load_planner import check_prng_keys
 from jaxckpt._sources import convert as _convert_mod
 from jaxckpt._sources import detect as _sources
 from jaxckpt._sources import safetensors as _safetensors
@@ -36,8 +38,12 @@ def run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"{out} exists: pass --force to replace it, or choose another name.")
     if not out.parent.is_dir():
         raise UsageError(f"{out}: directory {out.parent} does not exist; create it first.")
-    m, reader = _sources.open_source(_location.Location(args.path))
+    loc = _location.Location(args.path)
+    m, reader = _sources.open_source(loc)
+    check_prng_keys(m, f"{loc}/manifest.json")
     keys = _tree.select(list(m.entries), args.keys)
+    for k in keys:  # before anything is written
+        _check_member_name(k, out)
     arrays, values, skipped = [], {}, []
     for k in keys:
         e = m.entries[k]
@@ -83,6 +89,26 @@ def run_export(args: argparse.Namespace) -> int:
         f"wrote {out}: {plural(len(arrays), 'array')}, {human_bytes(sum(e.nbytes for e in arrays))}"
     )
     return 0
+
+
+def _check_member_name(key: str, out: Path) -> None:
+    """Refuse a key path that is not a safe relative name: it becomes an ``.npz`` member (a file
+    name when extracted) or a ``.safetensors`` tensor name verbatim (zip-slip otherwise)."""
+    parts = key.split("/")
+    bad = (
+        key.startswith("/")
+        or "\\" in key
+        or "\0" in key
+        or re.match(r"[A-Za-z]:", key)
+        or any(p in (".", "..") for p in parts)
+    )
+    if bad:
+        raise UsageError(
+            f"key {key!r} is not a safe name inside {out.name} (an absolute path, a drive, a '.' "
+            f"or '..' part, a backslash or NUL could write outside the archive when it is "
+            f"extracted); nothing was written. Leave it out with --keys, or restore the "
+            f"checkpoint and save that leaf under another key."
+        )
 
 
 def _exportable(e: ArrayEntry, kind: str) -> bool:

@@ -17,6 +17,7 @@ from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.grid import chunk_key, grid_indices
 from jaxckpt._format.manifest import ArrayEntry, storage_entries
 from jaxckpt._format.plan import ReadItem
+from jaxckpt._planning.load_planner import check_prng_keys
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
@@ -39,6 +40,7 @@ _VERIFY_SLACK = 4096  # missing chunks verify names one by one; more: the array 
 def run_verify(args: argparse.Namespace) -> int:
     loc = _location.Location(args.path)
     m, reader = _sources.open_source(loc)  # a damaged manifest raises ManifestError: exit 1
+    check_prng_keys(m, f"{loc}/manifest.json")
     foreign = reader.kind != "jaxckpt"  # no checksums: every byte is read
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     stored = storage_entries(m)  # what has files: unpacked arrays and packs
@@ -164,9 +166,11 @@ def _where(reader: Any, path: str) -> str:
 def _zarr_json_problem(loc: _location.Location, path: str, e: ArrayEntry) -> str | None:
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
-        ts.open(
-            _storage.array_spec(loc.child(path), e), open=True, context=_location.CONTEXT
-        ).result()
+        _location.wait(
+            ts.open(_storage.array_spec(loc.child(path), e), open=True, context=_location.CONTEXT),
+            loc,
+            f"opening {path}/zarr.json",
+        )
     except ValueError as err:
         msg = str(err)
         if "NOT_FOUND" in msg:

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -237,8 +238,15 @@ class Manifest:
             doc.get("refs", {}) if version >= REFS_VERSION else {}, stored, where
         )
         digests = _digests_from_json(doc.get("digests", {}), stored, where)
-        return cls(tree=tree, entries=entries, created=created, version=version, packs=packs,
-                   digests=digests, refs=refs)  # fmt: skip
+        return cls(
+            tree=tree,
+            entries=entries,
+            created=created,
+            version=version,
+            packs=packs,
+            digests=digests,
+            refs=refs,
+        )
 
 
 def storage_entries(manifest: Manifest) -> dict[str, ArrayEntry]:
@@ -336,10 +344,7 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
     if d.get("kind") != "array":
         raise _bad(where, key, f"has unknown kind {d.get('kind')!r}")
     shape, chunks, path = d.get("shape"), d.get("chunks"), d.get("path")
-    if not _ints(shape) or len(shape) > _MAX_NDIM:
-        raise _bad(where, key, f"has an invalid shape {shape!r}")
-    if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
-        raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
+    _check_grid(key, shape, chunks, where)
     if not is_storage_path(path):
         raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
     dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
@@ -354,26 +359,20 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         )
     if math.prod(shape) * logical.itemsize > _MAX_BYTES:
         raise _bad(where, key, f"claims an absurd size {shape!r}")
+    if math.prod(chunks) * logical.itemsize > _MAX_BYTES:  # a zero-size array's chunks too
+        raise _bad(where, key, f"claims an absurd chunk size {chunks!r}")
     if d.get("checksum", "crc32c") not in ("crc32c", "none"):
         raise _bad(where, key, f"has unknown checksum {d.get('checksum')!r}")
     impl = d.get("prng_impl")
     if impl is not None and not (isinstance(impl, str) and re.fullmatch(r"[a-z0-9_]+", impl)):
         raise _bad(where, key, f"has an invalid prng_impl {impl!r}")
+    if impl is not None:
+        problem = prng_problem(impl, tuple(shape), dtype)
+        if problem:
+            raise _bad(where, key, problem)
     sharding = d.get("sharding")
-    pack, offset = None, d.get("offset")
-    if offset is not None:  # packed: path names a pack, which holds [offset, offset + size)
-        pack = packs.get(path)
-        if type(offset) is not int or offset < 0 or pack is None:
-            raise _bad(where, key, f"has offset {offset!r} into {path!r}, which is not a pack")
-        if pack.storage_dtype != sdtype:
-            raise _bad(where, key, f"is {sdtype} but its pack {path} holds {pack.storage_dtype}")
-        if offset + math.prod(shape) > pack.size:
-            raise _bad(
-                where,
-                key,
-                f"lies at [{offset}, {offset + math.prod(shape)}) outside its "
-                f"pack {path} of {pack.size} elements",
-            )
+    offset = d.get("offset")
+    pack = None if offset is None else _pack_of(key, path, offset, sdtype, shape, packs, where)
     return ArrayEntry(
         key=key,
         shape=tuple(shape),
@@ -387,6 +386,65 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         pack=pack,
         offset=offset or 0,
     )
+
+
+def _check_grid(key: str, shape: Any, chunks: Any, where: str) -> None:
+    if not _ints(shape) or len(shape) > _MAX_NDIM:
+        raise _bad(where, key, f"has an invalid shape {shape!r}")
+    if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
+        raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
+    if any(c > max(s, 1) for s, c in zip(shape, chunks)):  # tensorstore allocates whole chunks
+        raise _bad(where, key, f"has a chunk shape {chunks!r} larger than its shape {shape!r}")
+
+
+def _pack_of(
+    key: str,
+    path: str,
+    offset: Any,
+    sdtype: str,
+    shape: list[int],
+    packs: dict[str, PackEntry],
+    where: str,
+) -> PackEntry:
+    """A packed entry's pack: ``path`` names it, and it holds [offset, offset + size)."""
+    pack = packs.get(path)
+    if type(offset) is not int or offset < 0 or pack is None:
+        raise _bad(where, key, f"has offset {offset!r} into {path!r}, which is not a pack")
+    if pack.storage_dtype != sdtype:
+        raise _bad(where, key, f"is {sdtype} but its pack {path} holds {pack.storage_dtype}")
+    if offset + math.prod(shape) > pack.size:
+        raise _bad(
+            where,
+            key,
+            f"lies at [{offset}, {offset + math.prod(shape)}) outside its "
+            f"pack {path} of {pack.size} elements",
+        )
+    return pack
+
+
+# Key data of the PRNG implementations jax ships: uint32 words per key. Others (registered with
+# jax.extend.random.define_prng_impl) are checked against jax by the load planner.
+PRNG_KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+
+
+def prng_problem(
+    impl: str, shape: tuple[int, ...], dtype: str, key_shape: tuple[int, ...] | None = None
+) -> str | None:
+    """Why key data of ``shape``/``dtype`` cannot be keys of ``impl`` (``None`` if it can).
+
+    ``key_shape``: the impl's key data shape if known (else :data:`PRNG_KEY_SHAPES`'s).
+    """
+    key_shape = key_shape or PRNG_KEY_SHAPES.get(impl)
+    if dtype != "uint32":
+        return f"is a PRNG key array ({impl}) stored as {dtype}; key data is uint32"
+    if key_shape is not None and (len(shape) < 1 or shape[-len(key_shape) :] != key_shape):
+        return (
+            f"is a PRNG key array ({impl}) of key data shape {list(shape)}, which must end "
+            f"in {list(key_shape)} for {impl}"
+        )
+    if len(shape) < 1:
+        return f"is a PRNG key array ({impl}) with scalar key data; it needs a trailing dimension"
+    return None
 
 
 def _pack_to_json(p: PackEntry) -> dict:
@@ -413,6 +471,8 @@ def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
             what = f"has an invalid shape {shape!r} or chunk shape {chunks!r} (1-D expected)"
         elif chunks[0] < 1 or not isinstance(sdtype, str) or sdtype not in _NATIVE:
             what = f"has an invalid chunk size {chunks!r} or data type {sdtype!r}"
+        elif chunks[0] > max(shape[0], 1):  # tensorstore allocates whole chunks
+            what = f"has a chunk size {chunks!r} larger than its shape {shape!r}"
         elif shape[0] * dtype_from_name(sdtype).itemsize > _MAX_BYTES:
             what = f"claims an absurd size {shape!r}"
         elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
@@ -471,11 +531,28 @@ def _value_from_json(key: str, d: dict, where: str) -> Any:
     raise _bad(where, key, f"has an invalid value of type {kind!r}")
 
 
-_MAX_DEPTH = 400  # tree nesting; _check_tree and unflatten recurse once per level
+# The deepest tree nesting (a leaf at depth MAX_DEPTH, the root at 0) and the longest int value
+# (decimal digits) a manifest holds. Save refuses more (UnsupportedLeafError) and restore reads
+# up to them: _check_tree and unflatten recurse once per level, well inside Python's recursion
+# limit, and Python's int <-> str conversion (json) refuses longer ints by default.
+MAX_DEPTH = 400
+MAX_INT_DIGITS = 4300  # sys.int_info.default_max_str_digits
+
+
+def int_digits_over(value: int) -> int | None:
+    """The digit limit ``value`` exceeds (``MAX_INT_DIGITS``, or this interpreter's lower
+    ``sys.get_int_max_str_digits()``), or ``None`` if it fits. No str conversion: O(1) mostly."""
+    limit = min(MAX_INT_DIGITS, sys.get_int_max_str_digits() or MAX_INT_DIGITS)
+    return limit if abs(value) >= _power_of_ten(limit) else None
+
+
+@functools.cache
+def _power_of_ten(n: int) -> int:
+    return 10**n
 
 
 def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
-    if depth > _MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
+    if depth > MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
         raise ManifestError(f"{where}: the tree structure is malformed.")
     kind = node.get("type")
     if kind == "leaf":

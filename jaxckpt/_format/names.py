@@ -31,7 +31,7 @@ _SAFE = frozenset(string.ascii_letters + string.digits + "_.-")
 _STEM = 180  # characters kept of a key before its hash: 180 + "-" + 8 + "-NNNNNNN" < MAX_NAME
 # arrays/NAME, or gXXXXXXXX/arrays/NAME for a generation written by an object-store overwrite.
 # Everything jaxckpt ever wrote matches, so old checkpoints keep reading.
-_PATH_RE = re.compile(r"^(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+_PATH_RE = re.compile(r"(g[0-9a-f]{8}/)?arrays/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # fullmatch
 
 
 def storage_name(key: str, taken: set[str]) -> str:
@@ -77,7 +77,7 @@ def is_storage_path(path: object) -> bool:
       >>> is_storage_path("arrays/params.w"), is_storage_path("arrays/../../etc")
       (True, False)
     """
-    return isinstance(path, str) and bool(_PATH_RE.match(path)) and ".." not in path
+    return isinstance(path, str) and bool(_PATH_RE.fullmatch(path)) and ".." not in path
 
 
 _STEP_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}"

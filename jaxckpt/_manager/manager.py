@@ -92,6 +92,10 @@ class CheckpointManager:
         or, for arrays unchanged as a whole, referenced (object stores) instead of written.
         Every step stays a whole checkpoint; deleting any step never breaks another
         (docs/manager.md, "Incremental steps").
+      io_timeout: seconds each object-store operation of this manager (its saves, restores,
+        listings, deletes) may take before it fails with a ``CheckpointError``; ``None``:
+        ``$JAXCKPT_IO_TIMEOUT``, else 30 (docs/object_storage.md, *Deadlines*). Local
+        directories have no deadline.
 
     Raises:
       ValueError: an argument is out of range.
@@ -118,6 +122,7 @@ class CheckpointManager:
         best_mode: Literal["min", "max"] = "min",
         save_on_preemption: bool = False,
         incremental: bool = False,
+        io_timeout: float | None = None,
     ) -> None:
         for name, value in (
             ("max_to_keep", max_to_keep),
@@ -136,14 +141,24 @@ class CheckpointManager:
         self.best_fn = best_fn
         self.best_mode = best_mode
         self.last_save: SaveHandle | None = None
-        self._loc = _location.Location(self.directory)
+        if io_timeout is not None:
+            io_timeout = _location.positive_seconds(io_timeout, "io_timeout")
+        self.io_timeout = io_timeout
+        with _location.deadline(io_timeout):
+            self._loc = _location.Location(self.directory)
         self._metrics = MetricsFile(self._loc)
         self._primary = _distributed.process_index() == 0
         self._pending: Future | None = None  # the commit of the save in flight
         self._error: BaseException | None = None
         self._closed = False
         if self._loc.local is not None:
-            self._loc.local.mkdir(parents=True, exist_ok=True)
+            try:
+                self._loc.local.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CheckpointError(
+                    f"Cannot create the checkpoint directory {self._loc.local}: {e}. Check that "
+                    f"its parents are directories and writable, or pass another directory."
+                ) from e
         if self._primary:
             self._clean_up()
         self._watcher = PreemptionWatcher() if save_on_preemption else None
@@ -198,7 +213,8 @@ class CheckpointManager:
         if self.incremental:
             latest = self.latest_step()
             base = None if latest is None else str(self._loc.join(_name(latest)))
-        handle = save_async(str(loc), tree, base=base)
+        with _location.deadline(self._loc.io_timeout):
+            handle = save_async(str(loc), tree, base=base)
         self.last_save = handle
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
@@ -342,9 +358,10 @@ class CheckpointManager:
                 f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
                 f"Pick one of those (or None for the latest)."
             )
-        return restore(
-            str(self._loc.join(_name(step))), target, keys=keys, strict=strict, planner=planner
-        )
+        with _location.deadline(self._loc.io_timeout):
+            return restore(
+                str(self._loc.join(_name(step))), target, keys=keys, strict=strict, planner=planner
+            )
 
     # -- life cycle -----------------------------------------------------------------------------
 

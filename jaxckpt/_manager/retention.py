@@ -97,7 +97,11 @@ class MetricsFile:
             path = self.loc.local / METRICS
             raw = path.read_bytes() if path.is_file() else None
         else:
-            got = _location.kvstore(self.loc.kvstore).read(METRICS).result()
+            got = _location.wait(
+                _location.kvstore(self.loc.kvstore, self.loc).read(METRICS),
+                self.loc,
+                f"reading {METRICS}",
+            )
             raw = got.value if got.state == "value" else None
         if raw is None:
             return {}
@@ -114,7 +118,11 @@ class MetricsFile:
         """Replace the file with ``steps`` (atomically on a local disk)."""
         raw = json.dumps({"format": 1, "steps": dict(steps)}, indent=1, sort_keys=True).encode()
         if self.loc.local is None:
-            _location.kvstore(self.loc.kvstore).write(METRICS, raw).result()
+            _location.wait(
+                _location.kvstore(self.loc.kvstore, self.loc).write(METRICS, raw),
+                self.loc,
+                f"writing {METRICS}",
+            )
             return
         tmp = self.loc.local / f".{METRICS}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.write_bytes(raw)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt._errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
+from jaxckpt._errors import DtypeMismatchError, KeyMismatchError, ManifestError, ShapeMismatchError
 from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.plan import LoadPlan, ReadItem, index_to_box
@@ -506,3 +506,39 @@ def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
         f"the result back (nnx.replace_by_pure_dict(state, restored)); strict=False would "
         f"restore none of these keys."
     )
+
+
+def check_prng_keys(manifest: Manifest, where: str) -> None:
+    """Refuse PRNG key entries whose ``prng_impl`` jax does not know, or whose key data does not
+    fit it (``jaxckpt._format`` checks the impls jax ships without importing jax).
+
+    Raises:
+      ManifestError: naming the key and the impl.
+    """
+    for key, e in manifest.entries.items():
+        impl = getattr(e, "prng_impl", None)
+        if not impl:
+            continue
+        key_shape = _prng_key_shape(impl)
+        problem = (
+            f"names prng_impl {impl!r}, which this jax does not know (registered: "
+            f"{sorted(_manifest.PRNG_KEY_SHAPES)} and any made with "
+            f"jax.extend.random.define_prng_impl)"
+            if key_shape is None
+            else _manifest.prng_problem(impl, e.shape, e.dtype, key_shape)
+        )
+        if problem:
+            raise ManifestError(
+                f"{where}: entry {key!r} {problem}. The manifest is damaged, or was written with "
+                f"a PRNG implementation this program has not registered; nothing was read."
+            )
+
+
+@functools.cache
+def _prng_key_shape(impl: str) -> tuple[int, ...] | None:
+    """The key data shape of jax's PRNG ``impl`` (traced, nothing runs); ``None`` if unknown."""
+    try:
+        out = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    except (ValueError, TypeError, KeyError):
+        return None
+    return tuple(out.shape)

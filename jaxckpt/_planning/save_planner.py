@@ -201,11 +201,16 @@ class DefaultSavePlanner(SavePlanner):
             if not _manifest.is_supported_dtype(leaf.dtype):
                 raise _unsupported(key, leaf, f"dtype {leaf.dtype}")
             return np.asarray(leaf)
-        if leaf is None or type(leaf) in (bool, int, float, str):
+        if leaf is None or type(leaf) in (bool, float, str):
             return leaf
         for base in (bool, int, float, str):  # IntEnum, str-Enum, ...: stored as the base value
             if isinstance(leaf, base):
-                return base.__str__(leaf) if base is str else base(leaf)
+                leaf = base.__str__(leaf) if base is str else base(leaf)
+                if base is int and _manifest.int_digits_over(leaf):  # json could not spell it
+                    raise _unsupported(
+                        key, leaf, f"an int of more than {_manifest.int_digits_over(leaf)} digits"
+                    )
+                return leaf
         raise _unsupported(key, leaf, f"type {type(leaf).__name__}")
 
     def _signature(self) -> tuple:

@@ -16,14 +16,21 @@ import functools
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxckpt._errors import KeyMismatchError, UnsupportedLeafError
+from jaxckpt._format.manifest import MAX_DEPTH, int_digits_over
 from jaxckpt._format.names import SEP
 
 
 def _entry_str(entry: Any) -> str:
     tu = jax.tree_util
     if isinstance(entry, tu.DictKey):
+        if type(entry.key) is int and int_digits_over(entry.key):
+            raise UnsupportedLeafError(
+                f"A dict key is an int of more than {int_digits_over(entry.key)} digits, which "
+                f"a key path cannot spell. Use shorter (or str) keys."
+            )
         return str(entry.key)
     if isinstance(entry, tu.SequenceKey):
         return str(entry.idx)
@@ -44,7 +51,13 @@ def _is_none(x: Any) -> bool:
 
 
 def flatten_with_treedef(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """Flatten ``tree`` (``None`` kept as a leaf) into key paths, leaves and the treedef."""
+    """Flatten ``tree`` (``None`` kept as a leaf) into key paths, leaves and the treedef.
+
+    Raises:
+      UnsupportedLeafError: the tree nests deeper than a manifest holds (``MAX_DEPTH``), or
+        has dict keys JAX cannot sort.
+    """
+    _check_depth(tree)  # first: JAX's own flatten overflows the stack on a deep enough tree
     try:
         with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
     except (TypeError, ValueError) as e:  # JAX sorts dict keys: mixed int/str cannot sort
@@ -58,6 +71,44 @@ def flatten_with_treedef(tree: Any) -> tuple[list[str], list[Any], Any]:
         ) from e
     keys = _keys_for(treedef, with_path)
     return keys, [leaf for _, leaf in with_path], treedef
+
+
+_LEAVES = (jax.Array, np.ndarray, np.generic, int, float, complex, str, bytes)
+
+
+def _check_depth(tree: Any) -> None:
+    """Refuse a tree nested deeper than ``MAX_DEPTH`` (what restore refuses), walking it with a
+    stack of its own: one step per node, no recursion."""
+    stack: list[tuple[Any, int, tuple]] = [(tree, 0, ())]  # trail: (parent's trail, name)
+    while stack:
+        x, depth, trail = stack.pop()
+        if x is None or isinstance(x, _LEAVES):
+            continue
+        if isinstance(x, dict):
+            kids = list(x.items())
+        elif isinstance(x, (list, tuple)):
+            kids = list(enumerate(x))
+        else:  # a registered node (or a leaf JAX knows): one level of it
+            leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y, x=x: y is not x)
+            if jax.tree_util.treedef_is_leaf(treedef) and leaves and leaves[0] is x:
+                continue
+            kids = list(enumerate(leaves))
+        if kids and depth >= MAX_DEPTH:  # its children would lie below the limit
+            names = []
+            while trail:
+                trail, name = trail
+                names.append(str(name))
+            raise _too_deep(SEP.join(reversed(names)))
+        stack.extend((v, depth + 1, (trail, k)) for k, v in kids)
+
+
+def _too_deep(key: str) -> UnsupportedLeafError:
+    return UnsupportedLeafError(
+        f"The tree nests deeper than {MAX_DEPTH} levels (below {key[:100]!r}...), more than a "
+        f"checkpoint holds. "
+        f"Flatten the structure (e.g. a list instead of nested pairs), or save the deep part "
+        f"as an array."
+    )
 
 
 def _unsortable(node: Any, path: str) -> str | None:
@@ -119,21 +170,27 @@ def _compute_keys(paths: list) -> list[str]:
 
 
 def structure(tree: Any) -> dict:
-    """The JSON structure of ``tree``, with leaves as ``{"type": "leaf", "key": ...}``."""
-    return _node(tree, ())
+    """The JSON structure of ``tree``, with leaves as ``{"type": "leaf", "key": ...}``.
+
+    Raises:
+      UnsupportedLeafError: the tree nests deeper than a manifest holds (``MAX_DEPTH``).
+    """
+    return _node(tree, (), 0)
 
 
 def _json_key(key: Any) -> Any:
     return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
 
 
-def _node(x: Any, path: tuple) -> dict:
+def _node(x: Any, path: tuple, depth: int) -> dict:
+    if depth > MAX_DEPTH:  # what restore refuses (jaxckpt._format.manifest), before recursing on
+        raise _too_deep(path_to_key(path))
     if x is None:
         return {"type": "leaf", "key": path_to_key(path)}
     children, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
     if jax.tree_util.treedef_is_leaf(treedef) and children and children[0][1] is x:
         return {"type": "leaf", "key": path_to_key(path)}
-    kids = [_node(child, path + p) for p, child in children]
+    kids = [_node(child, path + p, depth + 1) for p, child in children]
     if isinstance(x, dict):
         keys = [_json_key(p[0].key) for p, _ in children]
         return {"type": "dict", "keys": keys, "children": kids}

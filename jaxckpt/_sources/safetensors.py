@@ -48,7 +48,7 @@ DTYPES = {
     "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
-_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,250}\.safetensors$")
+_FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,250}\.safetensors")  # fullmatch
 
 
 class _Tensor:
@@ -81,7 +81,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, SafetensorsReader] |
 def _list(loc: _location.Location, kv: ts.KvStore) -> list[str]:
     if loc.local is not None:
         try:
-            return sorted(n for n in os.listdir(loc.local) if _FILE_RE.match(n))
+            return sorted(n for n in os.listdir(loc.local) if _FILE_RE.fullmatch(n))
         except OSError:
             return []
     return []  # object stores: no (recursive, costly) listing; name the file or the index
@@ -120,7 +120,7 @@ def _from_index(
         )
     files = list(dict.fromkeys(wmap.values()))
     for f in files:
-        if not _FILE_RE.match(f) or ".." in f:
+        if not _FILE_RE.fullmatch(f) or ".." in f:
             raise ManifestError(
                 f"{where} names file {f!r}, which is not a .safetensors file beside the index; "
                 f"refusing to read outside the folder."

@@ -19,15 +19,16 @@ import tensorstore as ts
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import MANIFEST
 from jaxckpt._format.names import staging_name
-from jaxckpt._storage.location import Location, kvstore
+from jaxckpt._storage.location import Location, kvstore, wait
 
-OWN_KEY = re.compile(r"^(manifest\.json$|(g[0-9a-f]{8}/)?arrays/)")
+# \Z, not $: "$" also matches before a trailing newline ("manifest.json\n" is not ours)
+OWN_KEY = re.compile(r"^(manifest\.json\Z|(g[0-9a-f]{8}/)?arrays/)")
 
 
 def list_keys(loc: Location) -> list[str]:
     """Every key under an object-store location (relative to it)."""
     try:
-        return [k.decode() for k in kvstore(loc.kvstore).list().result()]
+        return [k.decode() for k in wait(kvstore(loc.kvstore, loc).list(), loc, "listing")]
     except ValueError as e:
         raise CheckpointError(
             f"Cannot list {loc}: {' '.join(str(e).split('[', 1)[0].split())}. Check that the "
@@ -63,18 +64,20 @@ def delete(loc: Location, *, keep: Collection[str] = ()) -> None:
         fsync_dir(loc.local.parent)
         shutil.rmtree(doomed, ignore_errors=True)
         return
-    kv = kvstore(loc.kvstore)
+    kv = kvstore(loc.kvstore, loc)
     foreign = [k for k in list_keys(loc) if not OWN_KEY.match(k)]
     if foreign:
         raise _not_ours_to_delete(loc, foreign[0])
-    kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")).result()
+    wait(
+        kv.delete_range(ts.KvStore.KeyRange(MANIFEST, MANIFEST + "\0")), loc, f"deleting {MANIFEST}"
+    )
     if not keep:
-        kv.delete_range(ts.KvStore.KeyRange()).result()
+        wait(kv.delete_range(ts.KvStore.KeyRange()), loc, "deleting the arrays")
         return
     kept = tuple(p + "/" for p in keep)
-    for f in [kv.delete_range(ts.KvStore.KeyRange(k, k + "\0")) for k in list_keys(loc)
-              if not k.startswith(kept)]:  # fmt: skip
-        f.result()
+    doomed = [k for k in list_keys(loc) if not k.startswith(kept)]
+    for k, f in [(k, kv.delete_range(ts.KvStore.KeyRange(k, k + "\0"))) for k in doomed]:
+        wait(f, loc, f"deleting {k}")
 
 
 def _not_ours_to_delete(loc: Location, name: str) -> CheckpointError:

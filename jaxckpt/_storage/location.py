@@ -7,9 +7,12 @@ process, so ``memory://`` checkpoints live as long as it does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,71 @@ from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
 # the staging dir's file system once before writing the manifest.
 CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
 
+# Deadlines of object-store operations (docs/object_storage.md, "Deadlines").
+IO_TIMEOUT_ENV = "JAXCKPT_IO_TIMEOUT"
+DEFAULT_IO_TIMEOUT = 30.0  # seconds: a stalled or dead server fails a save in well under a minute
+_MIN_RATE = 8 << 20  # bytes/s: a transfer of N bytes gets N / _MIN_RATE seconds more
+_io_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "io_timeout", default=None
+)
+
+
+# curl (tensorstore's HTTP client) has no stall timeout by default: a request to a server that
+# stopped answering would hang forever, in the background after a deadline too. These make it
+# drop a connection that moved no byte for that long (tensorstore then retries), and must be set
+# before the process's first request; a user's own setting wins.
+def _curl_stall_seconds() -> str:
+    try:
+        seconds = float(os.environ.get(IO_TIMEOUT_ENV, DEFAULT_IO_TIMEOUT))
+    except ValueError:
+        seconds = DEFAULT_IO_TIMEOUT
+    return str(max(1, round(seconds))) if 0 < seconds < 1e9 else str(int(DEFAULT_IO_TIMEOUT))
+
+
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", _curl_stall_seconds())
+
+
+def io_timeout() -> float:
+    """The deadline of one object-store operation, in seconds: the innermost :func:`deadline`,
+    else ``$JAXCKPT_IO_TIMEOUT``, else :data:`DEFAULT_IO_TIMEOUT`.
+
+    Raises:
+      CheckpointError: ``$JAXCKPT_IO_TIMEOUT`` is not a positive number.
+    """
+    seconds = _io_timeout.get()
+    if seconds is not None:
+        return seconds
+    text = os.environ.get(IO_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_IO_TIMEOUT
+    try:
+        return positive_seconds(float(text), IO_TIMEOUT_ENV)
+    except ValueError:
+        raise CheckpointError(
+            f"{IO_TIMEOUT_ENV}={text!r} is not a number of seconds; set it to e.g. 60, or unset "
+            f"it for the default ({DEFAULT_IO_TIMEOUT:g} s)."
+        ) from None
+
+
+def positive_seconds(seconds: float, name: str) -> float:
+    if not seconds > 0 or seconds == float("inf"):
+        raise CheckpointError(
+            f"{name} must be a positive, finite number of seconds, got {seconds!r}."
+        )
+    return float(seconds)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """Within the block, object-store operations of new :class:`Location`s get ``seconds``
+    (``None``: the default, :func:`io_timeout`). The ``CheckpointManager``'s ``io_timeout``."""
+    token = _io_timeout.set(seconds)
+    try:
+        yield
+    finally:
+        _io_timeout.reset(token)
+
 
 class Location:
     """Where a checkpoint lives: a local directory or a tensorstore kvstore URL."""
@@ -37,9 +105,13 @@ class Location:
         if text.startswith("file://"):
             text = text[len("file://") :]
             _check_file_url(self.url, text)
+        # Object stores get a deadline per operation (see wait); local files and memory:// none.
+        self.io_timeout: float | None = None
         if "://" in text:
             self.local: Path | None = None
             self.kvstore = _kvstore_for_url(text)
+            if self.kvstore["driver"] != "memory":
+                self.io_timeout = io_timeout()
         else:
             self.local = _local_path(self.url, text)
             self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
@@ -61,7 +133,32 @@ class Location:
         """The location ``name`` below this one (e.g. a step of a checkpoint directory)."""
         if self.local is not None:
             return Location(self.local / name)
-        return Location(self.url.rstrip("/") + "/" + name)
+        with deadline(self.io_timeout):
+            return Location(self.url.rstrip("/") + "/" + name)
+
+
+def wait(fut: Any, loc: Location, what: str, nbytes: int = 0) -> Any:
+    """``fut.result()``, within ``loc``'s deadline on object stores (plus a second per 8 MiB
+    that ``fut`` transfers); past it the operation is cancelled.
+
+    Raises:
+      CheckpointError: the deadline passed; names the URL, the operation and what to check.
+    """
+    if loc.io_timeout is None:
+        return fut.result()
+    limit = loc.io_timeout + nbytes / _MIN_RATE
+    try:
+        return fut.result(timeout=limit)
+    except TimeoutError:
+        fut.cancel()
+    server = loc.kvstore.get("endpoint") or f"the {loc.kvstore['driver']} service"
+    raise CheckpointError(
+        f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
+        f"{loc.io_timeout:g} s): {server} is not answering, or too slowly. Check that it is up "
+        f"and reachable (endpoint, network, credentials), or raise {IO_TIMEOUT_ENV} (or "
+        f"CheckpointManager(io_timeout=...)) for a slow link. A save that fails so has not "
+        f"committed; the last committed checkpoint is intact."
+    )
 
 
 def _path_error(url: str, what: str, fix: str) -> CheckpointError:
@@ -163,8 +260,10 @@ def _s3_options() -> dict:
     return opts
 
 
-def kvstore(spec: dict) -> ts.KvStore:
-    return ts.KvStore.open(spec, context=CONTEXT).result()
+def kvstore(spec: dict, loc: Location | None = None) -> ts.KvStore:
+    """The open kvstore of ``spec`` (within ``loc``'s deadline, if given)."""
+    fut = ts.KvStore.open(spec, context=CONTEXT)
+    return wait(fut, loc, "opening the store") if loc is not None else fut.result()
 
 
 def read_manifest(loc: Location) -> bytes:
@@ -198,7 +297,7 @@ def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
         except (FileNotFoundError, NotADirectoryError):
             pass
     else:
-        got = kvstore(loc.kvstore).read(MANIFEST).result()
+        got = wait(kvstore(loc.kvstore, loc).read(MANIFEST), loc, f"reading {MANIFEST}")
         if got.state == "value":
             return got.value, (got.stamp.generation,)
     raise CheckpointNotFoundError(
@@ -214,7 +313,9 @@ def manifest_changed(loc: Location, stamp: Stamp) -> bool:
             return _file_stamp(os.stat(loc.local / MANIFEST, follow_symlinks=False)) != stamp
         except OSError:
             return True
-    got = kvstore(loc.kvstore).read(MANIFEST, if_not_equal=stamp[0]).result()
+    got = wait(
+        kvstore(loc.kvstore, loc).read(MANIFEST, if_not_equal=stamp[0]), loc, f"checking {MANIFEST}"
+    )
     return got.state != "unspecified"  # "unspecified": still the generation of ``stamp``
 
 
@@ -247,7 +348,7 @@ def read_small(kv: Any, loc: Location, name: str, limit: int) -> bytes | None:
         except OSError:
             return None
     if size is None or size <= limit:
-        got = kv.read(name).result()
+        got = wait(kv.read(name), loc, f"reading {name}")
         data = got.value if got.state == "value" else None
         if data is None or len(data) <= limit:
             return data

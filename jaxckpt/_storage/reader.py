@@ -26,7 +26,7 @@ from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import packs as _pack
 from jaxckpt._storage.catalog import list_keys
-from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed
+from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed, wait
 from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, array_spec
 
 _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
@@ -73,8 +73,9 @@ class CheckpointReader:
 
     kind = "jaxckpt"
 
-    def __init__(self, loc: Location, stamp: Stamp | None = None,
-                 refs: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, loc: Location, stamp: Stamp | None = None, refs: dict[str, str] | None = None
+    ) -> None:
         self.loc = loc
         self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
         # Arrays held by a sibling step (incremental steps on object stores): path -> target.
@@ -103,7 +104,11 @@ class CheckpointReader:
             try:
                 # The manifest is the source of truth for the array's metadata: zarr.json is
                 # not read (one file less per array), and cannot change how bytes decode.
-                store = ts.open(spec, assume_metadata=True, context=CONTEXT).result()
+                store = wait(
+                    ts.open(spec, assume_metadata=True, context=CONTEXT),
+                    self.loc,
+                    f"opening array {entry.path} of key {entry.key!r}",
+                )
             except ValueError as e:
                 raise CorruptChunkError(
                     f"Key {entry.key!r}: array {entry.path} in {self.loc} cannot be opened or does "
@@ -242,7 +247,7 @@ class CheckpointReader:
         if listing is None:
             listing = collections.defaultdict(set)
             for k in list_keys(loc):
-                for m in re.finditer(r"/c(?=/|$)", k):  # every ``/c`` segment: an array's chunks?
+                for m in re.finditer(r"/c(?=/|\Z)", k):  # every ``/c`` segment: an array's chunks?
                     listing[k[: m.start()]].add(k[m.start() + 1 :])
             self._listing[str(loc)] = listing
         return listing
@@ -319,11 +324,14 @@ class CheckpointReader:
             fut = ts.array(out, copy=False, write=True).write(store)
         else:
             fut = store.read()
-        return lambda: self._result(entry, fut, out)
+        nbytes = math.prod(item.sizes) * dtype.itemsize
+        return lambda: self._result(entry, fut, out, nbytes)
 
-    def _result(self, entry: ArrayEntry, fut: Any, out: np.ndarray | None) -> np.ndarray:
+    def _result(
+        self, entry: ArrayEntry, fut: Any, out: np.ndarray | None, nbytes: int = 0
+    ) -> np.ndarray:
         try:
-            data = fut.result()
+            data = wait(fut, self.loc, f"reading key {entry.key!r} ({entry.path})", nbytes)
         except ValueError as e:
             raise _chunk_error(entry, self.loc, e) from e
         return self._view(entry, data if out is None else out)

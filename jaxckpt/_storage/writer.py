@@ -46,7 +46,7 @@ from jaxckpt._format.plan import WriteItem
 from jaxckpt._storage import writeback as _writeback
 from jaxckpt._storage.catalog import OWN_KEY, fsync_dir, list_keys
 from jaxckpt._storage.libc import libc
-from jaxckpt._storage.location import CONTEXT, Location, kvstore
+from jaxckpt._storage.location import CONTEXT, Location, kvstore, wait
 
 MAX_INFLIGHT_BYTES = 1 << 30
 
@@ -112,7 +112,11 @@ class Writer:
                 _check_target_dir(loc.local, overwrite)
                 name = staging_name(loc.local.name, uuid.uuid4().hex[:8])
                 self.staging = loc.local.parent / name
-                self.staging.mkdir(parents=True)
+                try:
+                    self.staging.mkdir(parents=True)
+                except OSError as e:  # a parent that is a file, a read-only file system, ...
+                    self.staging = None
+                    raise _write_error(loc, f"creating {loc.local.parent / name}", e) from e
             if broadcast is not None:
                 name = broadcast("staging", name)
             elif not is_coordinator:
@@ -138,12 +142,15 @@ class Writer:
             for e in entries
         ]
         try:
-            self.arrays = {e.key: f.result() for e, f in zip(entries, futures)}
+            self.arrays = {
+                e.key: wait(f, self.loc, f"creating array {e.path} of key {e.key!r}")
+                for e, f in zip(entries, futures)
+            }
         except ValueError as e:
             if create and not self.overwrite and "ALREADY_EXISTS" in str(e):
                 # Object stores: another save to the same prefix created its arrays first.
                 raise _lost_error(self.loc, False, writing=True) from e
-            raise
+            raise _write_error(self.loc, "creating the arrays' zarr.json", e) from e
 
     def _child(self, name: str) -> dict:
         return {**self.root, "path": self.root["path"] + name + "/"}
@@ -187,17 +194,20 @@ class Writer:
                 total += data.nbytes
                 while inflight > max_inflight_bytes and pending:
                     fut, n, e = pending.popleft()
-                    self._finish(fut, e)
+                    self._finish(fut, e, n)
                     inflight -= n
-            for fut, _, e in pending:
-                self._finish(fut, e)
+            while pending:
+                fut, n, e = pending.popleft()
+                self._finish(fut, e, n)
         finally:
+            for fut, _, _ in pending:  # after an error: stop what is still queued
+                fut.cancel()
             hints.wait()
         return total
 
-    def _finish(self, fut: Any, entry: ArrayEntry) -> None:
+    def _finish(self, fut: Any, entry: ArrayEntry, nbytes: int) -> None:
         try:
-            fut.result()
+            wait(fut, self.loc, f"writing key {entry.key!r} ({entry.path})", nbytes)
         except (ValueError, OSError) as e:
             raise _write_error(self.loc, f"writing key {entry.key!r} ({entry.path})", e) from e
 
@@ -225,19 +235,24 @@ class Writer:
                 os.fsync(f.fileno())
         except OSError as e:
             raise _write_error(self.loc, f"writing {MANIFEST}", e) from e
-        if not self.overwrite:
-            self._commit_noreplace(target)
-        elif target.exists():
-            _check_target_dir(target, True)  # again: files may have appeared during the save
-            if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
-                old = self.staging.with_name(self.staging.name + "-old")
-                os.rename(target, old)
-                os.rename(self.staging, target)
-                _remove_own(old)
+        try:
+            if not self.overwrite:
+                self._commit_noreplace(target)
+            elif target.exists() or target.is_symlink():
+                _check_target_dir(target, True)  # again: files may have appeared during the save
+                if not _exchange(self.staging, target):  # no atomic swap: move the old one aside
+                    old = self.staging.with_name(self.staging.name + "-old")
+                    os.rename(target, old)
+                    os.rename(self.staging, target)
+                    _remove_own(old)
+                else:
+                    _remove_own(self.staging)  # now holds the old checkpoint
             else:
-                _remove_own(self.staging)  # now holds the old checkpoint
-        else:
-            os.rename(self.staging, target)
+                os.rename(self.staging, target)
+        except CheckpointError:  # CheckpointExistsError is an OSError too: it passes as it is
+            raise
+        except OSError as e:
+            raise _write_error(self.loc, f"renaming {self.staging.name} into place", e) from e
         fsync_dir(target.parent)
 
     def _commit_noreplace(self, target: Path) -> None:
@@ -253,20 +268,27 @@ class Writer:
         raise _lost_error(self.loc, (target / MANIFEST).exists())
 
     def _commit_object_store(self, manifest: bytes) -> None:
-        kv = kvstore(self.loc.kvstore)
+        kv = kvstore(self.loc.kvstore, self.loc)
         if self.generation:
             manifest = _in_generation(manifest, self.generation)
+        what = f"writing {MANIFEST} (the commit)"
         if self.overwrite:
-            kv.write(MANIFEST, manifest).result()  # the commit
-        elif not kv.write(MANIFEST, manifest, if_equal=_NO_VALUE).result().generation:
+            wait(kv.write(MANIFEST, manifest), self.loc, what)
+        elif not wait(kv.write(MANIFEST, manifest, if_equal=_NO_VALUE), self.loc, what).generation:
             # Another save's manifest got there first: drop only the arrays it does not use.
-            _drop_unused(kv, manifest)
+            _drop_unused(kv, self.loc, manifest)
             raise _lost_error(self.loc, True)
         if self.generation:
             _delete_all_but(kv, self.loc, self.generation)  # the replaced arrays go only now
 
-    def link(self, base: Location, base_path: str, entry: ArrayEntry, offsets: tuple[int, ...],
-             sizes: tuple[int, ...]) -> bool:  # fmt: skip
+    def link(
+        self,
+        base: Location,
+        base_path: str,
+        entry: ArrayEntry,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> bool:
         """Store a box as hard links to the base checkpoint's chunk files of it (an
         incremental save, local files only); ``False`` where that cannot be done (another
         file system, an object store, a chunk file that is missing or not a regular file),
@@ -344,10 +366,10 @@ def _lost_error(loc: Location, committed: bool, writing: bool = False) -> Checkp
 _NO_VALUE = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp.generation
 
 
-def _drop_unused(kv: ts.KvStore, ours: bytes) -> None:
+def _drop_unused(kv: ts.KvStore, loc: Location, ours: bytes) -> None:
     """After a lost object-store commit: delete our arrays that the winner's manifest lacks."""
     try:
-        theirs = Manifest.from_json(kv.read(MANIFEST).result().value)
+        theirs = Manifest.from_json(wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}").value)
     except (CheckpointError, ValueError):
         return  # unreadable: leave everything, deleting nothing we cannot attribute
     used = {e.path for e in theirs.entries.values() if isinstance(e, ArrayEntry)}
@@ -357,10 +379,10 @@ def _drop_unused(kv: ts.KvStore, ours: bytes) -> None:
         for e in mine
         if isinstance(e, ArrayEntry) and e.path not in used
     ]:
-        fut.result()
+        wait(fut, loc, "deleting this save's arrays")
 
 
-_OWN_TMP = re.compile(rf"^\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?$")  # see Writer
+_OWN_TMP = re.compile(rf"\..+{re.escape(TMP)}[0-9a-f]+(-old|-deleted)?")  # fullmatch; see Writer
 
 
 def _check_target_dir(path: Path, overwrite: bool) -> None:
@@ -369,12 +391,18 @@ def _check_target_dir(path: Path, overwrite: bool) -> None:
     Overwrite swaps the whole directory and deletes the old one, so it may replace only what
     jaxckpt wrote there: ``manifest.json``, ``arrays/`` and its own temporaries.
     """
+    if path.is_symlink():  # an overwrite would swap the link for a directory, deleting through it
+        raise CheckpointExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); jaxckpt never saves through or "
+            f"replaces a link. Save to the link's target ({os.path.realpath(path)}) instead, or "
+            f"remove the link first."
+        )
     if not path.exists():
         return
     if not path.is_dir():
         raise CheckpointExistsError(f"{path} exists and is not a directory; choose another path.")
     names = sorted(p.name for p in path.iterdir())
-    foreign = [n for n in names if n not in (MANIFEST, "arrays") and not _OWN_TMP.match(n)]
+    foreign = [n for n in names if n not in (MANIFEST, "arrays") and not _OWN_TMP.fullmatch(n)]
     if foreign:
         raise _not_ours_to_replace(Location(path), foreign[0], committed=MANIFEST in names)
     if names and not overwrite:
@@ -391,6 +419,8 @@ def _remove_own(old: Path) -> None:
 
     A file that appeared between the last check and the swap stays, in the hidden old folder.
     """
+    if old.is_symlink():  # a link swapped in after the last check: never delete through it
+        return
     shutil.rmtree(old / "arrays", ignore_errors=True)
     (old / MANIFEST).unlink(missing_ok=True)
     try:
@@ -473,8 +503,8 @@ def _syncfs(path: Path) -> None:
 # the old manifest, so every process of a save computes the same one without talking.
 def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) -> str:
     """Check the target prefix; return the generation prefix (``""`` or ``"gXXXXXXXX/"``)."""
-    kv = kvstore(loc.kvstore)
-    old = kv.read(MANIFEST).result()
+    kv = kvstore(loc.kvstore, loc)
+    old = wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}")
     if old.state == "value" and not overwrite:
         raise _exists_error(loc)
     if is_coordinator:  # overwrite deletes every other key under the prefix: none may be foreign
@@ -485,10 +515,11 @@ def _prepare_object_store(loc: Location, overwrite: bool, is_coordinator: bool) 
     if old.state == "value":
         generation = _generation(old.value)
         if is_coordinator:  # leftovers of an earlier failed overwrite of the same checkpoint
-            kv.delete_range(_prefix_range(generation)).result()
+            wait(kv.delete_range(_prefix_range(generation)), loc, "deleting leftovers")
         return generation
     if is_coordinator and keys:
-        kv.delete_range(ts.KvStore.KeyRange()).result()  # an unfinished save's, never committed
+        # an unfinished save's, never committed
+        wait(kv.delete_range(ts.KvStore.KeyRange()), loc, "deleting leftovers")
     return ""
 
 
@@ -538,4 +569,4 @@ def _delete_all_but(kv: ts.KvStore, loc: Location, generation: str) -> None:
         else:
             futures += [kv.delete(k) for k in keys if OWN_KEY.match(k)]
     for fut in futures:
-        fut.result()
+        wait(fut, loc, "deleting the replaced arrays")
