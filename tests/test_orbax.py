@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import XFAIL_ORBAX_OCDBT_WITHOUT_FLAG, assert_tree_equal, mesh, put
+from helpers import assert_tree_equal, mesh, put
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -47,12 +47,7 @@ def _orbax_restore(path, tree):
 
 @pytest.mark.parametrize(
     "ocdbt,zarr3",
-    [
-        pytest.param(True, True, marks=XFAIL_ORBAX_OCDBT_WITHOUT_FLAG),
-        pytest.param(True, False, marks=XFAIL_ORBAX_OCDBT_WITHOUT_FLAG),
-        (False, True),
-        (False, False),
-    ],
+    [(True, True), (True, False), (False, True), (False, False)],
 )
 def test_restore_onto_other_mesh_one_device_and_host(tmp_path, ocdbt, zarr3):
     tree = _state()
@@ -81,7 +76,22 @@ def test_restore_onto_other_mesh_one_device_and_host(tmp_path, ocdbt, zarr3):
     assert host["params"]["b"].dtype == jnp.bfloat16
 
 
-@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
+@pytest.mark.parametrize("zarr3", [True, False])
+def test_ocdbt_is_told_from_the_files_when_metadata_does_not_say(tmp_path, zarr3):
+    """Orbax <= 0.11.30 wrote no use_ocdbt (data/orbax_old holds such checkpoints); this
+    orbax's OCDBT items read the same without it, and its non-OCDBT items too."""
+    tree = _state()
+    for ocdbt in (True, False):
+        path = tmp_path / f"o{ocdbt}"
+        _save(path, tree, ocdbt=ocdbt, zarr3=zarr3)
+        _edit_metadata(path, lambda doc: doc.pop("use_ocdbt", None))
+        got = jaxckpt.restore(path)
+        assert_tree_equal(
+            got, jax.tree.map(np.asarray, _orbax_restore(path, tree)) | {"step": 7, "lr": 0.5}
+        )
+        assert jaxckpt.metadata(path).created["use_ocdbt"] is ocdbt
+
+
 def test_reads_only_the_keys_asked_for(tmp_path):
     path = tmp_path / "orbax"
     _save(path, _state(), ocdbt=True, zarr3=False)
@@ -90,7 +100,6 @@ def test_reads_only_the_keys_asked_for(tmp_path):
     assert list(got) == ["params"] and list(got["params"]) == ["w"]
 
 
-@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
     tree = _state()
     with ocp.StandardCheckpointer() as c:
@@ -109,7 +118,6 @@ def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
     assert "stores no checksums" in capsys.readouterr().out
 
 
-@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_multi_item_step_names_its_items(tmp_path):
     with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "extra")) as mgr:
         mgr.save(

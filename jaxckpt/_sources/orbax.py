@@ -2,7 +2,8 @@
 
 What orbax-checkpoint (0.12) writes for a PyTree / Standard item::
 
-    ITEM/_METADATA              JSON: per leaf its key path, value type; use_ocdbt, use_zarr3
+    ITEM/_METADATA              JSON: per leaf its key path, value type; use_zarr3, and
+                                use_ocdbt since 0.11.31 (older: OCDBT is told by manifest.ocdbt)
     ITEM/_CHECKPOINT_METADATA   JSON: the handler's name, timestamps
     ITEM/_strings.json          JSON: string leaves, by parameter name
     ITEM/manifest.ocdbt, d/, ocdbt.process_N/   OCDBT: one key-value database for all arrays
@@ -14,7 +15,7 @@ A ``CheckpointManager`` step is ``STEP/_CHECKPOINT_METADATA`` naming its items
 with exactly one item is read as that item; with several, pass ``STEP/ITEM``.
 
 Each parameter is a zarr array named by its key path joined with ``.`` (``params.w``), read
-through tensorstore (with the ``ocdbt`` kvstore driver when ``use_ocdbt``), so a box read
+through tensorstore (with the ``ocdbt`` kvstore driver for an OCDBT item), so a box read
 touches only the chunks it overlaps. Python scalars (0-d arrays in Orbax) are read when the
 checkpoint is opened and become manifest values, as Orbax restores them. Nothing is
 unpickled and orbax is never imported; anything else (custom handlers or value types) is a
@@ -196,7 +197,7 @@ class OrbaxItem:
     leaves: list[tuple[list[str], list[int], dict]]  # (key path, key types, value metadata)
     empty: dict[str, str]  # key -> "dict" or "list": an empty container, not a leaf
     tree: dict  # jaxckpt's JSON tree
-    ocdbt: bool
+    ocdbt: bool | None  # None: _METADATA does not say (Orbax < 0.11.31); see stored_in_ocdbt
     zarr3: bool
     fill_ok: bool  # chunks equal to the fill value may be missing
 
@@ -208,7 +209,9 @@ def parse_metadata(loc: _location.Location, doc: Any) -> OrbaxItem:
       ManifestError: the document is not the PyTree metadata jaxckpt knows.
     """
     leaves = _leaves(loc, doc)
-    ocdbt, zarr3 = bool(doc.get("use_ocdbt")), bool(doc.get("use_zarr3"))
+    ocdbt, zarr3 = doc.get("use_ocdbt"), bool(doc.get("use_zarr3"))
+    if ocdbt is not None and not isinstance(ocdbt, bool):
+        raise _bad(loc, f'"use_ocdbt" is {ocdbt!r}, not true or false')
     fill_ok = doc.get("store_array_data_equal_to_fill_value") is False
     empty = {
         SEP.join(p): _EMPTY[vm.get("value_type")]
@@ -253,6 +256,7 @@ def manifest_from_orbax(
 
 def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manifest, OrbaxReader]:
     item = parse_metadata(loc, doc)
+    item = dataclasses.replace(item, ocdbt=stored_in_ocdbt(loc, kv, item.ocdbt))
     values, opening = _start_opening(loc, kv, item)
     stores: dict[str, Any] = {}
     arrays: dict[str, Stored] = {}
@@ -324,6 +328,33 @@ def _start_opening(
                 f"orbax-checkpoint, or re-save the leaf as an array."
             )
     return values, opening
+
+
+def stored_in_ocdbt(loc: _location.Location, kv: ts.KvStore, recorded: bool | None) -> bool:
+    """Whether the item's arrays live in an OCDBT database: as ``_METADATA`` records it, or
+    where it does not (Orbax < 0.11.31) from the files on disk.
+
+    Raises:
+      CorruptChunkError: an OCDBT item without its root ``manifest.ocdbt`` (an unfinished save).
+    """
+    if recorded is False:
+        return False
+    if _listed(loc, kv, "manifest.ocdbt", "manifest.ocdbt\0"):
+        return True
+    if recorded or _listed(loc, kv, "ocdbt.process_", "ocdbt.process_\x7f"):
+        raise CorruptChunkError(
+            f"{loc}: an OCDBT item (Orbax's default) without its manifest.ocdbt, the root of "
+            f"the database that Orbax writes last: the save did not finish or the file was "
+            f"lost. Restore another step."
+        )
+    return False
+
+
+def _listed(loc: _location.Location, kv: ts.KvStore, start: str, stop: str) -> bool:
+    """Whether any name in ``[start, stop)`` exists at the item's top (nothing is read)."""
+    if loc.local is not None:  # one directory listing, not a walk of every array's chunks
+        return any(start <= n < stop for n in os.listdir(loc.local))
+    return bool(kv.list(ts.KvStore.KeyRange(start, stop)).result())
 
 
 def _database(loc: _location.Location) -> ts.KvStore:
