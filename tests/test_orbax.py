@@ -131,6 +131,32 @@ def test_multi_item_step_names_its_items(tmp_path):
     np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "run" / "5" / "state")["a"], 1.0)
 
 
+def _optax_state():
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.ones(4)}
+    opt = (optax.sgd(0.1).init(params), optax.adamw(0.1).init(params))
+    return {"w": jnp.ones(4), "opt": opt, "none": None, "empty": {}}
+
+
+def test_optax_empty_states_restore_strictly(tmp_path):
+    """Orbax writes an empty node (optax's EmptyState(), a None) as a None placeholder: it
+    restores as the target's empty node, as None without a target, and so after convert."""
+    state = _optax_state()
+    with ocp.PyTreeCheckpointer() as c:  # Standard refuses None leaves
+        c.save(tmp_path / "o", state)
+    jaxckpt.convert(str(tmp_path / "o"), str(tmp_path / "converted"))
+    for path in (tmp_path / "o", tmp_path / "converted"):
+        got = jaxckpt.restore(path, state)
+        assert jax.tree.structure(got) == jax.tree.structure(state)  # EmptyState() kept
+        assert_tree_equal(got, state)
+        assert jaxckpt.restore(path)["opt"][0] == [None, None]  # as Orbax restores it
+        # None and an empty node hold the same (nothing): either target restores either
+        swapped = state | {"none": {}, "empty": None}
+        assert_tree_equal(jaxckpt.restore(path, swapped), swapped)
+        with pytest.raises(jaxckpt.KeyMismatchError, match=r"not in `target`: \['none'\]"):
+            jaxckpt.restore(path, {k: v for k, v in state.items() if k != "none"})
+
+
 def test_custom_handler_item_is_a_typed_error(tmp_path):
     with ocp.CheckpointManager(tmp_path / "run", item_names=("extra",)) as mgr:
         mgr.save(1, args=ocp.args.Composite(extra=ocp.args.JsonSave({"x": 1})))
