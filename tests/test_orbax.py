@@ -157,6 +157,29 @@ def test_optax_empty_states_restore_strictly(tmp_path):
             jaxckpt.restore(path, {k: v for k, v in state.items() if k != "none"})
 
 
+def test_prng_keys_come_back_as_keys(tmp_path):
+    m = mesh((8,), ("data",))
+    keys = jax.random.split(jax.random.key(1, impl="rbg"), 8)
+    state = {"rng": jax.random.key(0), "keys": jax.device_put(keys, NamedSharding(m, P("data")))}
+    with ocp.StandardCheckpointer() as c:
+        c.save(tmp_path / "o", state)
+    jaxckpt.convert(str(tmp_path / "o"), str(tmp_path / "converted"))
+    for path in (tmp_path / "o", tmp_path / "converted"):
+        got = jaxckpt.restore(path, state)
+        assert got["keys"].sharding == state["keys"].sharding
+        assert jax.random.key_impl(got["keys"]) == jax.random.key_impl(keys)
+        assert_tree_equal(got, state)
+        assert_tree_equal(jaxckpt.restore(path), state)  # keys without a target too
+    info = jaxckpt.metadata(tmp_path / "o").entries["rng"]
+    assert (info.prng_impl, info.shape, info.dtype) == ("threefry2x32", (2,), "uint32")
+    (tmp_path / "o" / "array_metadatas" / "process_0").unlink()  # as if never recorded
+    with pytest.raises(
+        jaxckpt.DtypeMismatchError, match=r"Key 'keys'.*no key implementation.*wrap_key_data"
+    ):
+        jaxckpt.restore(tmp_path / "o", state)
+    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "o")["rng"], [0, 0])
+
+
 def test_custom_handler_item_is_a_typed_error(tmp_path):
     with ocp.CheckpointManager(tmp_path / "run", item_names=("extra",)) as mgr:
         mgr.save(1, args=ocp.args.Composite(extra=ocp.args.JsonSave({"x": 1})))

@@ -7,6 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,7 +20,10 @@ EXPECTED = json.loads((DATA / "expected.json").read_text())
 
 def _at(tree, key: str):
     for part in key.split("/"):
-        tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
+        if hasattr(tree, "_fields"):  # a NamedTuple (optax's states) restored into a target
+            tree = getattr(tree, part)
+        else:
+            tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
     return tree
 
 
@@ -30,7 +35,9 @@ def _assert_leaves(got, expected: dict) -> None:
             assert type(leaf).__name__ == want["type"] and leaf == want["value"], key
             continue
         if want["kind"] == "prng_key":
-            continue  # restored as key arrays: test_prng_keys_come_back_as_keys
+            assert str(jax.random.key_impl(leaf)) == want["impl"], key
+            leaf = jax.random.key_data(leaf)
+            want = want | {"dtype": want["key_data_dtype"], "value": want["key_data"]}
         a = np.asarray(leaf)
         ref = np.asarray(want["value"], dtype=want["dtype"])
         assert (a.dtype.name, list(a.shape)) == (want["dtype"], want["shape"]), key
@@ -44,6 +51,31 @@ def test_old_ocdbt_items_without_the_flag_open(where):
     want = EXPECTED["standard"] if where == "standard" else EXPECTED["manager"][where[8]]["state"]
     _assert_leaves(jaxckpt.restore(DATA / where), want)
     assert jaxckpt.metadata(DATA / where).created["use_ocdbt"] is True
+
+
+def _target(scale: int):
+    """make_fixture.make_state's tree, as a training script builds it to restore into."""
+    optax = pytest.importorskip("optax")
+    return {
+        "w": jnp.zeros((4, 4), jnp.float32),
+        "b": jnp.zeros(4, jnp.int32),
+        "opt": optax.adam(0.1).init({"w": jnp.zeros((4, 4), jnp.float32)}),
+        "step": 0,
+        "rng": jax.random.key(99),
+    }
+
+
+@pytest.mark.parametrize("where", ["standard", "manager/1/state", "manager/2/state"])
+def test_old_items_restore_strictly_into_the_training_state(where):
+    """The optax adam state keeps its EmptyState() and ScaleByAdamState, the key is a key."""
+    target = _target(1)
+    got = jaxckpt.restore(DATA / where, target)
+    assert jax.tree.structure(got) == jax.tree.structure(target)
+    assert type(got["opt"][0]).__name__ == "ScaleByAdamState"
+    assert type(got["opt"][1]).__name__ == "EmptyState"
+    want = EXPECTED["standard"] if where == "standard" else EXPECTED["manager"][where[8]]["state"]
+    _assert_leaves(got, want)
+    assert jaxckpt.restore(DATA / where)["opt"][1] is None  # as Orbax restores it
 
 
 def test_ocdbt_item_without_its_database_root_is_a_typed_error(tmp_path):
@@ -60,4 +92,12 @@ def test_use_ocdbt_of_another_type_is_a_typed_error(tmp_path):
     doc = json.loads((item / "_METADATA").read_text())
     (item / "_METADATA").write_text(json.dumps(doc | {"use_ocdbt": "yes"}))
     with pytest.raises(jaxckpt.ManifestError, match=r"_METADATA: \"use_ocdbt\" is 'yes'"):
+        jaxckpt.restore(item)
+
+
+def test_metadata_nested_too_deeply_is_a_typed_error(tmp_path):
+    item = tmp_path / "standard"
+    shutil.copytree(DATA / "standard", item)
+    (item / "_METADATA").write_text("[" * 100_000)
+    with pytest.raises(jaxckpt.ManifestError, match=r"_METADATA is nested too deeply"):
         jaxckpt.restore(item)

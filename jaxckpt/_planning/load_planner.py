@@ -195,6 +195,13 @@ class DefaultLoadPlanner(LoadPlanner):
             sharding = _UNCOMMITTED
         if isinstance(leaf, jax.ShapeDtypeStruct) and sharding is None:  # plain jax.eval_shape
             sharding = _UNCOMMITTED  # a jax.Array on the default device, as jnp would make it
+        if not entry.prng_impl and jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
+            raise DtypeMismatchError(
+                f"Key {key!r}: in `target` a PRNG key array, on disk plain {entry.dtype}"
+                f"{list(entry.shape)} data with no key implementation recorded (key data saved "
+                f"as an array, or an Orbax checkpoint without array metadata). Restore it with "
+                f"None at this key and wrap it: jax.random.wrap_key_data(x, impl=...)."
+            )
         if entry.prng_impl:
             if not jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
                 raise DtypeMismatchError(

@@ -8,7 +8,8 @@ What orbax-checkpoint (0.12) writes for a PyTree / Standard item::
     ITEM/_strings.json          JSON: string leaves, by parameter name
     ITEM/manifest.ocdbt, d/, ocdbt.process_N/   OCDBT: one key-value database for all arrays
     ITEM/<param.name>/          without OCDBT: one zarr (v2, ``.zarray``) or zarr3 array each
-    ITEM/_sharding, array_metadatas/            not needed here
+    ITEM/array_metadatas/process_N              JSON: per array, a PRNG key's implementation
+    ITEM/_sharding                              not needed here
 
 A ``CheckpointManager`` step is ``STEP/_CHECKPOINT_METADATA`` naming its items
 (``{"default": ...}`` or ``{"state": ..., "extra": ...}``) and one folder per item. A step
@@ -16,7 +17,9 @@ with exactly one item is read as that item; with several, pass ``STEP/ITEM``.
 
 Each parameter is a zarr array named by its key path joined with ``.`` (``params.w``), read
 through tensorstore (with the ``ocdbt`` kvstore driver for an OCDBT item), so a box read
-touches only the chunks it overlaps. Python scalars (0-d arrays in Orbax) are read when the
+touches only the chunks it overlaps. A PRNG key array is stored as its uint32 key data; the
+implementation that ``array_metadatas/process_0`` records for it (``random_key_impl``) makes
+it a key again, as jaxckpt's own ``prng_impl``. Python scalars (0-d arrays in Orbax) are read when the
 checkpoint is opened and become manifest values, as Orbax restores them. Nothing is
 unpickled and orbax is never imported; anything else (custom handlers or value types) is a
 :class:`ManifestError` naming the item.
@@ -46,7 +49,11 @@ from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
 METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 STRINGS = "_strings.json"
+ARRAY_METADATAS = "array_metadatas/process_0"  # every process records every jax.Array
 _MAX_JSON = 1 << 30
+_MAX_ARRAY_METADATAS = 256 << 20  # ~200 bytes per array
+# uint32 words of one key, by the implementation names jax.random.key_impl gives.
+KEY_WORDS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}
 _MAX_BYTES = 1 << 50
 _ARRAYS = ("jax.Array", "np.ndarray")
 _EMPTY = {"Dict": "dict", "List": "list", "Tuple": "list", "NamedTuple": "dict"}
@@ -93,12 +100,17 @@ def _unsupported(where: str, handler: Any) -> ManifestError:
     )
 
 
-def _read_json(kv: ts.KvStore, loc: _location.Location, name: str) -> Any:
-    raw = read_small(kv, loc, name, _MAX_JSON)
+def _read_json(kv: ts.KvStore, loc: _location.Location, name: str, limit: int = _MAX_JSON) -> Any:
+    raw = read_small(kv, loc, name, limit)
     if raw is None:
         return None
     try:
         return json.loads(raw)
+    except RecursionError:  # nested deeper than the decoder allows: no real metadata is
+        raise ManifestError(
+            f"{loc}/{name} is nested too deeply to be Orbax metadata. The Orbax checkpoint is "
+            f"damaged: restore another step."
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(
             f"{loc}/{name} is not valid JSON ({e}). The Orbax checkpoint is damaged: restore "
@@ -188,6 +200,7 @@ class Stored(NamedTuple):
     shape: tuple[int, ...]
     dtype: np.dtype
     chunks: tuple[int, ...]  # the read chunk shape
+    prng_impl: str | None = None  # a PRNG key array's implementation (shape ends in its words)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +252,7 @@ def manifest_from_orbax(
             chunks=tuple(max(1, c) for c in a.chunks),
             path=a.name,
             checksum="none",
+            prng_impl=a.prng_impl,
         )
         for key, a in arrays.items()
     }
@@ -277,7 +291,76 @@ def _open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manif
         stores[key] = store
     for key, (name, fut) in scalars.items():
         values[key] = _result(loc, key, name, fut).item()
+    if any(a.dtype == np.uint32 for a in arrays.values()):  # what key data is stored as
+        arrays = with_prng_impls(
+            loc, arrays, _read_json(kv, loc, ARRAY_METADATAS, _MAX_ARRAY_METADATAS)
+        )
     return manifest_from_orbax(loc, item, arrays, values), OrbaxReader(loc, stores)
+
+
+def with_prng_impls(
+    loc: _location.Location, arrays: dict[str, Stored], doc: Any
+) -> dict[str, Stored]:
+    """``arrays`` with the PRNG key implementations that Orbax's array metadata file (``doc``,
+    ``None`` where there is none) records; pure.
+
+    Raises:
+      ManifestError: naming the file: it is not the layout Orbax writes, names an implementation
+        jax lacks, or records a key for an array that is not uint32 key data of that kind.
+    """
+    if doc is None:
+        return arrays
+    where = f"{loc}/{ARRAY_METADATAS}"
+    impls = _prng_impls(where, doc)
+    out = dict(arrays)
+    for key, a in arrays.items():
+        impl = impls.get(a.name)
+        if impl is None:
+            continue
+        words = KEY_WORDS[impl]
+        if a.dtype != np.uint32 or not a.shape or a.shape[-1] != words:
+            raise _bad_array_metadata(
+                where,
+                f"array {a.name} (leaf {key!r}) is recorded as a {impl} PRNG key but is stored "
+                f"as {a.dtype.name}{list(a.shape)}, not the key data uint32[..., {words}]",
+            )
+        out[key] = a._replace(prng_impl=impl)
+    return out
+
+
+def _prng_impls(where: str, doc: Any) -> dict[str, str]:
+    """Parameter name -> PRNG key implementation, from an array metadata document."""
+    entries = doc.get("array_metadatas") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise _bad_array_metadata(where, 'no "array_metadatas" list')
+    found = {}
+    for i, entry in enumerate(entries):
+        meta = entry.get("array_metadata") if isinstance(entry, dict) else None
+        name = meta.get("param_name") if isinstance(meta, dict) else None
+        ext = meta.get("ext_metadata") if isinstance(meta, dict) else None
+        impl = ext.get("random_key_impl") if isinstance(ext, dict) else None
+        if not isinstance(name, str) or not isinstance(ext, (dict, type(None))):
+            raise _bad_array_metadata(
+                where,
+                f"entry {i} is not {{'array_metadata': {{'param_name': ..., 'ext_metadata': ...}}}}",
+            )
+        if impl is not None and impl not in KEY_WORDS:
+            raise _bad_array_metadata(
+                where,
+                f"array {name[:200]} is recorded as a PRNG key of implementation "
+                f"{str(impl)[:100]!r}, which jaxckpt does not know (it knows "
+                f"{', '.join(KEY_WORDS)})",
+            )
+        if impl is not None:
+            found[name] = impl
+    return found
+
+
+def _bad_array_metadata(where: str, what: str) -> ManifestError:
+    return ManifestError(
+        f"{where}: {what}. The Orbax array metadata is damaged or of a layout jaxckpt does not "
+        f"know; nothing was read. Restore the item with orbax-checkpoint, or another step."
+    )
 
 
 def _start_opening(
