@@ -118,73 +118,54 @@ def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
     assert "stores no checksums" in capsys.readouterr().out
 
 
-def test_multi_item_step_names_its_items(tmp_path):
-    with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "extra")) as mgr:
-        mgr.save(
-            5,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"a": jnp.ones(3)}), extra=ocp.args.JsonSave({"x": 1})
-            ),
-        )
-    with pytest.raises(jaxckpt.ManifestError, match=r"items \['extra', 'state'\].*restore one"):
-        jaxckpt.restore(tmp_path / "run" / "5")
-    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "run" / "5" / "state")["a"], 1.0)
-
-
-def _optax_state():
-    optax = pytest.importorskip("optax")
-    params = {"w": jnp.ones(4)}
-    opt = (optax.sgd(0.1).init(params), optax.adamw(0.1).init(params))
-    return {"w": jnp.ones(4), "opt": opt, "none": None, "empty": {}}
-
-
-def test_optax_empty_states_restore_strictly(tmp_path):
-    """Orbax writes an empty node (optax's EmptyState(), a None) as a None placeholder: it
-    restores as the target's empty node, as None without a target, and so after convert."""
-    state = _optax_state()
-    with ocp.PyTreeCheckpointer() as c:  # Standard refuses None leaves
-        c.save(tmp_path / "o", state)
-    jaxckpt.convert(str(tmp_path / "o"), str(tmp_path / "converted"))
-    for path in (tmp_path / "o", tmp_path / "converted"):
-        got = jaxckpt.restore(path, state)
-        assert jax.tree.structure(got) == jax.tree.structure(state)  # EmptyState() kept
-        assert_tree_equal(got, state)
-        assert jaxckpt.restore(path)["opt"][0] == [None, None]  # as Orbax restores it
-        # None and an empty node hold the same (nothing): either target restores either
-        swapped = state | {"none": {}, "empty": None}
-        assert_tree_equal(jaxckpt.restore(path, swapped), swapped)
-        with pytest.raises(jaxckpt.KeyMismatchError, match=r"not in `target`: \['none'\]"):
-            jaxckpt.restore(path, {k: v for k, v in state.items() if k != "none"})
-
-
-def test_prng_keys_come_back_as_keys(tmp_path):
-    m = mesh((8,), ("data",))
-    keys = jax.random.split(jax.random.key(1, impl="rbg"), 8)
-    state = {"rng": jax.random.key(0), "keys": jax.device_put(keys, NamedSharding(m, P("data")))}
-    with ocp.StandardCheckpointer() as c:
-        c.save(tmp_path / "o", state)
-    jaxckpt.convert(str(tmp_path / "o"), str(tmp_path / "converted"))
-    for path in (tmp_path / "o", tmp_path / "converted"):
-        got = jaxckpt.restore(path, state)
-        assert got["keys"].sharding == state["keys"].sharding
-        assert jax.random.key_impl(got["keys"]) == jax.random.key_impl(keys)
-        assert_tree_equal(got, state)
-        assert_tree_equal(jaxckpt.restore(path), state)  # keys without a target too
-    info = jaxckpt.metadata(tmp_path / "o").entries["rng"]
-    assert (info.prng_impl, info.shape, info.dtype) == ("threefry2x32", (2,), "uint32")
-    (tmp_path / "o" / "array_metadatas" / "process_0").unlink()  # as if never recorded
+def test_multi_item_step_points_to_its_arrays_and_json_items_restore_as_values(tmp_path, capsys):
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "metadata")) as mgr:
+        for step in (5, 6):
+            mgr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"a": jnp.ones(3)}),
+                    metadata=ocp.args.JsonSave({"x": step, "l": [1.5, None, "s", True]}),
+                ),
+            )
+    step = tmp_path / "run" / "5"
     with pytest.raises(
-        jaxckpt.DtypeMismatchError, match=r"Key 'keys'.*no key implementation.*wrap_key_data"
+        jaxckpt.ManifestError,
+        match=r"items \['metadata', 'state'\]; the arrays are in 'state'.*restore\('.*5/state'\)"
+        r".*JSON value.*5/metadata",
     ):
-        jaxckpt.restore(tmp_path / "o", state)
-    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "o")["rng"], [0, 0])
+        jaxckpt.restore(step)
+    np.testing.assert_array_equal(jaxckpt.restore(step / "state")["a"], 1.0)
+    assert jaxckpt.restore(step / "metadata") == {"x": 5, "l": [1.5, None, "s", True]}
+    assert jaxckpt.restore(step / "metadata", {"x": 0, "l": [0.0, None, "", False]})["x"] == 5
+    jaxckpt.convert(str(step / "metadata"), str(tmp_path / "meta"))
+    assert jaxckpt.restore(tmp_path / "meta") == {"x": 5, "l": [1.5, None, "s", True]}
+    (tmp_path / "run" / "7.orbax-checkpoint-tmp-123").mkdir()  # a save Orbax did not finish
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == ["NAME", "STATUS", "SIZE", "FORMAT"]
+    assert [(r[0], r[1], r[-1]) for r in rows[1:]] == [
+        ("5", "committed", "orbax"),
+        ("6", "committed", "orbax"),
+        ("7.orbax-checkpoint-tmp-123", "incomplete", "-"),
+    ]
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"run directory.*\(s\): \[5, 6\]"):
+        jaxckpt.restore(tmp_path / "run")
 
 
-def test_custom_handler_item_is_a_typed_error(tmp_path):
+def test_single_json_item_restores_and_other_handlers_are_typed_errors(tmp_path):
     with ocp.CheckpointManager(tmp_path / "run", item_names=("extra",)) as mgr:
         mgr.save(1, args=ocp.args.Composite(extra=ocp.args.JsonSave({"x": 1})))
-    with pytest.raises(jaxckpt.ManifestError, match=r"item 'extra'.*JsonCheckpointHandler"):
-        jaxckpt.restore(tmp_path / "run" / "1")
+    assert jaxckpt.restore(tmp_path / "run" / "1") == {"x": 1}
+    meta = tmp_path / "run" / "1" / "_CHECKPOINT_METADATA"
+    doc = json.loads(meta.read_text())
+    doc["item_handlers"]["extra"] = "my.pkg.CustomHandler"
+    meta.write_text(json.dumps(doc))
+    for path in (tmp_path / "run" / "1", tmp_path / "run" / "1" / "extra"):
+        with pytest.raises(
+            jaxckpt.ManifestError, match=r"1/extra is an Orbax item of CustomHandler"
+        ):
+            jaxckpt.restore(path)
 
 
 def _edit_metadata(path, edit):

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from jaxckpt._errors import ManifestError
-from jaxckpt._sources.orbax import Stored, manifest_from_orbax, parse_metadata, with_prng_impls
+from jaxckpt._sources.orbax_metadata import (
+    Stored,
+    manifest_from_orbax,
+    parse_metadata,
+    with_prng_impls,
+)
 from jaxckpt._storage.location import Location
 
 LOC = Location("/nowhere/item")

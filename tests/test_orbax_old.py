@@ -101,3 +101,43 @@ def test_metadata_nested_too_deeply_is_a_typed_error(tmp_path):
     (item / "_METADATA").write_text("[" * 100_000)
     with pytest.raises(jaxckpt.ManifestError, match=r"_METADATA is nested too deeply"):
         jaxckpt.restore(item)
+
+
+def test_old_manager_run_steps_items_and_listing(capsys):
+    from jaxckpt._cli.main import main
+
+    for step in ("1", "2"):
+        with pytest.raises(
+            jaxckpt.ManifestError, match=rf"the arrays are in 'state'.*{step}/state"
+        ):
+            jaxckpt.restore(DATA / "manager" / step)
+        assert (
+            jaxckpt.restore(DATA / "manager" / step / "metadata")
+            == (EXPECTED["manager"][step]["metadata"])
+        )
+        _assert_leaves(
+            jaxckpt.restore(DATA / "manager" / step / "state", _target(1)),
+            EXPECTED["manager"][step]["state"],
+        )
+    assert main(["ls", str(DATA / "manager")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [(r[0], r[1], r[-1]) for r in rows[1:]] == [
+        ("1", "committed", "orbax"),
+        ("2", "committed", "orbax"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ({"a/b": 1}, r"has the key 'a/b', which no key path"),
+        ({"a": {"": 1}}, r"has the key '' under 'a'"),
+        (json.loads("[" * 500 + "]" * 500), r"nested deeper than 400"),
+    ],
+)
+def test_damaged_json_items_are_typed_errors(tmp_path, value, match):
+    run = tmp_path / "manager"
+    shutil.copytree(DATA / "manager", run)
+    (run / "1" / "metadata" / "metadata").write_text(json.dumps(value))
+    with pytest.raises(jaxckpt.ManifestError, match=r"1/metadata/metadata: .*" + match):
+        jaxckpt.restore(run / "1" / "metadata")

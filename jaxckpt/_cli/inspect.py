@@ -12,6 +12,7 @@ from jaxckpt._api import metadata
 from jaxckpt._cli.text import UsageError, human_bytes, plural
 from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
 from jaxckpt._planning import tree as _tree
+from jaxckpt._sources import orbax_step as _orbax_step
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 
@@ -106,7 +107,15 @@ def run_ls(args: argparse.Namespace) -> int:
     rows = []
     for name, committed in found:
         child = loc.join(name)
-        rows.append({"name": name, "committed": committed, "nbytes": _size(child, committed)})
+        orbax = not committed and _orbax_step.is_committed_step(child)
+        rows.append(
+            {
+                "name": name,
+                "committed": committed or orbax,
+                "format": "orbax" if orbax else "jaxckpt" if committed else None,
+                "nbytes": _size(child, committed),
+            }
+        )
     if args.json:
         print(json.dumps({"path": args.path, "entries": rows}, indent=1))
         return 0
@@ -114,11 +123,21 @@ def run_ls(args: argparse.Namespace) -> int:
         print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)
         return 0
     width = max(4, *(len(r["name"]) for r in rows))
-    print(f"{'NAME':<{width}}  {'STATUS':<10}  SIZE")
+    foreign = any(r["format"] == "orbax" for r in rows)  # say which, only when it varies
+    print(
+        f"{'NAME':<{width}}  {'STATUS':<10}  {'SIZE':<10}  FORMAT"
+        if foreign
+        else f"{'NAME':<{width}}  {'STATUS':<10}  SIZE"
+    )
     for r in rows:
         status = "committed" if r["committed"] else "incomplete"
         size = "?" if r["nbytes"] is None else human_bytes(r["nbytes"])
-        print(f"{r['name']:<{width}}  {status:<10}  {size}")
+        line = (
+            f"{r['name']:<{width}}  {status:<10}  {size:<10}  {r['format'] or '-'}"
+            if foreign
+            else f"{r['name']:<{width}}  {status:<10}  {size}"
+        )
+        print(line.rstrip())
     return 0
 
 
