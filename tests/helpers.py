@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from packaging.version import Version
 
 from jaxckpt._planning import packing as _pack
-
-
-def _orbax_version() -> Version:
-    try:
-        return Version(version("orbax-checkpoint"))
-    except PackageNotFoundError:
-        return Version("0")
-
-
-# Orbax < 0.11.31 (the floor suite's) leaves use_ocdbt out of an item's _METADATA, and jaxckpt
-# then opens its OCDBT arrays as plain zarr files (NOT_FOUND .zarray): a jaxckpt bug. Strict,
-# so the floor suite fails once it is fixed and this mark can go.
-XFAIL_ORBAX_OCDBT_WITHOUT_FLAG = pytest.mark.xfail(
-    Version("0") < _orbax_version() < Version("0.11.31"),
-    reason="jaxckpt reads OCDBT only when _METADATA says use_ocdbt (Orbax >= 0.11.31)",
-    strict=True,
-)
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...], devices=None) -> Mesh:

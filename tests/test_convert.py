@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import XFAIL_ORBAX_OCDBT_WITHOUT_FLAG, assert_tree_equal, mesh, put
+from helpers import assert_tree_equal, mesh, put
 
 import jaxckpt
 from jaxckpt._cli.main import main
@@ -17,7 +17,6 @@ st = pytest.importorskip("safetensors.numpy")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
-@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_convert_orbax_keeps_tree_values_and_bytes(tmp_path):
     m = mesh((4, 2), ("data", "model"))
     tree = {

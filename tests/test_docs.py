@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -26,9 +25,7 @@ def _blocks(page: Path):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_doc_code_blocks_run(page, tmp_path, monkeypatch, request):
-    if page.name == "migration.md":  # it restores an Orbax checkpoint saved with OCDBT
-        request.applymarker(XFAIL_ORBAX_OCDBT_WITHOUT_FLAG)
+def test_doc_code_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     for i, m in enumerate(_blocks(page)):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import XFAIL_ORBAX_OCDBT_WITHOUT_FLAG, assert_tree_equal, mesh, put
+from helpers import assert_tree_equal, mesh, put
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -47,12 +47,7 @@ def _orbax_restore(path, tree):
 
 @pytest.mark.parametrize(
     "ocdbt,zarr3",
-    [
-        pytest.param(True, True, marks=XFAIL_ORBAX_OCDBT_WITHOUT_FLAG),
-        pytest.param(True, False, marks=XFAIL_ORBAX_OCDBT_WITHOUT_FLAG),
-        (False, True),
-        (False, False),
-    ],
+    [(True, True), (True, False), (False, True), (False, False)],
 )
 def test_restore_onto_other_mesh_one_device_and_host(tmp_path, ocdbt, zarr3):
     tree = _state()
@@ -81,7 +76,22 @@ def test_restore_onto_other_mesh_one_device_and_host(tmp_path, ocdbt, zarr3):
     assert host["params"]["b"].dtype == jnp.bfloat16
 
 
-@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
+@pytest.mark.parametrize("zarr3", [True, False])
+def test_ocdbt_is_told_from_the_files_when_metadata_does_not_say(tmp_path, zarr3):
+    """Orbax <= 0.11.30 wrote no use_ocdbt (data/orbax_old holds such checkpoints); this
+    orbax's OCDBT items read the same without it, and its non-OCDBT items too."""
+    tree = _state()
+    for ocdbt in (True, False):
+        path = tmp_path / f"o{ocdbt}"
+        _save(path, tree, ocdbt=ocdbt, zarr3=zarr3)
+        _edit_metadata(path, lambda doc: doc.pop("use_ocdbt", None))
+        got = jaxckpt.restore(path)
+        assert_tree_equal(
+            got, jax.tree.map(np.asarray, _orbax_restore(path, tree)) | {"step": 7, "lr": 0.5}
+        )
+        assert jaxckpt.metadata(path).created["use_ocdbt"] is ocdbt
+
+
 def test_reads_only_the_keys_asked_for(tmp_path):
     path = tmp_path / "orbax"
     _save(path, _state(), ocdbt=True, zarr3=False)
@@ -90,7 +100,6 @@ def test_reads_only_the_keys_asked_for(tmp_path):
     assert list(got) == ["params"] and list(got["params"]) == ["w"]
 
 
-@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
 def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
     tree = _state()
     with ocp.StandardCheckpointer() as c:
@@ -109,25 +118,54 @@ def test_standard_checkpointer_and_manager_step(tmp_path, capsys):
     assert "stores no checksums" in capsys.readouterr().out
 
 
-@XFAIL_ORBAX_OCDBT_WITHOUT_FLAG
-def test_multi_item_step_names_its_items(tmp_path):
-    with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "extra")) as mgr:
-        mgr.save(
-            5,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"a": jnp.ones(3)}), extra=ocp.args.JsonSave({"x": 1})
-            ),
-        )
-    with pytest.raises(jaxckpt.ManifestError, match=r"items \['extra', 'state'\].*restore one"):
-        jaxckpt.restore(tmp_path / "run" / "5")
-    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "run" / "5" / "state")["a"], 1.0)
+def test_multi_item_step_points_to_its_arrays_and_json_items_restore_as_values(tmp_path, capsys):
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "metadata")) as mgr:
+        for step in (5, 6):
+            mgr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"a": jnp.ones(3)}),
+                    metadata=ocp.args.JsonSave({"x": step, "l": [1.5, None, "s", True]}),
+                ),
+            )
+    step = tmp_path / "run" / "5"
+    with pytest.raises(
+        jaxckpt.ManifestError,
+        match=r"items \['metadata', 'state'\]; the arrays are in 'state'.*restore\('.*5/state'\)"
+        r".*JSON value.*5/metadata",
+    ):
+        jaxckpt.restore(step)
+    np.testing.assert_array_equal(jaxckpt.restore(step / "state")["a"], 1.0)
+    assert jaxckpt.restore(step / "metadata") == {"x": 5, "l": [1.5, None, "s", True]}
+    assert jaxckpt.restore(step / "metadata", {"x": 0, "l": [0.0, None, "", False]})["x"] == 5
+    jaxckpt.convert(str(step / "metadata"), str(tmp_path / "meta"))
+    assert jaxckpt.restore(tmp_path / "meta") == {"x": 5, "l": [1.5, None, "s", True]}
+    (tmp_path / "run" / "7.orbax-checkpoint-tmp-123").mkdir()  # a save Orbax did not finish
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == ["NAME", "STATUS", "SIZE", "FORMAT", "BASE"]
+    assert [(r[0], r[1], r[4]) for r in rows[1:]] == [
+        ("5", "committed", "orbax"),
+        ("6", "committed", "orbax"),
+        ("7.orbax-checkpoint-tmp-123", "incomplete", "-"),
+    ]
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"run directory.*\(s\): \[5, 6\]"):
+        jaxckpt.restore(tmp_path / "run")
 
 
-def test_custom_handler_item_is_a_typed_error(tmp_path):
+def test_single_json_item_restores_and_other_handlers_are_typed_errors(tmp_path):
     with ocp.CheckpointManager(tmp_path / "run", item_names=("extra",)) as mgr:
         mgr.save(1, args=ocp.args.Composite(extra=ocp.args.JsonSave({"x": 1})))
-    with pytest.raises(jaxckpt.ManifestError, match=r"item 'extra'.*JsonCheckpointHandler"):
-        jaxckpt.restore(tmp_path / "run" / "1")
+    assert jaxckpt.restore(tmp_path / "run" / "1") == {"x": 1}
+    meta = tmp_path / "run" / "1" / "_CHECKPOINT_METADATA"
+    doc = json.loads(meta.read_text())
+    doc["item_handlers"]["extra"] = "my.pkg.CustomHandler"
+    meta.write_text(json.dumps(doc))
+    for path in (tmp_path / "run" / "1", tmp_path / "run" / "1" / "extra"):
+        with pytest.raises(
+            jaxckpt.ManifestError, match=r"1/extra is an Orbax item of CustomHandler"
+        ):
+            jaxckpt.restore(path)
 
 
 def _edit_metadata(path, edit):

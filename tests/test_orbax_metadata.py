@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from jaxckpt._errors import ManifestError
-from jaxckpt._sources.orbax import Stored, manifest_from_orbax, parse_metadata
+from jaxckpt._sources.orbax_metadata import (
+    Stored,
+    manifest_from_orbax,
+    parse_metadata,
+    with_prng_impls,
+)
 from jaxckpt._storage.location import Location
 
 LOC = Location("/nowhere/item")
@@ -59,3 +64,58 @@ def test_a_value_leaf_holding_an_array_is_a_typed_error():
     item = parse_metadata(LOC, DOC)
     with pytest.raises(ManifestError, match=r"leaf 'step' holds a ndarray"):
         manifest_from_orbax(LOC, item, {}, {"step": np.zeros(2), "name": "run"})
+
+
+def _array_metadatas(*entries: tuple[str, object]) -> dict:
+    return {
+        "array_metadatas": [
+            {"array_metadata": {"param_name": n, "write_shape": [2], "ext_metadata": ext}}
+            for n, ext in entries
+        ]
+    }
+
+
+KEYS = {
+    "rng": Stored("rng", (2,), np.dtype("uint32"), (2,)),
+    "ks": Stored("ks", (8, 4), np.dtype("uint32"), (1, 4)),
+    "w": Stored("w", (2,), np.dtype("float32"), (2,)),
+}
+
+
+def test_prng_keys_from_the_array_metadata():
+    doc = _array_metadatas(
+        ("rng", {"random_key_impl": "threefry2x32"}),
+        ("ks", {"random_key_impl": "rbg"}),
+        ("w", None),
+    )
+    got = with_prng_impls(LOC, KEYS, doc)
+    assert {k: a.prng_impl for k, a in got.items()} == {
+        "rng": "threefry2x32",
+        "ks": "rbg",
+        "w": None,
+    }
+    item = parse_metadata(
+        LOC, {"tree_metadata": {"('rng',)": _leaf(("rng", 2), value_type="jax.Array")}}
+    )
+    entry = manifest_from_orbax(LOC, item, {"rng": got["rng"]}, {}).entries["rng"]
+    assert (entry.prng_impl, entry.shape, entry.dtype) == ("threefry2x32", (2,), "uint32")
+    assert with_prng_impls(LOC, KEYS, None) == KEYS  # older Orbax: no file, plain arrays
+
+
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        ([], r'no "array_metadatas" list'),
+        ({"array_metadatas": [{"array_metadata": {"param_name": 3}}]}, r"entry 0 is not"),
+        (_array_metadatas(("rng", [1])), r"entry 0 is not"),
+        (_array_metadatas(("rng", {"random_key_impl": "mine"})), r"rng .*implementation 'mine'"),
+        (_array_metadatas(("w", {"random_key_impl": "threefry2x32"})), r"w \(leaf 'w'\).*float32"),
+        (
+            _array_metadatas(("rng", {"random_key_impl": "rbg"})),
+            r"rng.*uint32\[2\].*uint32\[\.\.\., 4\]",
+        ),
+    ],
+)
+def test_damaged_array_metadata_is_a_typed_error_naming_the_file(doc, match):
+    with pytest.raises(ManifestError, match=r"item/array_metadatas/process_0: .*" + match):
+        with_prng_impls(LOC, KEYS, doc)

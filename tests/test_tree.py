@@ -47,6 +47,19 @@ def test_int_dict_keys_and_nested_empty_containers(tmp_path):
     assert set(back["by_id"]) == {3, 10} and back["e"] == [(), {}] and back["t"] == ()
 
 
+def test_none_and_an_empty_node_stand_for_each_other_in_a_strict_restore(tmp_path):
+    """Both hold no data (JAX treats None as an empty subtree, Orbax saves every empty node
+    as None): a target may hold either where the checkpoint holds the other."""
+    tree = {"w": jnp.ones(2), "none": None, "empty": (), "nested": {"e": {}}}
+    jaxckpt.save(tmp_path / "c", tree)
+    swapped = {"w": jnp.ones(2), "none": (), "empty": None, "nested": {"e": None}}
+    assert_tree_equal(jaxckpt.restore(tmp_path / "c", swapped), swapped)
+    with pytest.raises(jaxckpt.KeyMismatchError, match=r"in `target` missing .*\['nested/e/x'\]"):
+        jaxckpt.restore(tmp_path / "c", swapped | {"nested": {"e": {"x": None}}})
+    with pytest.raises(jaxckpt.KeyMismatchError, match=r"not in `target`: \['none'\]"):
+        jaxckpt.restore(tmp_path / "c", {"w": jnp.ones(2), "empty": (), "nested": {"e": {}}})
+
+
 def test_structure_is_json_and_unflatten_drops_unselected():
     tree = {"a": [1, 2], "b": {"c": 3}}
     node = _tree.structure(tree)

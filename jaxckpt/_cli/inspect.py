@@ -13,6 +13,7 @@ from jaxckpt._cli.text import UsageError, human_bytes, plural
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
 from jaxckpt._planning import tree as _tree
+from jaxckpt._sources import orbax_step as _orbax_step
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 
@@ -107,7 +108,13 @@ def run_ls(args: argparse.Namespace) -> int:
     rows = []
     for name, committed in found:
         child = loc.join(name)
-        row = {"name": name, "committed": committed, "nbytes": _size(child, committed)}
+        orbax = not committed and _orbax_step.is_committed_step(child)
+        row = {
+            "name": name,
+            "committed": committed or orbax,
+            "format": "orbax" if orbax else "jaxckpt" if committed else None,
+            "nbytes": _size(child, committed),
+        }
         rows.append({**row, **(_lineage(child) if committed else {})})
     if args.json:
         print(json.dumps({"path": args.path, "entries": rows}, indent=1))
@@ -116,11 +123,14 @@ def run_ls(args: argparse.Namespace) -> int:
         print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)
         return 0
     width = max(4, *(len(r["name"]) for r in rows))
-    print(f"{'NAME':<{width}}  {'STATUS':<10}  {'SIZE':<9}  BASE")
+    foreign = any(r["format"] == "orbax" for r in rows)  # say which, only when it varies
+    fmt = f"  {'FORMAT':<7}" if foreign else ""
+    print(f"{'NAME':<{width}}  {'STATUS':<10}  {'SIZE':<9}{fmt}  BASE")
     for r in rows:
         status = "committed" if r["committed"] else "incomplete"
         size = "?" if r["nbytes"] is None else human_bytes(r["nbytes"])
-        print(f"{r['name']:<{width}}  {status:<10}  {size:<9}  {_base_text(r)}".rstrip())
+        fmt = f"  {r['format'] or '-':<7}" if foreign else ""
+        print(f"{r['name']:<{width}}  {status:<10}  {size:<9}{fmt}  {_base_text(r)}".rstrip())
     return 0
 
 

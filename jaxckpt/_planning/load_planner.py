@@ -154,11 +154,15 @@ class DefaultLoadPlanner(LoadPlanner):
             in_target = set(tkeys) if keys is None else {k for k in tkeys if _tree.matches(k, keys)}
             missing = sorted(in_target - set(saved))
             unexpected = sorted(set(wanted) - set(tkeys))
+            if missing or unexpected:  # None against an empty node is no mismatch
+                missing, unexpected = _empty_alike(
+                    missing, unexpected, manifest, target, self.targets
+                )
             if strict and (missing or unexpected):
                 raise KeyMismatchError(_key_message(missing, unexpected))
             if missing:  # strict=False: they come back as the target holds them; say so
                 logger.warning(_kept_message(missing, unexpected, self.targets))
-            self.selected = in_target - set(missing)
+            self.selected = in_target & set(saved)
         self.wants = {}  # key -> (dtype to return, sharding | _HOST)
         order = {k: i for i, k in enumerate(saved)}
         for key in self.targets if target is None else sorted(self.selected, key=order.get):
@@ -191,6 +195,13 @@ class DefaultLoadPlanner(LoadPlanner):
             sharding = _UNCOMMITTED
         if isinstance(leaf, jax.ShapeDtypeStruct) and sharding is None:  # plain jax.eval_shape
             sharding = _UNCOMMITTED  # a jax.Array on the default device, as jnp would make it
+        if not entry.prng_impl and jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
+            raise DtypeMismatchError(
+                f"Key {key!r}: in `target` a PRNG key array, on disk plain {entry.dtype}"
+                f"{list(entry.shape)} data with no key implementation recorded (key data saved "
+                f"as an array, or an Orbax checkpoint without array metadata). Restore it with "
+                f"None at this key and wrap it: jax.random.wrap_key_data(x, impl=...)."
+            )
         if entry.prng_impl:
             if not jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
                 raise DtypeMismatchError(
@@ -442,6 +453,29 @@ def _shape_error(key: str, target: tuple, saved: tuple) -> ShapeMismatchError:
         f"Key {key!r}: shape in `target`: {target}, on disk: {tuple(saved)}. Restore with a "
         f"target of the saved shape (or a bare Sharding, which takes shape from the checkpoint)."
     )
+
+
+def _empty_alike(
+    missing: list[str], unexpected: list[str], manifest: Manifest, target: Any, leaves: dict
+) -> tuple[list[str], list[str]]:
+    """``missing`` and ``unexpected`` less the keys where one side holds ``None`` and the
+    other an empty node (optax's ``EmptyState()``, ``{}``, ``()``).
+
+    Both hold no data, and JAX itself treats ``None`` as an empty subtree; Orbax records every
+    empty node as a ``None`` placeholder and restores it into whichever the target holds.
+    """
+    saved = manifest.entries
+    unexpected = [
+        k
+        for k in unexpected
+        if isinstance(saved[k], ArrayEntry)
+        or saved[k].value is not None
+        or not _tree.is_empty_at(target, k)
+    ]
+    if missing:
+        empty = _tree.empty_paths(manifest.tree)
+        missing = [k for k in missing if not (leaves[k] is None and k in empty)]
+    return missing, unexpected
 
 
 def _key_message(missing: list[str], unexpected: list[str]) -> str:

@@ -234,6 +234,36 @@ def unflatten(node: dict, values: dict[str, Any], selected: Any = None, path: st
     return tuple(v for _, v in kept)
 
 
+def empty_paths(node: dict, path: str = "", found: set[str] | None = None) -> set[str]:
+    """The key paths of the containers in a JSON structure that hold nothing (``{}``, an
+    ``EmptyState()``), as a leaf there would be named."""
+    found = set() if found is None else found
+    if node["type"] != "leaf" and not node["children"]:
+        found.add(path)
+    elif node["type"] != "leaf":
+        keys = node.get("keys") or [str(i) for i in range(len(node["children"]))]
+        for k, child in zip(keys, node["children"]):
+            empty_paths(child, f"{path}{SEP}{k}" if path else str(k), found)
+    return found
+
+
+def is_empty_at(tree: Any, key: str) -> bool:
+    """Whether ``tree`` holds, at key path ``key``, a node with no leaves (``None`` counts as a
+    leaf here, as in :func:`flatten_with_treedef`)."""
+    node = tree
+    for part in key.split(SEP) if key else []:
+        if node is None:
+            return False
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y, n=node: y is not n)[
+            0
+        ]
+        found = [child for p, child in children if len(p) == 1 and _entry_str(p[0]) == part]
+        if not found or found[0] is node:
+            return False
+        node = found[0]
+    return node is not None and not jax.tree_util.tree_leaves(node, is_leaf=_is_none)
+
+
 class _Missing:
     def __repr__(self) -> str:
         return "<missing>"

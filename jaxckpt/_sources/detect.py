@@ -5,8 +5,9 @@ reader of the ``jaxckpt._storage.reader.Reader`` protocol, so restore's pipeline
 -> commit -> finish) is the same for every format::
 
     PATH/manifest.json                      jaxckpt (checked first)
-    PATH/_METADATA                          an Orbax PyTree/Standard item (see _orbax)
+    PATH/_METADATA                          an Orbax PyTree/Standard item (see orbax)
     PATH/_CHECKPOINT_METADATA + one item    an Orbax CheckpointManager step (its only item)
+    STEP/ITEM/metadata                      an Orbax step's JSON item (see orbax_step)
     PATH.safetensors, PATH/*.safetensors,
     PATH/model.safetensors.index.json       safetensors weights (see _safetensors)
 """
@@ -27,7 +28,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
       CheckpointNotFoundError: nothing jaxckpt reads is there.
       ManifestError: a foreign checkpoint's metadata is malformed, unsafe or unsupported.
     """
-    from jaxckpt._sources import orbax as _orbax  # late: each is needed only for its format
+    from jaxckpt._sources import orbax_step as _orbax  # late: each is needed only for its format
     from jaxckpt._sources import safetensors as _safetensors
 
     try:
@@ -50,7 +51,13 @@ def _run_directory_error(loc: _location.Location) -> CheckpointNotFoundError | N
     ``CheckpointManager``) rather than one; ``None`` when it is not."""
     if loc.local is None or not loc.local.is_dir():
         return None  # an object store would have to be listed whole: keep the plain message
-    steps = [name for name, ok in _catalog.children(loc) if ok and name.isdigit()]
+    from jaxckpt._sources import orbax_step as _orbax  # late, as in open_source
+
+    steps = [
+        name
+        for name, ok in _catalog.children(loc)
+        if name.isdigit() and (ok or _orbax.is_committed_step(loc.join(name)))
+    ]
     if not steps:
         return None
     nums = [int(n) for n in steps]
