@@ -173,7 +173,9 @@ def _device_get(state, runs: int) -> list[float]:
 
 def worker(spec: dict) -> dict:
     """Measure ``spec["lib"]`` on ``spec["mib"]`` MiB (``None``: by backend)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    sys.path.append(os.path.dirname(here))  # this checkout's jaxckpt, unless one is installed
     import _libs
     import jax
 
