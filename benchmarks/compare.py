@@ -116,6 +116,8 @@ def _library(args: argparse.Namespace, spawn, res: dict, w: str, lib: str) -> No
                 "warm": rc["warm"],
                 "reshard": other.get("times"),
                 "resident_pages": max(rc["resident_pages"], other.get("resident_pages", 0)),
+                "bytes_read": rc["bytes_read"],
+                "bytes_needed": rc["bytes_needed"],
             }
     shutil.rmtree(keep, ignore_errors=True)
 
@@ -462,6 +464,8 @@ def _cold_table(res: dict, w: str, libs: tuple[str, ...], add) -> None:
             for lib in libs
         ]
         add(f"| {name} | " + " | ".join(cells) + " |")
+    reads = [_read_ratio(cold.get(lib), -1) for lib in libs]  # *cached*: an in-process cache
+    add("| bytes read ÷ needed, warm process | " + " | ".join(reads) + " |")
     pages = [str(cold[lib]["resident_pages"]) if lib in cold else "—" for lib in libs]
     add("| pages still cached after eviction (max) | " + " | ".join(pages) + " |")
 
