@@ -13,7 +13,9 @@ import shutil
 import sys
 import time
 
+import _evict
 import _libs
+import _limits
 import _state
 import jax
 import numpy as np
@@ -87,9 +89,13 @@ def _check_shardings(out, target) -> None:
 
 
 def _restore_onto(lib, spec: dict, mesh: list[int], cold: bool) -> dict:
+    """Restore ``spec["path"]`` onto ``mesh``; with ``spec["evict"]``, each call after the
+    checkpoint's files were dropped from the page cache (not timed; pages left counted)."""
     target = _state.abstract(spec["workload"], tuple(mesh))
-    times, reads = [], []
+    times, reads, left = [], [], 0
     for r, _ in enumerate(_calls(spec, cold)):
+        if spec.get("evict"):
+            left = max(left, _evict.evict(spec["path"])["resident_pages"])
         before, lib.bytes_read = _file_bytes_read(), 0
         t = time.perf_counter()
         out = jax.block_until_ready(lib.restore(spec["path"], target))
@@ -99,7 +105,8 @@ def _restore_onto(lib, spec: dict, mesh: list[int], cold: bool) -> dict:
             _state.check(spec["workload"], out)
             _check_shardings(out, target)
         del out
-    return {"times": times, "bytes_read": reads, "bytes_needed": _needed_bytes(target)}
+    needed = _needed_bytes(target)
+    return {"times": times, "bytes_read": reads, "bytes_needed": needed, "resident_pages": left}
 
 
 def _restore(spec: dict) -> dict:
@@ -111,6 +118,7 @@ def _restore(spec: dict) -> dict:
         "warm": same["times"][1:],
         "bytes_read": same["bytes_read"],
         "bytes_needed": same["bytes_needed"],
+        "resident_pages": same["resident_pages"],
     }
     if spec.get("reshard"):  # after the cold call above: only warm calls here
         at_least_one = {**spec, "runs": max(spec["runs"], 1)}
@@ -256,6 +264,7 @@ TASKS = {
     "memory_restore": _memory_restore,
     "plan": _plan,
     "scaling": _scaling,
+    "limits": _limits.run,
 }
 
 

@@ -33,11 +33,14 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _limits  # noqa: E402  (no jax: the parent process only spawns and reports)
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-WORKLOADS = ("big", "small", "reshard", "async", "memory", "plan", "orbax-read", "scaling")
+WORKLOADS = ("big", "small", "reshard", "cold", "async", "memory", "plan", "orbax-read", "scaling")
 LIBS = ("jaxckpt", "orbax", "jax.array_serialization", "raw numpy", "raw numpy+fsync")
 RAW = ("raw numpy", "raw numpy+fsync")  # no async save; the durable one's memory is raw's
 # One process per library; jaxckpt measures its blocking save, then its async one.
@@ -83,6 +86,61 @@ def _ratio(other: float | None, ours: float | None) -> str:
     return "—" if not other or not ours else f"{other / ours:.2f}×"
 
 
+def _library(args: argparse.Namespace, spawn, res: dict, w: str, lib: str) -> None:
+    """Save workload ``w`` with ``lib`` in one process, then restore it in fresh ones: warm
+    (page cache as the save left it) onto the same mesh and, for ``reshard``, onto (2,4); and
+    for ``cold``, with the files evicted before every restore call."""
+    warm, log = w in args.workload, res["log"]
+    reshard = w == "big" and "reshard" in args.workload
+    cold = "cold" in args.workload and (w == "big" or warm)
+    if not (warm or reshard or cold):
+        return
+    keep = f"{args.dir}/{lib.replace(' ', '_')}-{w}"
+    spec = {"task": "save", "lib": lib, "workload": w, "keep": keep}
+    r = spawn({**spec, "runs": args.runs if warm else 0}, log)
+    if r is not None and warm:
+        res["save"][(lib, w)] = r
+    spec = {"task": "restore", "lib": lib, "workload": w, "path": keep, "runs": args.runs}
+    if r is not None and (warm or reshard):  # a fresh process restores what the save wrote
+        rr = spawn({**spec, "reshard": [2, 4] if reshard else None}, log)
+        if rr and warm:
+            res["restore"][(lib, w)] = rr
+        if rr and reshard:
+            res["reshard"][lib] = rr["reshard"]
+    if r is not None and cold:
+        rc = spawn({**spec, "evict": True, "reshard": [2, 4] if w == "big" else None}, log)
+        if rc:
+            other = rc.get("reshard") or {}
+            res["cold"][(lib, w)] = {
+                "first": rc["cold"],
+                "warm": rc["warm"],
+                "reshard": other.get("times"),
+                "resident_pages": max(rc["resident_pages"], other.get("resident_pages", 0)),
+                "bytes_read": rc["bytes_read"],
+                "bytes_needed": rc["bytes_needed"],
+            }
+    shutil.rmtree(keep, ignore_errors=True)
+
+
+def _limits_pass(args: argparse.Namespace, spawn, passes: dict, log: list[str]) -> dict:
+    """One pass of the limit anchors for each workload that has library rows to compare."""
+    big = any(x in args.workload for x in ("big", "reshard", "cold"))
+    for w in [x for x in ("big", "small") if x in args.workload or (x == "big" and big)]:
+        spec = {
+            "task": "limits",
+            "workload": w,
+            "runs": args.runs,
+            "threads": args.limit_threads,
+            "root": f"{args.dir}/limits",
+            "reshard": w == "big",
+        }
+        r = spawn(spec, log)
+        if r:
+            passes.setdefault(w, []).append(r)
+        shutil.rmtree(f"{args.dir}/limits", ignore_errors=True)
+    return passes
+
+
 def measure(args: argparse.Namespace) -> dict:
     root, runs, log = args.dir, args.runs, []
 
@@ -99,25 +157,12 @@ def measure(args: argparse.Namespace) -> dict:
         "memory": {},
         "plan": [],
         "orbax_read": {},
+        "cold": {},
     }
+    limit_passes = _limits_pass(args, spawn, {}, log)  # the limits, before the libraries...
     for w in ("big", "small"):
-        reshard = w == "big" and "reshard" in args.workload
-        if w not in args.workload and not reshard:
-            continue
         for lib in args.libs:
-            keep = f"{root}/{lib.replace(' ', '_')}-{w}"
-            spec = {"task": "save", "lib": lib, "workload": w, "keep": keep}
-            r = spawn({**spec, "runs": runs if w in args.workload else 0}, log)
-            if r is not None and w in args.workload:
-                res["save"][(lib, w)] = r
-            if r is not None:  # a fresh process restores what the last save wrote
-                spec = {"task": "restore", "lib": lib, "workload": w, "path": keep}
-                rr = spawn({**spec, "runs": runs, "reshard": [2, 4] if reshard else None}, log)
-                if rr and w in args.workload:
-                    res["restore"][(lib, w)] = rr
-                if rr and reshard:
-                    res["reshard"][lib] = rr["reshard"]
-            shutil.rmtree(keep, ignore_errors=True)
+            _library(args, spawn, res, w, lib)
     if "orbax-read" in args.workload:  # jaxckpt reads Orbax's own checkpoint (issue 11)
         w = "big" if "big" in args.workload else "small"
         keep = f"{root}/orbax-read-{w}"
@@ -181,6 +226,8 @@ def measure(args: argparse.Namespace) -> dict:
                 if r:
                     res["scaling"][(lib, point)] = r
                 shutil.rmtree(f"{root}/scaling", ignore_errors=True)
+    _limits_pass(args, spawn, limit_passes, log)  # ...and after them, so drift shows
+    res["limits"] = {w: _limits.merge(p) for w, p in limit_passes.items()}
     if "plan" in args.workload:
         procs = sorted(args.plan_procs)  # one process, smallest first: peak RSS grows with it
         r = spawn({"task": "plan", "processes": procs, "arrays": 1000}, log)
@@ -209,9 +256,13 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
         f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}. Times in seconds: "
         f"warm = median of {n} calls after the first; cold = first call in a fresh process.\n"
     )
+    if res.get("limits"):  # the limits first: every library's time is read against them
+        _limits.limits_table(res["limits"], add)
+        _limits.ratio_table(res, libs, add)
     sv, rs = res["save"], res["restore"]
     for w in ("big", "small"):
         if not any(k[1] == w for k in sv):
+            _cold_table(res, w, libs, add)
             continue
         size = next(v["state_bytes"] for k, v in sv.items() if k[1] == w)
         add(f"\n### `{w}` ({size / 2**20:.0f} MiB)\n")
@@ -235,6 +286,7 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
             )
             + " |"
         )
+        _cold_table(res, w, libs, add)
         others = [x for x in libs if x != "jaxckpt"]
         if not others or "jaxckpt" not in libs:
             continue
@@ -386,6 +438,38 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
     return "\n".join(out) + "\n", targets
 
 
+def _cold_table(res: dict, w: str, libs: tuple[str, ...], add) -> None:
+    """``cold``: restores whose checkpoint files were evicted from the page cache first."""
+    cold = {k[0]: v for k, v in res["cold"].items() if k[1] == w}
+    if not cold:
+        return
+    add(f"\n`{w}` restores from a cold page cache (files evicted and checked before each call; ")
+    add("in brackets: the library's time ÷ jaxckpt's):\n")
+    add("| | " + " | ".join(libs) + " |")
+    add("|---" * (len(libs) + 1) + "|")
+    rows = {
+        "first call (cold process)": lambda c: c["first"],
+        "warm process, median": lambda c: _med(c["warm"]),
+        "resharded (2,4), warm process, median": lambda c: c["reshard"] and _med(c["reshard"]),
+    }
+    if w != "big":
+        del rows["resharded (2,4), warm process, median"]
+    for name, get in rows.items():
+        vals = {lib: get(c) for lib, c in cold.items()}
+        ours = vals.get("jaxckpt")
+        cells = [
+            _s(vals.get(lib)) + (f" ({vals[lib] / ours:.2f}×)" if vals.get(lib) and ours else "")
+            if lib != "jaxckpt"
+            else _s(ours)
+            for lib in libs
+        ]
+        add(f"| {name} | " + " | ".join(cells) + " |")
+    reads = [_read_ratio(cold.get(lib), -1) for lib in libs]  # *cached*: an in-process cache
+    add("| bytes read ÷ needed, warm process | " + " | ".join(reads) + " |")
+    pages = [str(cold[lib]["resident_pages"]) if lib in cold else "—" for lib in libs]
+    add("| pages still cached after eviction (max) | " + " | ".join(pages) + " |")
+
+
 def _scaling_report(sc: dict, libs: tuple[str, ...], add) -> None:
     libs = tuple(x for x in libs if any(k[0] == x for k in sc))
     points = list(dict.fromkeys(k[1] for k in sc))
@@ -469,6 +553,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=5,
         help="fresh processes whose first save_async is timed, for jaxckpt and for orbax",
+    )
+    p.add_argument(
+        "--limit-threads",
+        type=int,
+        default=8,
+        help="threads writing and reading the limit anchors' O_DIRECT files in parallel",
     )
     p.add_argument("--out", help="also write the markdown tables to this file")
     p.add_argument("--dir", help="where checkpoints go (default: a new temporary folder)")
