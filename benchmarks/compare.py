@@ -40,7 +40,18 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-WORKLOADS = ("big", "small", "reshard", "cold", "async", "memory", "plan", "orbax-read", "scaling")
+WORKLOADS = (
+    "big",
+    "small",
+    "reshard",
+    "cold",
+    "async",
+    "memory",
+    "plan",
+    "orbax-read",
+    "scaling",
+    "finetune",
+)
 LIBS = ("jaxckpt", "orbax", "jax.array_serialization", "raw numpy", "raw numpy+fsync")
 RAW = ("raw numpy", "raw numpy+fsync")  # no async save; the durable one's memory is raw's
 # One process per library; jaxckpt measures its blocking save, then its async one.
@@ -533,6 +544,18 @@ def _state_leaves(point: str) -> dict:
     return _state.SCALING[point]()
 
 
+def _finetune(args: argparse.Namespace) -> str:
+    """The finetune workload (benchmarks/_finetune.py) in a fresh process: its table."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_finetune.py")
+    cmd = [sys.executable, script, "--steps", str(args.finetune_steps)]
+    cmd += ["--dir", os.path.join(args.dir, "finetune")]
+    os.sync()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        return f"\n## finetune\n\nfailed:\n```\n{r.stderr[-3000:]}\n```\n"
+    return f"\n## finetune (incremental steps)\n\n{r.stdout}\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -581,6 +604,7 @@ def main(argv: list[str] | None = None) -> None:
         default="orbax:leaves-10000,raw numpy:leaves-10000,raw numpy+fsync:size-1600",
         help="comma list of LIB:POINT measured by the cold calls only (each takes long)",
     )
+    p.add_argument("--finetune-steps", type=int, default=10, help="steps of the finetune workload")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -604,11 +628,13 @@ def main(argv: list[str] | None = None) -> None:
     t = time.perf_counter()
     try:
         res = measure(args)
+        finetune = _finetune(args) if "finetune" in args.workload else ""
     finally:
         if made:
             shutil.rmtree(args.dir, ignore_errors=True)
     cmd = "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text, _ = report(res, args.libs, cmd.strip())
+    text += finetune
     text += f"\nTotal wall time: {time.perf_counter() - t:.0f} s.\n"
     print(text)
     if args.out:
