@@ -260,7 +260,7 @@ class CheckpointManager:
         if specific or not isinstance(e, Exception):
             return e
         try:
-            latest: int | str | None = self.latest_step()
+            latest: int | str | None = self.latest_step("persistent")
         except Exception:  # the directory itself may be what failed
             latest = "unknown"
         where = f"the steps already in {self.directory} are intact (latest: {latest})"
@@ -483,7 +483,7 @@ class CheckpointManager:
         Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
         rank last and go at the next save; never a kept step without its metrics.
         """
-        steps = self.all_steps()
+        steps = self.all_steps("persistent")
         doomed = steps_to_delete(
             steps,
             max_to_keep=self.max_to_keep,

@@ -372,8 +372,8 @@ class LocalTier:
     def _retain(self) -> None:
         """Keep the newest ``max_to_keep`` step directories here; delete only jaxckpt's parts
         and temporaries in the older ones (anything else, and its directory, stays)."""
-        steps = sorted(p for p in self.mine.iterdir() if _STEP.fullmatch(p.name) and p.is_dir())
-        for sd in steps[: -self.max_to_keep]:
+        held = sorted({step for step, *_ in self._holdings()})  # a foreign dir is no step
+        for sd in (self.mine / _name(step) for step in held[: -self.max_to_keep]):
             for child in sd.iterdir():
                 if _PART.fullmatch(child.name) and child.is_dir():
                     try:
