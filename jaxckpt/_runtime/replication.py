@@ -101,6 +101,18 @@ def send_dir(
     if root is None:
         kv.key_value_set_bytes(prefix + "head", json.dumps({"error": error}).encode())
         return 0
+    try:
+        sent = _send_files(kv, prefix, root, timeout)
+        verdict = _get(kv, prefix + "done", timeout, f"copy of {root}").decode()
+    finally:  # also when the receiver is gone: no chunk stays in the store
+        kv.key_value_delete(prefix.rstrip("/"))
+    if verdict != "ok":
+        raise DistributedError(f"the copy of {root} was refused by its receiver: {verdict}")
+    return sent.total
+
+
+def _send_files(kv, prefix: str, root: Path, timeout: float) -> _Stream:
+    """Post the head, every file's bytes in chunks, then the tail with their crc32s."""
     files = files_of(root)
     kv.key_value_set_bytes(prefix + "head", json.dumps({"files": files}).encode())
     sent = _Stream(kv, prefix, timeout)
@@ -116,14 +128,9 @@ def send_dir(
                 sent.add(block)
         crcs.append(crc)
     sent.flush()
-    kv.key_value_set_bytes(
-        prefix + "tail", json.dumps({"chunks": sent.seq, "crc32": crcs}).encode()
-    )
-    verdict = _get(kv, prefix + "done", timeout, f"copy of {root}").decode()
-    kv.key_value_delete(prefix.rstrip("/"))
-    if verdict != "ok":
-        raise DistributedError(f"the copy of {root} was refused by its receiver: {verdict}")
-    return sent.total
+    tail = json.dumps({"chunks": sent.seq, "crc32": crcs}).encode()
+    kv.key_value_set_bytes(prefix + "tail", tail)
+    return sent
 
 
 class _Stream:
@@ -167,6 +174,7 @@ def receive_dir(prefix: str, dest: Path, *, max_bytes: int, timeout: float | Non
     timeout = _distributed.sync_timeout() if timeout is None else timeout
     head = _json(_get(kv, prefix + "head", timeout, f"receiving {dest.name}"), "head")
     if "error" in head:
+        kv.key_value_delete(prefix.rstrip("/"))
         raise DistributedError(f"the sender of {dest.name} has nothing to send: {head['error']}")
     try:
         files = _check_files(head.get("files"), max_bytes)
@@ -175,6 +183,7 @@ def receive_dir(prefix: str, dest: Path, *, max_bytes: int, timeout: float | Non
         if tail.get("crc32") != crcs:
             raise DistributedError(f"{dest.name} arrived damaged: a file's crc32 differs")
     except DistributedError as e:
+        kv.key_value_delete(prefix + "c")  # chunks a dead or refused sender left in the store
         kv.key_value_set_bytes(prefix + "done", str(e)[:2000].encode())
         raise
     kv.key_value_set_bytes(prefix + "done", b"ok")
