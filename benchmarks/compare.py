@@ -16,7 +16,8 @@ read), ``async`` (time until an async save returns), ``memory`` (peak RSS growth
 of a restore), ``plan`` (the save planner on a simulated job of up to 4,096 processes x 8
 devices), ``orbax-read`` (a checkpoint orbax wrote, of ``big`` when that is asked for too, else
 of ``small``, restored by jaxckpt and by orbax, both onto the saving mesh), ``scaling`` (save
-and restore against state size, 100 MiB-1.6 GiB, and leaf count, 100-10,000).
+and restore against state size, 100 MiB-1.6 GiB, and leaf count, 100-10,000). ``tiers`` (only
+when named: local vs persistent saves and recoveries of a 4-process job, benchmarks/_tiers_bench.py).
 See docs/benchmarks.md for what each number means.
 """
 
@@ -614,6 +615,14 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(_worker.run(json.loads(args.worker))), flush=True)
         return
     args.workload = [w for w in args.workload.split(",") if w]
+    if "tiers" in args.workload:  # its own 4-process job: benchmarks/_tiers_bench.py
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _tiers_bench
+
+        _tiers_bench.main(args)
+        args.workload = [w for w in args.workload if w != "tiers"]
+        if not args.workload:
+            return
     args.libs = tuple(x for x in args.libs.split(",") if x)
     args.plan_procs = [int(x) for x in args.plan_procs.split(",") if x]
     args.scaling = [x for x in args.scaling.split(",") if x]

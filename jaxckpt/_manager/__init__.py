@@ -1,7 +1,9 @@
-"""The ``CheckpointManager``: steps of a run, retention, metrics.
+"""The ``CheckpointManager``: steps of a run, retention, metrics, tiers.
 
 Builds on the public entry points (``jaxckpt._api``) and the storage catalog; the ``manager``
-module is the class, ``retention`` decides which steps go and keeps the metrics file.
+module is the class, ``retention`` decides which steps go and keeps the metrics file,
+``tiers`` is the optional local tier (node-local parts, their replicas, the agreement on what
+to restore) and ``local_part`` one process's part as a single-process checkpoint.
 
 May import: anything below the public face (``_api``, ``_storage``, ``_runtime``, ``_format``).
 """

@@ -47,6 +47,7 @@ from jaxckpt._manager.retention import (
     referenced,
     steps_to_delete,
 )
+from jaxckpt._manager.tiers import LocalTier, RestoredFrom
 from jaxckpt._planning.load_planner import LoadPlanner
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
@@ -96,6 +97,13 @@ class CheckpointManager:
         listings, deletes) may take before it fails with a ``CheckpointError``; ``None``:
         ``$JAXCKPT_IO_TIMEOUT``, else 30 (docs/object_storage.md, *Deadlines*). Local
         directories have no deadline.
+      local_directory: turns on the local tier (docs/tiers.md): each process also saves its
+        own part of the state to this node-local directory every
+        ``local_save_interval_steps`` steps, kept by ``local_replicas`` other processes, and
+        ``restore()`` takes the newest step that a tier holds whole. Every process passes one.
+      local_save_interval_steps: how often the local tier saves (a multiple of it).
+      local_max_to_keep: local steps each process keeps (its replicas of others' included).
+      local_replicas: how many other processes keep a copy of each process's local part.
 
     Raises:
       ValueError: an argument is out of range.
@@ -123,14 +131,20 @@ class CheckpointManager:
         save_on_preemption: bool = False,
         incremental: bool = False,
         io_timeout: float | None = None,
+        local_directory: str | os.PathLike | None = None,
+        local_save_interval_steps: int = 1,
+        local_max_to_keep: int = 2,
+        local_replicas: int = 1,
     ) -> None:
-        for name, value in (
-            ("max_to_keep", max_to_keep),
-            ("keep_every_n_steps", keep_every_n_steps),
-            ("save_interval_steps", save_interval_steps),
-        ):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        _check_counts(
+            max_to_keep=max_to_keep,
+            keep_every_n_steps=keep_every_n_steps,
+            save_interval_steps=save_interval_steps,
+            local_save_interval_steps=local_save_interval_steps,
+            local_max_to_keep=local_max_to_keep,
+        )
+        if not isinstance(local_replicas, int) or local_replicas < 0:
+            raise ValueError(f"local_replicas must be a non-negative int, got {local_replicas!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
@@ -151,18 +165,15 @@ class CheckpointManager:
         self._pending: Future | None = None  # the commit of the save in flight
         self._error: BaseException | None = None
         self._closed = False
-        if self._loc.local is not None:
-            try:
-                self._loc.local.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise CheckpointError(
-                    f"Cannot create the checkpoint directory {self._loc.local}: {e}. Check that "
-                    f"its parents are directories and writable, or pass another directory."
-                ) from e
+        _make_directory(self._loc)
         if self._primary:
             self._clean_up()
         self._watcher = PreemptionWatcher() if save_on_preemption else None
         self.incremental = incremental
+        self.restored_from: RestoredFrom | None = None  # set by restore()
+        self._local = _local_tier(
+            local_directory, self._loc, local_save_interval_steps, local_max_to_keep, local_replicas
+        )
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -181,7 +192,7 @@ class CheckpointManager:
             already saved is never replaced, ``force`` or not).
 
         Returns:
-          Whether a save was started (it is committed when ``wait()`` returns).
+          Whether a save was started, in either tier (committed when ``wait()`` returns).
 
         Raises:
           CheckpointExistsError: ``step`` is already saved in the directory (also with
@@ -195,12 +206,15 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"step must be a non-negative int, got {step}")
         preempted = self.reached_preemption(step)
+        local = self._local is not None and step % self._local.interval == 0
+        if local:  # before the persistent save: the faster copy is staged first
+            self._local.save(step, tree)
         if not (force or preempted or step % self.save_interval_steps == 0):
-            return False
+            return local
         record = json_metrics(step, metrics)
         if self.best_fn is not None and record is not None:
             float(self.best_fn(record))  # fail here, not in the background, if it cannot rank
-        self.wait()
+        self._wait_persistent()
         loc = self._loc.join(_name(step))
         if _location.exists(loc):
             raise CheckpointExistsError(
@@ -209,10 +223,7 @@ class CheckpointManager:
                 f"later step, or restore it (CheckpointManager.restore({step})) and go on from "
                 f"there."
             )
-        base = None
-        if self.incremental:
-            latest = self.latest_step()
-            base = None if latest is None else str(self._loc.join(_name(latest)))
+        base = self._base() if self.incremental else None
         with _location.deadline(self._loc.io_timeout):
             handle = save_async(str(loc), tree, base=base)
         self.last_save = handle
@@ -225,6 +236,11 @@ class CheckpointManager:
             self._finish(step, handle, record)
             self.wait()
         return True
+
+    def _base(self) -> str | None:
+        """An incremental save's base: the newest committed (persistent) step, if any."""
+        latest = self.latest_step("persistent")
+        return None if latest is None else str(self._loc.join(_name(latest)))
 
     def _finish(self, step: int, handle: SaveHandle, record: dict[str, Any] | None) -> None:
         """After the commit: log, write metrics and apply retention (the primary process)."""
@@ -264,7 +280,7 @@ class CheckpointManager:
         if specific or not isinstance(e, Exception):
             return e
         try:
-            latest: int | str | None = self.latest_step()
+            latest: int | str | None = self.latest_step("persistent")
         except Exception:  # the directory itself may be what failed
             latest = "unknown"
         where = f"the steps already in {self.directory} are intact (latest: {latest})"
@@ -289,6 +305,13 @@ class CheckpointManager:
         Raises:
           CheckpointError: the save failed; raised once, the next ``save()`` goes ahead.
         """
+        try:
+            self._wait_persistent()
+        finally:
+            if self._local is not None:
+                self._local.wait()
+
+    def _wait_persistent(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
@@ -310,13 +333,30 @@ class CheckpointManager:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def all_steps(self) -> list[int]:
-        """The committed steps, in ascending order (saves in flight are not listed yet)."""
-        return sorted(int(n) for n, ok in _catalog.children(self._loc) if ok and _STEP.fullmatch(n))
+    def all_steps(self, tier: Literal["local", "persistent"] | None = None) -> list[int]:
+        """The committed steps, in ascending order (saves in flight are not listed yet).
 
-    def latest_step(self) -> int | None:
-        """The newest committed step, or ``None`` if there is none."""
-        return max(self.all_steps(), default=None)
+        Args:
+          tier: ``"persistent"``: the steps in ``directory``. ``"local"``: the local steps
+            whose own part this process holds (it asks no other process). ``None``: the
+            persistent steps, and with a local tier also the local steps some tier holds
+            whole, agreed by all processes (then every process must call it, as ``save``).
+        """
+        if tier not in (None, "local", "persistent"):
+            raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
+        if tier == "local":
+            return [] if self._local is None else self._local.steps()
+        steps = sorted(
+            int(n) for n, ok in _catalog.children(self._loc) if ok and _STEP.fullmatch(n)
+        )
+        if tier is None and self._local is not None:
+            agreed = self._local.agree(None, steps, None)["local_steps"]
+            steps = sorted(set(steps) | set(agreed))
+        return steps
+
+    def latest_step(self, tier: Literal["local", "persistent"] | None = None) -> int | None:
+        """The newest committed step (of ``tier``, as for ``all_steps``), or ``None``."""
+        return max(self.all_steps(tier), default=None)
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step`` (``None`` if none were)."""
@@ -337,14 +377,24 @@ class CheckpointManager:
           step: the step to restore; ``None`` for the latest.
           target, keys, strict, planner: as for :func:`jaxckpt.restore`.
 
+        With a local tier (``local_directory``), every process must call it: the processes
+        agree on the newest step that some tier holds whole (a local step wins over an equally
+        new persistent one) and fetch missing local parts from their replicas; the local tier
+        is used with a ``target`` whose arrays carry shardings and without ``keys``/``planner``.
+        ``restored_from`` then says which tier and step (also logged).
+
         Returns:
           The restored tree.
 
         Raises:
-          CheckpointNotFoundError: no committed step (or not ``step``) in the directory.
+          CheckpointNotFoundError: no committed step (or not ``step``) in the directory (or,
+            with a local tier, whole in any tier).
         """
         if self._pending is not None:
             self._pending.result()  # its error, if any, is raised by the next save() or wait()
+        if self._local is not None:
+            self._local.settle()
+            return self._restore_tiered(step, target, keys=keys, strict=strict, planner=planner)
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -359,9 +409,51 @@ class CheckpointManager:
                 f"Pick one of those (or None for the latest)."
             )
         with _location.deadline(self._loc.io_timeout):
-            return restore(
+            tree = restore(
                 str(self._loc.join(_name(step))), target, keys=keys, strict=strict, planner=planner
             )
+        self.restored_from = RestoredFrom("persistent", step)
+        return tree
+
+    def _restore_tiered(
+        self, step: int | None, target: Any, *, keys: Any, strict: bool, planner: Any
+    ) -> Any:
+        """The newest step (or ``step``) that some tier holds whole; the local tier when it
+        is as new as the persistent one (it is the faster copy). Every process calls it."""
+        assert self._local is not None
+        persistent = self.all_steps("persistent")
+        usable = keys is None and planner is None  # the local tier rebuilds whole targets only
+        choice = self._local.agree(target if usable else None, persistent, step)
+        if choice["tier"] == "local":
+            tree = self._local.restore(choice, target)
+            if tree is not None:
+                peers = tuple(sorted(int(q) for q in choice["fetch"]))
+                self.restored_from = RestoredFrom("local", choice["step"], peers)
+                logger.info(
+                    "restored step %d from the local tier%s",
+                    choice["step"],
+                    f" (parts of processes {list(peers)} from their replicas)" if peers else "",
+                )
+                return tree
+            choice = {"tier": "persistent", "step": choice["fallback"], "why": "see above"}
+        if choice["tier"] is None or choice["step"] is None:
+            raise CheckpointNotFoundError(
+                f"No committed step{'' if step is None else f' {step}'} in {self.directory} "
+                f"or its local tier ({choice.get('why')}): nothing to restore. Start from a "
+                f"fresh state (check latest_step() is None first), or point at the right "
+                f"directory."
+            )
+        self.restored_from = RestoredFrom("persistent", choice["step"])
+        logger.info(
+            "restored step %d from the persistent tier (%s)", choice["step"], choice.get("why")
+        )
+        return restore(
+            str(self._loc.join(_name(choice["step"]))),
+            target,
+            keys=keys,
+            strict=strict,
+            planner=planner,
+        )
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -412,7 +504,7 @@ class CheckpointManager:
         Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
         rank last and go at the next save; never a kept step without its metrics.
         """
-        steps = self.all_steps()
+        steps = self.all_steps("persistent")
         doomed = steps_to_delete(
             steps,
             max_to_keep=self.max_to_keep,
@@ -473,6 +565,36 @@ class CheckpointManager:
             else:
                 continue
             logger.info("cleaned up %s (left by an interrupted save or delete)", p)
+
+
+def _local_tier(
+    directory: str | os.PathLike | None,
+    loc: _location.Location,
+    interval: int,
+    max_to_keep: int,
+    replicas: int,
+) -> LocalTier | None:
+    if directory is None:
+        return None
+    return LocalTier(directory, loc, interval=interval, max_to_keep=max_to_keep, replicas=replicas)
+
+
+def _check_counts(**counts: int | None) -> None:
+    for name, value in counts.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _make_directory(loc: _location.Location) -> None:
+    if loc.local is None:
+        return
+    try:
+        loc.local.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(
+            f"Cannot create the checkpoint directory {loc.local}: {e}. Check that "
+            f"its parents are directories and writable, or pass another directory."
+        ) from e
 
 
 def _name(step: int) -> str:

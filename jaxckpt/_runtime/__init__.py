@@ -1,7 +1,8 @@
 """Processes, threads and host memory.
 
 Owns the distributed agreement of a save (``distributed``: barriers, deadlines, failure
-broadcast), preemption notices (``preemption``), the host staging arena of async saves
+broadcast), moving bytes between processes and one decision for all of them
+(``replication``: the local tier's replicas, over the key-value store), preemption notices (``preemption``), the host staging arena of async saves
 (``staging``), placement of host boxes onto devices (``placement``) and the library's thread
 pools (``pools``, the one place threads are made).
 

@@ -66,6 +66,11 @@ def sync_timeout() -> float:
         ) from None
 
 
+def kv_client():
+    """JAX's distributed key-value store client; raises if ``jax.distributed`` is not set up."""
+    return _client()
+
+
 def _client():
     from jax._src import distributed
 

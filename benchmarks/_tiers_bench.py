@@ -1,0 +1,206 @@
+"""The ``tiers`` workload of compare.py: local vs persistent saves and recoveries, 4 processes.
+
+A real ``jax.distributed`` group of 4 processes on 127.0.0.1 (gloo, 4 CPU devices each, one
+(4, 4) mesh) holds a state of ``JAXCKPT_TIERS_MIB`` MiB (default 256): FSDP x TP matrices
+and a replicated eighth. Each process has its own local directory; all share the persistent
+one; everything is on this machine's one disk, so local and persistent saves write to the same
+device and differ only in what they do. Measured on every process (the table shows the
+slowest, which is what the training loop waits for):
+
+* blocking time (``save()`` returns) and total time (``wait()`` returns) of a persistent save,
+  of a local save without replicas, and of one with ``local_replicas=1``;
+* recovery time: from the own local parts, with one process's local directory wiped (its part
+  comes from its peer's replica through the key-value store), and from the persistent tier.
+
+Then the expected work lost per failure, computed from the intervals (see docs/tiers.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+N = 4
+
+
+def _state(mib: int):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(N, -1), ("fsdp", "tp"))
+    rows = max(64, int((mib << 20) / (7.125 * 4096)) // 64 * 64)
+    leaves = {}
+    for i in range(8):  # seven (rows, 1024) float32 over both axes, one eighth as big replicated
+        spec = P() if i == 7 else P("fsdp", "tp")
+        shape = (rows // 8 if i == 7 else rows, 1024)
+
+        def box(idx, shape=shape, i=i):
+            return np.full([len(range(*sl.indices(d))) for sl, d in zip(idx, shape)], i, np.float32)
+
+        leaves[f"w{i}"] = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), box)
+    return leaves
+
+
+def _abstract(state):
+    import jax
+
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()
+    }
+
+
+def _timed_saves(mgr, state, first: int, runs: int) -> dict:
+    blocking, total = [], []
+    for step in range(first, first + runs + 1):  # the first call is cold: not counted
+        t0 = time.perf_counter()
+        mgr.save(step, state)
+        t1 = time.perf_counter()
+        mgr.wait()
+        t2 = time.perf_counter()
+        if step > first:
+            blocking.append(t1 - t0)
+            total.append(t2 - t0)
+    return {"blocking": statistics.median(blocking), "total": statistics.median(total)}
+
+
+def worker(pid: int, port: int, work: Path, mib: int, runs: int) -> dict:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", N, pid, initialization_timeout=120)
+    import logging
+
+    import jaxckpt
+
+    logging.basicConfig(level=logging.INFO)
+    state, out = _state(mib), {}
+    never = 10**9
+    local = work / "local" / f"p{pid}"
+    with jaxckpt.CheckpointManager(work / "persistent", max_to_keep=2) as mgr:
+        out["persistent"] = _timed_saves(mgr, state, 0, runs)
+    for name, replicas in (("local, no replica", 0), ("local + 1 replica", 1)):
+        kw = dict(local_directory=local, local_replicas=replicas, local_max_to_keep=2)
+        with jaxckpt.CheckpointManager(
+            work / f"p-{replicas}", save_interval_steps=never, **kw
+        ) as m:
+            m.save(0, state)  # the persistent step 0 (due at any interval), not timed
+            out[name] = _timed_saves(m, state, 1, runs)
+    if pid == 0:  # the first local run done: its persistent steps go
+        shutil.rmtree(work / "p-0", ignore_errors=True)
+    kw = dict(local_directory=local, local_replicas=1, save_interval_steps=never)
+    recovery = {}
+    for name in ("local (own parts)", "local (one part from its peer)"):
+        if name.startswith("local (one") and pid == 1:
+            shutil.rmtree(local)
+        t0 = time.perf_counter()
+        with jaxckpt.CheckpointManager(work / "p-1", **kw) as m:
+            m.restore(target=_abstract(state))
+            assert m.restored_from.tier == "local", m.restored_from
+        recovery[name] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with jaxckpt.CheckpointManager(work / "persistent") as m:
+        m.restore(target=_abstract(state))
+    recovery["persistent"] = time.perf_counter() - t0
+    out["recovery"] = recovery
+    out["bytes"] = sum(x.nbytes for x in state.values())
+    return out
+
+
+def run(work: Path, runs: int) -> list[dict]:
+    mib = int(os.environ.get("JAXCKPT_TIERS_MIB", "256"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env["JAX_PLATFORMS"] = "cpu"
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    logs = [open(work.parent / f"tiers-bench-{i}.log", "w") for i in range(N)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(i), str(port), str(work), str(mib), str(runs)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=logs[i],
+            text=True,
+        )
+        for i in range(N)
+    ]
+    results = []
+    for i, p in enumerate(procs):
+        out, _ = p.communicate(timeout=1800)
+        logs[i].close()
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            raise RuntimeError(
+                f"tiers benchmark process {i} failed (exit {p.returncode}): see {logs[i].name}"
+            )
+        results.append(json.loads(line[-1][len("RESULT ") :]))
+    return results
+
+
+def lost_seconds(step_s: float, interval: int, save_total_s: float, recover_s: float) -> float:
+    """Expected seconds of work lost per failure when restarting from a tier saved every
+    ``interval`` steps: failures uniform in time land on average half an interval after the
+    newest save; that save counts only once committed (``save_total_s`` later); the restart
+    then spends ``recover_s`` restoring (docs/tiers.md, "Sizing the intervals")."""
+    return interval * step_s / 2 + save_total_s + recover_s
+
+
+def report(results: list[dict], runs: int) -> str:
+    worst = {
+        k: {m: max(r[k][m] for r in results) for m in ("blocking", "total")}
+        for k in ("persistent", "local, no replica", "local + 1 replica")
+    }
+    mib = results[0]["bytes"] / 2**20
+    lines = [
+        f"### `tiers`: {N} processes x 4 CPU devices, {mib:.0f} MiB state, median of {runs}",
+        "",
+        "| save | blocking (s) | total (s) |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {k} | {v['blocking']:.3f} | {v['total']:.2f} |" for k, v in worst.items()]
+    lines += ["", "| recovery from | time (s) |", "|---|---:|"]
+    for k in results[0]["recovery"]:
+        lines.append(f"| {k} | {max(r['recovery'][k] for r in results):.2f} |")
+    rec = {k: max(r["recovery"][k] for r in results) for k in results[0]["recovery"]}
+    local_total = worst["local + 1 replica"]["total"]
+    lines += [
+        "",
+        "Expected work lost per failure, step time 1 s (local every k, persistent every n):",
+    ]
+    lines += ["", "| k | n | from local (s) | local lost too: from persistent (s) |"]
+    lines += ["|---:|---:|---:|---:|"]
+    for k, n in ((1, 100), (10, 100), (10, 1000)):
+        a = lost_seconds(1, k, local_total, rec["local (one part from its peer)"])
+        b = lost_seconds(1, n, worst["persistent"]["total"], rec["persistent"])
+        lines.append(f"| {k} | {n} | {a:.1f} | {b:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> str:
+    work = Path(args.dir or "/tmp") / "tiers-bench"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        text = report(run(work, max(1, args.runs)), max(1, args.runs))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    pid, port, work, mib, runs = sys.argv[1:6]
+    result = worker(int(pid), int(port), Path(work), int(mib), int(runs))
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)

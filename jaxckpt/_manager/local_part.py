@@ -1,0 +1,315 @@
+"""One process's part of a local step: what its own devices hold, as a plain checkpoint.
+
+A part is a single-process jaxckpt checkpoint, so it has the commit protocol, the checksums
+and the checks on read of any checkpoint (``jaxckpt.restore(PART)`` reads it). Its tree::
+
+    {"description": "<JSON>",                        # a string leaf: nothing executable
+     "boxes": {"<leaf #>": {"<box #>": ndarray}},    # this process's distinct shards
+     "values": {"<leaf #>": value}}                  # numpy and Python leaves, whole
+
+The description (:class:`PartInfo`) names the step, the process and the process count, the
+save that wrote it (parts of one step combine only when they come from the same save), the
+state's global layout digest (keys, shapes, dtypes and every device's box: the same on every
+process, so comparing it with a restore target's tells whether the target has the layout the
+part was cut for), and per leaf its key, kind (``array``, ``prng`` or ``value``), shape, dtype
+and boxes. A restore with the same layout rebuilds each ``jax.Array`` from this process's own
+part with ``jax.make_array_from_single_device_arrays``: nothing is read from other hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt._api import metadata, restore
+from jaxckpt._errors import CheckpointError, UnsupportedLeafError
+from jaxckpt._format.manifest import ValueEntry, storage_entries
+from jaxckpt._format.plan import Box, index_to_box
+from jaxckpt._planning import tree as _tree
+from jaxckpt._planning.save_planner import DefaultSavePlanner
+from jaxckpt._runtime import pools
+from jaxckpt._storage import location as _location
+from jaxckpt._storage import writer as _storage
+
+logger = logging.getLogger("jaxckpt")
+FORMAT = 1
+DESCRIPTION = "description"
+_VALUES = (bool, int, float, str)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+    key: str
+    kind: str  # "array", "prng" (stored as its key data) or "value"
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    prng: str = ""  # the PRNG implementation of a "prng" leaf
+    boxes: tuple[Box, ...] = ()  # in the leaf's own coordinates (not the key data's)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartInfo:
+    step: int
+    process: int
+    process_count: int
+    save: str  # the save that wrote it: "<process 0's start time, hex>-<random>"
+    layout: str
+    leaves: tuple[LeafInfo, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A state copied off the caller's buffers (device copies on CPU, host copies elsewhere)."""
+
+    info: PartInfo
+    copies: dict[tuple[int, int], Any]  # (leaf #, box #) -> its copy
+    values: dict[int, Any]
+    nbytes: int
+
+
+def part_name(process: int, count: int) -> str:
+    return f"part-{process}-of-{count}"
+
+
+# -- layouts ------------------------------------------------------------------------------------
+
+
+def layout_digest(process_count: int, leaves: list[tuple]) -> str:
+    """The digest of ``(key, kind, shape, dtype, sharding)`` per leaf (``sharding`` ``None``
+    for values): equal exactly when the keys, shapes, dtypes and every device's box are."""
+    h = hashlib.sha256(str(process_count).encode())
+    for key, kind, shape, dtype, sharding in leaves:
+        h.update(json.dumps([key, kind, list(shape), dtype]).encode())
+        if sharding is not None:
+            try:
+                h.update(_sharding_digest(sharding, tuple(shape)))
+            except TypeError:  # an unhashable sharding: not cached
+                h.update(_sharding_digest.__wrapped__(sharding, tuple(shape)))
+    return h.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=256)
+def _sharding_digest(sharding: Any, shape: tuple[int, ...]) -> bytes:
+    boxes = sorted(
+        (d.id, index_to_box(i, shape)) for d, i in sharding.devices_indices_map(shape).items()
+    )
+    return hashlib.sha256(repr(boxes).encode()).digest()
+
+
+def target_layout(target: Any, process_count: int) -> str | None:
+    """The layout digest of a restore ``target``, or ``None`` if it cannot be rebuilt from
+    parts: every array leaf must carry shape, dtype and sharding (a ``jax.Array`` or a
+    ``ShapeDtypeStruct`` with a sharding), every other leaf be ``None``."""
+    if target is None:
+        return None
+    keys, leaves, _ = _tree.flatten_with_treedef(target)
+    entries = []
+    for key, leaf in zip(keys, leaves):
+        if leaf is None:
+            entries.append((key, "value", (), "", None))
+        elif isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and leaf.sharding is not None:
+            kind = "prng" if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else "array"
+            entries.append((key, kind, tuple(leaf.shape), str(leaf.dtype), leaf.sharding))
+        else:
+            return None
+    return layout_digest(process_count, entries)
+
+
+# -- saving -------------------------------------------------------------------------------------
+
+
+def snapshot(tree: Any, *, step: int, save: str, process: int, count: int) -> Snapshot:
+    """Copy this process's distinct addressable shards (and values) of ``tree`` off its buffers.
+
+    Returns once the copies are dispatched (CPU devices) or done (elsewhere): the caller may
+    then donate or overwrite ``tree``.
+    """
+    keys, leaves, _ = _tree.flatten_with_treedef(tree)
+    infos, layout, sources, values = [], [], {}, {}
+    for i, (key, leaf) in enumerate(zip(keys, leaves)):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if leaf.is_deleted():
+                raise UnsupportedLeafError(
+                    f"Leaf {key!r} is a deleted jax.Array; save live arrays."
+                )
+            info, shards = _array_leaf(key, leaf)
+            infos.append(info)
+            layout.append((key, info.kind, info.shape, info.dtype, leaf.sharding))
+            sources.update(((i, j), s) for j, s in enumerate(shards))
+        else:
+            values[i] = _value(key, leaf)
+            infos.append(LeafInfo(key, "value"))
+            layout.append((key, "value", (), "", None))
+    info = PartInfo(step, process, count, save, layout_digest(count, layout), tuple(infos))
+    copies = dict(zip(sources, _copy(list(sources.values()))))
+    nbytes = sum(int(np.prod(c.shape)) * c.dtype.itemsize for c in copies.values())
+    return Snapshot(info, copies, values, nbytes)
+
+
+def _array_leaf(key: str, leaf: jax.Array) -> tuple[LeafInfo, list[jax.Array]]:
+    kind, prng, data = "array", "", leaf
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        kind, prng, data = "prng", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
+    nd = leaf.ndim
+    boxes: dict[Box, jax.Array] = {}
+    for shard in data.addressable_shards:
+        box = index_to_box(shard.index[:nd], leaf.shape)
+        boxes.setdefault(box, shard.data)
+    info = LeafInfo(key, kind, tuple(leaf.shape), str(leaf.dtype), prng, tuple(boxes))
+    return info, list(boxes.values())
+
+
+def _value(key: str, leaf: Any) -> Any:
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return np.array(leaf)  # the caller may change its array once save() returns
+    if leaf is None or type(leaf) in _VALUES:
+        return leaf
+    for base in _VALUES:  # IntEnum, str-Enum, ...: kept as the base value, as save() does
+        if isinstance(leaf, base):
+            return base.__str__(leaf) if base is str else base(leaf)
+    raise UnsupportedLeafError(
+        f"Leaf {key!r} has type {type(leaf).__name__}, which jaxckpt cannot store. Supported "
+        f"leaves: jax.Array, numpy arrays, and Python int, float, bool, str, None."
+    )
+
+
+def _copy(shards: list[jax.Array]) -> list[Any]:
+    """Copies of ``shards`` that survive donation: device copies on CPU devices (dispatched,
+    as ``DefaultSavePlanner.detach`` does), host copies on accelerators (device memory is
+    scarce there)."""
+    if not shards:
+        return []
+    if all(next(iter(s.devices())).platform == "cpu" for s in shards):
+        put = functools.partial(jax.device_put, shards, may_alias=False)
+        return pools.stage_pool().submit(put).result()
+    for s in shards:
+        s.copy_to_host_async()
+    return [np.array(s) for s in shards]
+
+
+def write_part(path: Path, snap: Snapshot, *, overwrite: bool) -> int:
+    """Write ``snap`` as the single-process checkpoint ``path``; the bytes written.
+
+    This process is the only writer, so the save needs no agreement with the others: one
+    ``Writer`` with the same commit protocol as ``jaxckpt.save``.
+    """
+    tree = {
+        DESCRIPTION: snap.info.to_json(),
+        "boxes": {},
+        "values": {str(i): v for i, v in snap.values.items()},
+    }
+    for (i, j), copy in snap.copies.items():
+        tree["boxes"].setdefault(str(i), {})[str(j)] = np.asarray(copy)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(tree, process_index=0, process_count=1)
+    plan = planner.create_global_plan()
+    planner.check_global_plan(plan)
+    items = planner.finish_plan(plan).items
+    entries = storage_entries(plan.manifest)
+    writer = _storage.Writer(_location.Location(path), overwrite=overwrite)
+    try:
+        writer.open_arrays(entries.values(), create=True)
+        nbytes = writer.write(entries, ((i, planner.resolve_data(i)) for i in items))
+        writer.flush()
+        writer.commit(plan.manifest.to_json())
+    except BaseException:
+        writer.abort()
+        raise
+    return nbytes
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def read_info(path: Path) -> PartInfo | None:
+    """The description of the committed part at ``path``; ``None`` if it is none (absent,
+    uncommitted, foreign or malformed: a hostile part is never used)."""
+    try:
+        entry = metadata(str(path)).entries.get(DESCRIPTION)
+        raw = json.loads(entry.value) if isinstance(entry, ValueEntry) else None
+        return _parse(raw) if isinstance(raw, dict) and raw.get("format") == FORMAT else None
+    except (CheckpointError, ValueError, TypeError, KeyError, OSError):
+        return None
+
+
+def _parse(raw: dict) -> PartInfo | None:
+    def ints(xs: Any) -> tuple[int, ...]:
+        if not isinstance(xs, list) or not all(type(x) is int and x >= 0 for x in xs):
+            raise ValueError("not a list of non-negative ints")
+        return tuple(xs)
+
+    leaves = []
+    for leaf in raw["leaves"]:
+        shape = ints(leaf["shape"])
+        boxes = tuple((ints(o), ints(s)) for o, s in leaf["boxes"])
+        if leaf["kind"] not in ("array", "prng", "value") or any(
+            len(o) != len(shape)
+            or len(s) != len(shape)
+            or any(a + b > d for a, b, d in zip(o, s, shape))
+            for o, s in boxes
+        ):
+            raise ValueError("a box outside its array")
+        leaves.append(
+            LeafInfo(
+                str(leaf["key"]), leaf["kind"], shape, str(leaf["dtype"]), str(leaf["prng"]), boxes
+            )
+        )
+    count, process, step = (int(raw[k]) for k in ("process_count", "process", "step"))
+    if not 0 <= process < count or step < 0:
+        raise ValueError("process or step out of range")
+    return PartInfo(step, process, count, str(raw["save"]), str(raw["layout"]), tuple(leaves))
+
+
+def rebuild(path: Path, info: PartInfo, target: Any) -> Any:
+    """``target``'s tree from the part at ``path`` (its layout digest must be ``info.layout``).
+
+    Each distinct box is read once onto one device that needs it (through ``jaxckpt.restore``,
+    so with its checks and bounded host memory) and copied to the others on this process.
+    """
+    _, leaves, treedef = _tree.flatten_with_treedef(target)
+    where: dict[tuple[int, int], Any] = {}  # (leaf #, box #) -> the device it is read onto
+    needs: dict[int, list[tuple[Any, int]]] = {}  # leaf # -> (device, box #) per local device
+    for i, (li, t) in enumerate(zip(info.leaves, leaves)):
+        if li.kind == "value":
+            continue
+        index = {box: j for j, box in enumerate(li.boxes)}
+        needs[i] = []
+        for device, idx in t.sharding.addressable_devices_indices_map(li.shape).items():
+            j = index.get(index_to_box(idx, li.shape))
+            if j is None:
+                raise CheckpointError(f"{path}: key {li.key!r} has no box for device {device}")
+            needs[i].append((device, j))
+            where.setdefault((i, j), device)
+    shardings: dict[str, Any] = {DESCRIPTION: None, "boxes": {}, "values": {}}
+    for i, li in enumerate(info.leaves):
+        if li.kind == "value":
+            shardings["values"][str(i)] = None
+        for j in range(len(li.boxes)):
+            device = where.get((i, j), jax.local_devices()[0])
+            shardings["boxes"].setdefault(str(i), {})[str(j)] = jax.sharding.SingleDeviceSharding(
+                device
+            )
+    got = restore(str(path), shardings)
+    out = []
+    for i, (li, t) in enumerate(zip(info.leaves, leaves)):
+        if li.kind == "value":
+            out.append(got["values"][str(i)])
+            continue
+        arrays = []
+        for device, j in needs[i]:
+            box = got["boxes"][str(i)][str(j)]
+            box = box if where[(i, j)] == device else jax.device_put(box, device)
+            arrays.append(jax.random.wrap_key_data(box, impl=li.prng) if li.prng else box)
+        out.append(jax.make_array_from_single_device_arrays(li.shape, t.sharding, arrays))
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,432 @@
+"""The local tier of a ``CheckpointManager``: frequent saves to node-local disks, kept by peers.
+
+Each process writes only what its own devices hold (its part, see ``local_part``) to its own
+local directory, and the parts of ``local_replicas`` other processes (the next ones in process
+order) reach it over JAX's distributed runtime (``jaxckpt._runtime.replication``)::
+
+    LOCAL_DIR/jaxckpt-<run>/
+      run.json                       {"format": 1, "run": ..., "persistent": DIR}
+      p<P>/                          what process P holds
+        00000012/
+          part-P-of-N/               its own part: a single-process checkpoint
+          part-Q-of-N/               a replica of process Q's part (Q = P - 1, ...)
+          .part-Q-of-N.tmp-1a2b3c4d  a save or a transfer in progress (cleaned up at start)
+
+``<run>`` is the id stored in the persistent directory (``DIR/local-tier.json``, made by the
+first manager on it), so a local directory of another run (or of an earlier run into a
+persistent directory since deleted) is never used and never deleted; neither is anything in
+``LOCAL_DIR`` that does not match these names.
+
+A local step counts as complete only when every process's part, or a replica of it, is
+committed somewhere, all from the same save and cut for the restore target's layout; that is
+decided once, at the restore, by process 0 from what every process reports through the
+key-value store (:func:`choose`), never by a shared file system. Retention keeps the newest
+``local_max_to_keep`` step directories of each process, replicas included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from jaxckpt._errors import CheckpointError
+from jaxckpt._format.names import staging_name
+from jaxckpt._manager import local_part as _part
+from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import pools
+from jaxckpt._runtime import replication as _replication
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import location as _location
+
+logger = logging.getLogger("jaxckpt")
+RUN_FILE = "local-tier.json"  # in the persistent directory
+MARKER = "run.json"
+_STEP = re.compile(r"[0-9]{8}")
+_PART = re.compile(r"part-([0-9]+)-of-([0-9]+)")
+_TMP = re.compile(r"\.part-[0-9]+-of-[0-9]+\.tmp-[0-9a-f]+(-[a-z]+)?")
+_RUN = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredFrom:
+    """Where ``CheckpointManager.restore()`` found the step it returned.
+
+    Attributes:
+      tier: ``"local"`` (the processes' local parts) or ``"persistent"``.
+      step: the step restored.
+      from_peers: the processes whose local part came from a peer's replica.
+    """
+
+    tier: str
+    step: int
+    from_peers: tuple[int, ...] = ()
+
+
+def choose(
+    count: int, posted: Mapping[int, Mapping[str, Any]], *, step: int | None = None
+) -> dict[str, Any]:
+    """The restore every process makes: which tier and step, and who sends which part to whom.
+
+    Args:
+      count: the number of processes.
+      posted: per process ``{"parts": [[step, part, save, layout], ...], "target": layout or
+        None, "persistent": [steps]}`` (the persistent steps as process 0 sees them count).
+      step: only this step (``None``: the newest).
+
+    Returns:
+      ``{"tier": "local" | "persistent" | None, "step", "save", "fetch": {part: holder},
+      "fallback": persistent step or None, "local_steps": [complete local steps], "why"}``.
+      A local step wins when it is at least as new as the newest persistent step: it is the
+      faster copy.
+
+    Example:
+      >>> posted = {0: {"parts": [[5, 0, "a", "L"], [5, 1, "a", "L"]], "target": "L",
+      ...               "persistent": [0]},
+      ...           1: {"parts": [], "target": "L", "persistent": [0]}}
+      >>> c = choose(2, posted); c["tier"], c["step"], c["fetch"]
+      ('local', 5, {'1': 0})
+    """
+    holders: dict[tuple, dict[int, list[int]]] = {}
+    for p in sorted(posted):
+        for s, q, save, layout in posted[p]["parts"]:
+            if 0 <= q < count:
+                holders.setdefault((s, save, layout), {}).setdefault(q, []).append(p)
+    targets = {posted[p]["target"] for p in posted}
+    target = targets.pop() if len(targets) == 1 else None
+    complete = sorted(k for k, parts in holders.items() if len(parts) == count)
+    usable = [k for k in complete if k[2] == target and step in (None, k[0])]
+    persistent = [s for s in posted[0]["persistent"] if step in (None, s)]
+    newest = max(persistent, default=None)
+    out: dict[str, Any] = {
+        "tier": None,
+        "fetch": {},
+        "fallback": newest,
+        "local_steps": sorted({k[0] for k in complete}),
+    }
+    if not usable:
+        why = "no complete local step" if not complete else "no complete local step fits"
+        if complete and target is None:
+            why += " (the target has no shardings, or keys=/planner= were given)"
+        out["why"] = why
+    elif newest is not None and newest > usable[-1][0]:
+        out["why"] = f"persistent step {newest} is newer than local step {usable[-1][0]}"
+    else:
+        s, save, layout = usable[-1]
+        out.update(tier="local", step=s, save=save, fetch=_senders(holders[usable[-1]]))
+        return out
+    if newest is not None:
+        out.update(tier="persistent", step=newest)
+    return out
+
+
+def _senders(parts: dict[int, list[int]]) -> dict[str, int]:
+    """For each part its owner lacks, the holder that sends it (the least busy one)."""
+    busy: dict[int, int] = {}
+    fetch = {}
+    for q in sorted(parts):
+        if q in parts[q]:
+            continue
+        h = min(parts[q], key=lambda p: (busy.get(p, 0), p))
+        busy[h] = busy.get(h, 0) + 1
+        fetch[str(q)] = h
+    return fetch
+
+
+class LocalTier:
+    """The local tier of one manager on this process (see the module's docstring).
+
+    Made on every process at once (it agrees on the run with the others).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        persistent: _location.Location,
+        *,
+        interval: int,
+        max_to_keep: int,
+        replicas: int,
+    ) -> None:
+        self.process = _distributed.process_index()
+        self.count = _distributed.process_count()
+        self.interval, self.max_to_keep = interval, max_to_keep
+        self.replicas = min(replicas, self.count - 1)
+        primary = ""
+        if self.process == 0:
+            save = f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}"  # later saves sort later
+            primary = json.dumps([_run_id(persistent), save])
+        self.run, self.save_id = json.loads(_replication.decide("run", primary, lambda v: v[0]))
+        self.root = Path(os.path.expanduser(os.fspath(directory))) / f"jaxckpt-{self.run}"
+        self.mine = self.root / f"p{self.process}"
+        self.mine.mkdir(parents=True, exist_ok=True)
+        _write_marker(self.root / MARKER, self.run, str(persistent))
+        self._clean_up()
+        self._pending: Future | None = None
+        self._error: BaseException | None = None
+        self._saves = self._restores = 0
+        self._lock = threading.Lock()
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, step: int, tree: Any) -> None:
+        """Copy this process's part of ``tree`` off its buffers, then write and replicate it in
+        the background (at most one local save in flight)."""
+        self.wait()
+        snap = _part.snapshot(
+            tree, step=step, save=self.save_id, process=self.process, count=self.count
+        )
+        n, self._saves = self._saves, self._saves + 1
+        self._pending = pools.in_background(self._finish, step, snap, n)
+
+    def _finish(self, step: int, snap: _part.Snapshot, n: int) -> None:
+        t0 = time.perf_counter()
+        error, own = "", None
+        try:
+            own = self._write_own(step, snap)
+        except Exception as e:  # raised by the next save(), once; the peers hear why
+            error = f"{type(e).__name__}: {e}"
+            self._error = CheckpointError(
+                f"Saving local step {step} to {self.mine} failed: {error}. The other tiers and "
+                f"the local steps already saved are intact."
+            )
+            self._error.__cause__ = e
+        snap.copies.clear()  # the device or host copies go before the transfers
+        t1 = time.perf_counter()
+        self._replicate(step, own, error, f"{_replication.PREFIX}/s{n}")
+        logger.info(
+            "local step %d: part written in %.3f s, replicated in %.3f s",
+            step,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+        try:
+            self._retain()
+        except Exception:  # a failed cleanup must not stop training
+            logger.warning("local retention in %s failed", self.mine, exc_info=True)
+
+    def _write_own(self, step: int, snap: _part.Snapshot) -> Path:
+        path = self.mine / _name(step) / _part.part_name(self.process, self.count)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        old = _part.read_info(path) if path.exists() else None
+        if old is None or old.save != snap.info.save:  # a step of an earlier save is replaced
+            _part.write_part(path, snap, overwrite=path.exists())
+        return path
+
+    def _replicate(self, step: int, own: Path | None, error: str, prefix: str) -> None:
+        """Send the own part to the next ``replicas`` processes, receive the previous ones'."""
+        jobs = []
+        for k in range(1, self.replicas + 1):
+            to, src = (self.process + k) % self.count, (self.process - k) % self.count
+            jobs.append(
+                pools.save_pool().submit(
+                    _replication.send_dir, f"{prefix}/{self.process}-{to}/", own, error=error
+                )
+            )
+            jobs.append(
+                pools.save_pool().submit(
+                    self._receive, step, src, f"{prefix}/{src}-{self.process}/"
+                )
+            )
+        for job in jobs:
+            try:
+                job.result()
+            except Exception as e:  # a lost replica costs redundancy, not the step
+                logger.warning(
+                    "replication of local step %d on process %d: %s", step, self.process, e
+                )
+
+    def _receive(self, step: int, src: int, prefix: str) -> None:
+        """Receive process ``src``'s part of ``step`` and commit it here (rename into place)."""
+        final = self.mine / _name(step) / _part.part_name(src, self.count)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / staging_name(final.name, uuid.uuid4().hex[:8])
+        try:
+            room = shutil.disk_usage(final.parent).free
+            _replication.receive_dir(prefix, tmp, max_bytes=room)
+            info = _part.read_info(tmp)
+            if info is None or (info.step, info.process, info.process_count) != (
+                step,
+                src,
+                self.count,
+            ):
+                raise CheckpointError(f"{tmp} is not part {src} of local step {step}")
+            if final.exists():
+                _catalog.delete(_location.Location(final))  # refuses what jaxckpt did not write
+            os.rename(tmp, final)
+            _catalog.fsync_dir(final.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def settle(self) -> None:
+        """Block until the local save in flight is done; its error stays for ``wait()``."""
+        if self._pending is not None:
+            self._pending.result()
+
+    def wait(self) -> None:
+        """Block until the local save in flight is written and replicated; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    # -- what is here ---------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The steps whose own part this process holds, committed (no other process asked)."""
+        return sorted(s for s, q, _, _ in self._holdings() if q == self.process)
+
+    def _holdings(self) -> list[list]:
+        """``[step, part, save, layout]`` of every committed part (own or replica) here."""
+        out = []
+        for sd in sorted(self.mine.iterdir()) if self.mine.is_dir() else []:
+            if not (_STEP.fullmatch(sd.name) and sd.is_dir()):
+                continue
+            for pd in sorted(sd.iterdir()):
+                m = _PART.fullmatch(pd.name)
+                if not m or int(m[2]) != self.count:
+                    continue
+                info = _part.read_info(pd)
+                if info is not None and (info.step, info.process, info.process_count) == (
+                    int(sd.name),
+                    int(m[1]),
+                    self.count,
+                ):
+                    out.append([info.step, info.process, info.save, info.layout])
+        return out
+
+    # -- restoring ------------------------------------------------------------------------------
+
+    def agree(self, target: Any, persistent: list[int], step: int | None) -> dict[str, Any]:
+        """:func:`choose` on every process's holdings (every process calls it)."""
+        mine = {
+            "parts": self._holdings(),
+            "target": _part.target_layout(target, self.count),
+            "persistent": persistent if self.process == 0 else [],
+        }
+        count = self.count
+
+        def decide(posted: dict[int, str]) -> str:
+            return json.dumps(
+                choose(count, {p: json.loads(v) for p, v in posted.items()}, step=step)
+            )
+
+        return json.loads(_replication.decide("holdings", json.dumps(mine), decide))
+
+    def restore(self, choice: Mapping[str, Any], target: Any) -> Any | None:
+        """Fetch the missing parts of the chosen local step and rebuild ``target`` from this
+        process's part; ``None`` on every process if any process could not (then the caller
+        falls back to the persistent tier)."""
+        step, fetch = choice["step"], {int(q): h for q, h in choice["fetch"].items()}
+        n, self._restores = self._restores, self._restores + 1
+        prefix = f"{_replication.PREFIX}/r{n}"
+        tree, error = None, ""
+        try:
+            self._fetch(step, fetch, prefix)
+            path = self.mine / _name(step) / _part.part_name(self.process, self.count)
+            info = _part.read_info(path)
+            if info is None or info.save != choice["save"]:
+                raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
+            tree = _part.rebuild(path, info, target)
+        except Exception as e:  # every process hears of it and falls back together
+            error = f"process {self.process}: {type(e).__name__}: {e}"
+            logger.warning("local step %d cannot be restored here: %s", step, error)
+        verdict = _replication.decide(
+            "rebuilt", error, lambda got: "; ".join(v for _, v in sorted(got.items()) if v)
+        )
+        if verdict:
+            logger.warning(
+                "local step %d not restored (%s): using the persistent tier", step, verdict
+            )
+            return None
+        return tree
+
+    def _fetch(self, step: int, fetch: dict[int, int], prefix: str) -> None:
+        """Move each part its owner lacks from the holder ``fetch`` names."""
+        jobs = []
+        for q, h in fetch.items():
+            if h == self.process:
+                part = self.mine / _name(step) / _part.part_name(q, self.count)
+                jobs.append(pools.save_pool().submit(_replication.send_dir, f"{prefix}/{q}/", part))
+        try:
+            if self.process in fetch:
+                self._receive(step, self.process, f"{prefix}/{self.process}/")
+        finally:
+            for job in jobs:
+                job.result()
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    def _retain(self) -> None:
+        """Keep the newest ``max_to_keep`` step directories here; delete only jaxckpt's parts
+        and temporaries in the older ones (anything else, and its directory, stays)."""
+        held = sorted({step for step, *_ in self._holdings()})  # a foreign dir is no step
+        for sd in (self.mine / _name(step) for step in held[: -self.max_to_keep]):
+            for child in sd.iterdir():
+                if _PART.fullmatch(child.name) and child.is_dir():
+                    try:
+                        _catalog.delete(_location.Location(child))
+                    except CheckpointError as e:
+                        logger.warning("local retention: not deleting %s: %s", child, e)
+                elif _TMP.fullmatch(child.name):
+                    shutil.rmtree(child, ignore_errors=True)
+            try:
+                sd.rmdir()
+            except OSError:  # something else is in it: it stays
+                continue
+            logger.info("deleted local step %s from %s (retention)", sd.name, self.mine)
+
+    def _clean_up(self) -> None:
+        """Remove what interrupted saves and transfers left (our temporaries only)."""
+        for sd in self.mine.iterdir():
+            if _STEP.fullmatch(sd.name) and sd.is_dir():
+                for child in sd.iterdir():
+                    if _TMP.fullmatch(child.name):
+                        shutil.rmtree(child, ignore_errors=True)
+                        logger.info("cleaned up %s (left by an interrupted local save)", child)
+
+
+def _name(step: int) -> str:
+    return f"{step:08d}"
+
+
+def _run_id(persistent: _location.Location) -> str:
+    """The run's id, stored in the persistent directory; made there by the first manager."""
+    kv = _location.kvstore(persistent.kvstore)
+    got = kv.read(RUN_FILE).result()
+    if got.state != "value":
+        fresh = json.dumps({"format": 1, "run": uuid.uuid4().hex[:16]}).encode()
+        # only if still absent (the read's generation is "no value"): a racing one wins
+        kv.write(RUN_FILE, fresh, if_equal=got.stamp.generation).result()
+        got = kv.read(RUN_FILE).result()
+    try:
+        run = json.loads(got.value)["run"]
+        if isinstance(run, str) and _RUN.fullmatch(run):
+            return run
+    except (ValueError, KeyError, TypeError):
+        pass
+    raise CheckpointError(
+        f"{persistent}/{RUN_FILE} is not jaxckpt's (it names the run of the local tier). Move "
+        f"it away, or use another persistent directory."
+    )
+
+
+def _write_marker(path: Path, run: str, persistent: str) -> None:
+    raw = json.dumps({"format": 1, "run": run, "persistent": persistent}, indent=1).encode()
+    if path.is_file() and path.read_bytes() == raw:
+        return
+    tmp = path.with_name(f".{MARKER}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_bytes(raw)
+    os.replace(tmp, path)

@@ -1,0 +1,290 @@
+"""Copying a directory from one process to another, and one decision for all processes.
+
+The multi-tier manager (``jaxckpt._manager.tiers``) keeps each process's local checkpoint
+part on ``local_replicas`` other processes, and at a restore moves a part from the process
+that holds it to the one that needs it. The bytes travel over JAX's own distributed runtime:
+the key-value store of ``jax.distributed`` (the coordination service, hosted by process 0),
+never over a shared file system.
+
+Why the store and not device collectives: replication runs on a background thread while the
+training loop issues its own collectives, and collectives must be issued in the same order on
+every process; two threads issuing them would race. The store needs no order, works with any
+backend (gloo on CPU included), and a transfer is between two processes only.
+
+One transfer, ``send_dir`` on the sender and ``receive_dir`` on the receiver, under one key
+prefix (unique to the transfer; both sides derive it from what they both know):
+
+1. ``head``: JSON ``{"files": [[relative path, size], ...]}``, or ``{"error": why}`` when the
+   sender has nothing to send (its own save failed), which ends the transfer at once.
+2. ``c/<i>``: chunk ``i`` of the files' bytes end to end, at most :data:`CHUNK_BYTES`. The
+   receiver writes it, deletes it and posts ``ack/<i>``; the sender posts chunk ``i`` only
+   once ``ack/<i - WINDOW>`` has arrived. So each process holds one chunk of host memory at a
+   time, and the store at most :data:`WINDOW` chunks per transfer.
+3. ``tail``: JSON ``{"chunks": n, "crc32": [per file]}``; the receiver checks every size and
+   checksum, fsyncs, and posts ``done`` (``"ok"`` or why not). The sender deletes the prefix.
+
+The limit: every byte relays through one process's coordination service, at the speed of one
+gRPC stream (see docs/benchmarks.md, "Multi-tier checkpoints"). That suits tests and states of
+moderate size per process; a job of hundreds of hosts would move parts with a collective
+permute at a synchronous point of the loop instead (each host sends to its neighbour at
+interconnect bandwidth, no relay), which this module's callers could swap in for ``send_dir``
+/ ``receive_dir`` without changing the on-disk format.
+
+:func:`decide`: every process posts a value, process 0 applies a function to all of them and
+every process gets its answer: one agreement, computed once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxckpt._errors import DistributedError
+from jaxckpt._runtime import distributed as _distributed
+
+CHUNK_BYTES = 4 << 20
+WINDOW = 2
+PREFIX = "jaxckpt/tiers"
+_MAX_HEAD = 16 << 20  # bytes of a head or tail: far above any real part's file list
+_POLL_S = 0.2
+_decisions = itertools.count()
+_lock = threading.Lock()
+
+
+def _get(kv, key: str, timeout: float, what: str) -> bytes:
+    try:
+        return kv.blocking_key_value_get_bytes(key, max(1, int(timeout * 1000)))
+    except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+        raise DistributedError(
+            f"{what}: no answer from the other process within {timeout:g} s ({key}: "
+            f"{str(e).splitlines()[0][:200]}). It crashed, hangs, or is slow: raise "
+            f"JAXCKPT_SYNC_TIMEOUT=SECONDS if transfers are just slow."
+        ) from e
+
+
+def files_of(root: Path) -> list[tuple[str, int]]:
+    """The regular files under ``root`` (symbolic links are skipped), relative, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink():
+                out.append((path.relative_to(root).as_posix(), path.stat().st_size))
+    return out
+
+
+def send_dir(
+    prefix: str, root: Path | None, *, error: str = "", timeout: float | None = None
+) -> int:
+    """Send the files under ``root`` to the process that calls ``receive_dir(prefix, ...)``.
+
+    Args:
+      prefix: the transfer's key prefix (ends with ``/``), known to both processes.
+      root: the directory to send; ``None`` with ``error`` tells the receiver why not.
+      timeout: seconds to wait for each acknowledgement; default ``JAXCKPT_SYNC_TIMEOUT``.
+
+    Returns:
+      The bytes sent.
+
+    Raises:
+      DistributedError: the receiver did not acknowledge in time, or reported a bad copy.
+    """
+    kv = _distributed.kv_client()
+    timeout = _distributed.sync_timeout() if timeout is None else timeout
+    if root is None:
+        kv.key_value_set_bytes(prefix + "head", json.dumps({"error": error}).encode())
+        return 0
+    try:
+        sent = _send_files(kv, prefix, root, timeout)
+        verdict = _get(kv, prefix + "done", timeout, f"copy of {root}").decode()
+    finally:  # also when the receiver is gone: no chunk stays in the store
+        kv.key_value_delete(prefix.rstrip("/"))
+    if verdict != "ok":
+        raise DistributedError(f"the copy of {root} was refused by its receiver: {verdict}")
+    return sent.total
+
+
+def _send_files(kv, prefix: str, root: Path, timeout: float) -> _Stream:
+    """Post the head, every file's bytes in chunks, then the tail with their crc32s."""
+    files = files_of(root)
+    kv.key_value_set_bytes(prefix + "head", json.dumps({"files": files}).encode())
+    sent = _Stream(kv, prefix, timeout)
+    crcs = []
+    for rel, size in files:
+        crc, left = 0, size
+        with open(root / rel, "rb") as f:
+            while left:
+                block = f.read(min(left, CHUNK_BYTES - len(sent.buf)))
+                if not block:
+                    raise DistributedError(f"{root / rel} shrank while it was being sent")
+                crc, left = zlib.crc32(block, crc), left - len(block)
+                sent.add(block)
+        crcs.append(crc)
+    sent.flush()
+    tail = json.dumps({"chunks": sent.seq, "crc32": crcs}).encode()
+    kv.key_value_set_bytes(prefix + "tail", tail)
+    return sent
+
+
+class _Stream:
+    """The sender's side of the chunks: at most ``WINDOW`` unacknowledged in the store."""
+
+    def __init__(self, kv, prefix: str, timeout: float) -> None:
+        self.kv, self.prefix, self.timeout = kv, prefix, timeout
+        self.buf = bytearray()
+        self.seq = self.total = 0
+
+    def add(self, block: bytes) -> None:
+        self.buf += block
+        if len(self.buf) >= CHUNK_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        if self.seq >= WINDOW:
+            ack = f"{self.prefix}ack/{self.seq - WINDOW}"
+            _get(self.kv, ack, self.timeout, f"chunk {self.seq - WINDOW} of {self.prefix}")
+            self.kv.key_value_delete(ack)
+        self.kv.key_value_set_bytes(f"{self.prefix}c/{self.seq}", bytes(self.buf))
+        self.total += len(self.buf)
+        self.seq += 1
+        self.buf = bytearray()
+
+
+def receive_dir(prefix: str, dest: Path, *, max_bytes: int, timeout: float | None = None) -> None:
+    """Receive what ``send_dir(prefix, ...)`` sends into the new directory ``dest``.
+
+    The sender is another process: its file list is checked (relative paths inside ``dest``,
+    at most ``max_bytes`` in all) before anything is written, and every file's size and crc32
+    after.
+
+    Raises:
+      DistributedError: the sender sent nothing (its reason), failed, or sent a bad copy;
+        ``dest`` may then hold a partial copy, which the caller removes.
+    """
+    kv = _distributed.kv_client()
+    timeout = _distributed.sync_timeout() if timeout is None else timeout
+    head = _json(_get(kv, prefix + "head", timeout, f"receiving {dest.name}"), "head")
+    if "error" in head:
+        kv.key_value_delete(prefix.rstrip("/"))
+        raise DistributedError(f"the sender of {dest.name} has nothing to send: {head['error']}")
+    try:
+        files = _check_files(head.get("files"), max_bytes)
+        crcs = _receive_files(kv, prefix, dest, files, timeout)
+        tail = _json(_get(kv, prefix + "tail", timeout, f"receiving {dest.name}"), "tail")
+        if tail.get("crc32") != crcs:
+            raise DistributedError(f"{dest.name} arrived damaged: a file's crc32 differs")
+    except DistributedError as e:
+        kv.key_value_delete(prefix + "c")  # chunks a dead or refused sender left in the store
+        kv.key_value_set_bytes(prefix + "done", str(e)[:2000].encode())
+        raise
+    kv.key_value_set_bytes(prefix + "done", b"ok")
+
+
+def _receive_files(kv, prefix: str, dest: Path, files: list, timeout: float) -> list[int]:
+    """Write the chunks into ``files`` under ``dest`` (each fsynced); their crc32s."""
+    dest.mkdir(parents=True)
+    seq, chunk, at, crcs = 0, b"", 0, []
+    for rel, size in files:
+        path = dest / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        crc, left = 0, size
+        with open(path, "wb") as f:
+            while left:
+                if at == len(chunk):
+                    chunk, at = _get(kv, f"{prefix}c/{seq}", timeout, f"receiving {dest.name}"), 0
+                    kv.key_value_delete(f"{prefix}c/{seq}")
+                    kv.key_value_set(f"{prefix}ack/{seq}", "")
+                    seq += 1
+                piece = chunk[at : at + left]
+                f.write(piece)
+                crc, left, at = zlib.crc32(piece, crc), left - len(piece), at + len(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        crcs.append(crc)
+    if at != len(chunk):
+        raise DistributedError(f"{dest.name} arrived with more bytes than its file list")
+    return crcs
+
+
+def _json(raw: bytes, what: str) -> dict:
+    try:
+        value = json.loads(raw) if len(raw) <= _MAX_HEAD else None
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise DistributedError(f"a transfer's {what} is not what jaxckpt sends")
+    return value
+
+
+def _check_files(files: object, max_bytes: int) -> list[tuple[str, int]]:
+    """The sender's file list, refused unless every path stays inside and the sizes fit."""
+    ok = isinstance(files, list)
+    out: list[tuple[str, int]] = []
+    for entry in files if ok else []:
+        if not (isinstance(entry, list) and len(entry) == 2):
+            ok = False
+            break
+        rel, size = entry
+        parts = rel.split("/") if isinstance(rel, str) else [""]
+        if any(p in ("", ".", "..") or "\0" in p or "\\" in p for p in parts) or not (
+            isinstance(size, int) and size >= 0
+        ):
+            ok = False
+            break
+        out.append((rel, size))
+    if not ok or sum(s for _, s in out) > max_bytes:
+        raise DistributedError("a transfer's file list is not what jaxckpt sends, or too large")
+    return out
+
+
+def decide(name: str, value: str, fn: Callable[[dict[int, str]], str]) -> str:
+    """``fn`` of every process's ``value``, computed on process 0, returned on every process.
+
+    Every process must call ``decide`` the same number of times in the same order (like a
+    save). ``fn`` runs once; if it raises, every process raises.
+
+    Raises:
+      DistributedError: a process did not post its value within ``JAXCKPT_SYNC_TIMEOUT``.
+    """
+    process, count = _distributed.process_index(), _distributed.process_count()
+    if count == 1:
+        return fn({0: value})
+    kv = _distributed.kv_client()
+    timeout = _distributed.sync_timeout()
+    with _lock:
+        key = f"{PREFIX}/decide/{next(_decisions)}-{name}"
+    kv.key_value_set(f"{key}/at/{process}", value)
+    if process != 0:
+        got = _get(kv, f"{key}/go", timeout + 5, f"agreeing on {name}").decode()
+        if got.startswith("!"):
+            raise DistributedError(got[1:])
+        return got
+    deadline, delay = time.monotonic() + timeout, 0.002
+    while True:
+        posted = {int(k.rsplit("/", 1)[1]): v for k, v in kv.key_value_dir_get(f"{key}/at/")}
+        if len(posted) == count:
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(count)) - set(posted))
+            message = f"agreeing on {name}: processes {missing} did not answer in {timeout:g} s"
+            kv.key_value_set(f"{key}/go", "!" + message)
+            raise DistributedError(message)
+        time.sleep(delay)
+        delay = min(delay * 1.5, _POLL_S)
+    try:
+        verdict = fn(posted)
+    except Exception as e:
+        kv.key_value_set(f"{key}/go", f"!agreeing on {name} failed on process 0: {e}")
+        raise
+    kv.key_value_set(f"{key}/go", verdict)
+    kv.key_value_delete(f"{key}/at")
+    return verdict

@@ -1,0 +1,329 @@
+"""The local tier of CheckpointManager (docs/tiers.md): parts, replicas, agreement, recovery.
+
+Single-process tests cover the part format, retention, run identity and the agreement's pure
+decision (:func:`choose`). The recovery cases of issue 33.4 run in real ``jax.distributed``
+groups on 127.0.0.1 (``tests/tiers_worker.py``), four restarts of one job, each process with
+its own local directory and one shared persistent directory:
+
+1. ``train`` (4 processes): steps 0..7; process 3 is killed during its local save of step 8;
+2. ``restart`` (4): (a)+(e) local step 7, whole; (b) process 1's local dir wiped: step 7 from
+   its peer's replica; steps 8, 9 again; process 2 killed while replicating step 9;
+3. ``replaced`` (4, process 2's local dir wiped): (d) another mesh gets persistent step 5;
+   (e) step 8, part 2 from its replica; (c) processes 1 and 2 wiped: persistent step 5;
+4. ``two`` (2): (d) another process count gets persistent step 5.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jaxckpt
+from jaxckpt._manager import local_part, tiers
+
+WORKER = Path(__file__).with_name("tiers_worker.py")
+GROUP_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_group(stage: str, n: int, work: Path) -> list[dict]:
+    """Run ``n`` worker processes of ``stage``; each one's record (killed ones included)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = str(Path(__file__).resolve().parent.parent)
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+        JAXCKPT_SYNC_TIMEOUT="60",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
+    )
+    port = _free_port()
+    procs, logs = [], []
+    for i in range(n):
+        log = open(work / f"{stage}-{i}.log", "wb")  # noqa: SIM115 - closed below
+        logs.append(log)
+        cmd = [sys.executable, str(WORKER), stage, str(i), str(n), str(port), str(work)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+        pytest.fail(f"group {stage} hung; logs:\n{_tails(stage, n, work)}")
+    finally:
+        for log in logs:
+            log.close()
+    records = []
+    for i in range(n):
+        path = work / f"{stage}-{i}.json"
+        if not path.exists():
+            pytest.fail(f"process {i} of {stage} wrote no record; logs:\n{_tails(stage, n, work)}")
+        records.append(json.loads(path.read_text()))
+    return records
+
+
+def _tails(stage: str, n: int, work: Path) -> str:
+    return "\n".join(
+        f"--- {stage} process {i}:\n" + (work / f"{stage}-{i}.log").read_text()[-3000:]
+        for i in range(n)
+    )
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("tiers")
+    out = {"work": work}
+    for stage, n in (("train", 4), ("restart", 4), ("replaced", 4), ("two", 2)):
+        out[stage] = _run_group(stage, n, work)
+    return out
+
+
+def _ok(records: list[dict], check: str, processes=None) -> None:
+    for p in processes if processes is not None else range(len(records)):
+        got = records[p]["checks"].get(check, "not run")
+        assert got == "ok", f"check {check!r} on process {p}:\n{got}"
+
+
+def _data(records: list[dict], name: str, processes=None) -> list:
+    return [records[p]["data"].get(name) for p in processes or range(len(records))]
+
+
+def test_steps_per_tier(job):
+    _ok(job["train"], "train")
+    assert _data(job["train"], "persistent_steps") == [[0, 5]] * 4
+    assert _data(job["train"], "local_steps") == [[5, 6, 7]] * 4  # local_max_to_keep=3
+    assert _data(job["train"], "all_steps") == [[0, 5, 6, 7]] * 4
+
+
+def test_a_all_restart_newest_local_step_bit_exact(job):
+    _ok(job["restart"], "a")
+    assert _data(job["restart"], "a") == [["local", 7, []]] * 4
+
+
+def test_e_killed_during_local_save_previous_whole_step(job):
+    assert job["train"][3]["data"].get("killed"), "process 3 was not killed saving step 8"
+    # Step 8 of process 3 was written but not committed: its temporary is removed at start,
+    # and every process restores step 7 (test_a).
+    assert job["restart"][3]["data"]["tmp_before"], "no temporary of the interrupted save"
+    assert job["restart"][3]["data"]["tmp_after"] == []
+
+
+def test_b_wiped_local_dir_restores_from_peer_replica(job):
+    _ok(job["restart"], "b")
+    assert _data(job["restart"], "b") == [["local", 7, [1]]] * 4
+    assert job["restart"][1]["data"]["b_local_after"] == [7]  # the fetched part is kept
+
+
+def test_e_killed_during_replication_previous_whole_step(job):
+    _ok(job["restart"], "again_8")
+    assert job["restart"][2]["data"].get("killed"), "process 2 was not killed replicating"
+    _ok(job["replaced"], "e")
+    # Step 9's part 2 is lost with process 2's disk and its replica never completed.
+    assert _data(job["replaced"], "e") == [["local", 8, [2]]] * 4
+
+
+def test_c_part_and_its_replica_lost_falls_back_to_persistent(job):
+    _ok(job["replaced"], "c")
+    assert _data(job["replaced"], "c") == [["persistent", 5, []]] * 4
+
+
+def test_d_other_mesh_or_process_count_uses_persistent(job):
+    _ok(job["replaced"], "d_mesh")
+    assert _data(job["replaced"], "d_mesh") == [["persistent", 5, []]] * 4
+    _ok(job["two"], "d_count")
+    assert _data(job["two"], "d_count") == [["persistent", 5, []]] * 2
+
+
+def test_f_foreign_files_and_other_runs_are_kept(job):
+    work = job["work"]
+    run = json.loads((work / "persistent" / tiers.RUN_FILE).read_text())["run"]
+    for p in (0, 3):  # the local disks of processes 1 and 2 were wiped whole, (b) and (c)
+        local = work / "local" / f"p{p}"
+        assert (local / "notes.txt").read_text() == "not jaxckpt's"
+        assert (local / "jaxckpt-0123456789abcdef" / f"p{p}" / "00000001" / "keep.txt").exists()
+        mine = local / f"jaxckpt-{run}" / f"p{p}"
+        assert (mine / "00000001" / "foreign.txt").read_text() == "foreign"
+        assert not (mine / "00000001" / f"part-{p}-of-4").exists()  # retention took ours
+        assert (mine / "00000099" / f"part-{p}-of-4" / "manifest.json").exists()  # never used
+
+
+# -- single process -------------------------------------------------------------------------
+
+
+def _state(step: int) -> dict:
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    w = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) + step
+    return {
+        "w": jax.device_put(w, NamedSharding(mesh, PartitionSpec("a", "b"))),
+        "r": jax.device_put(jnp.full(16, step, jnp.bfloat16), NamedSharding(mesh, PartitionSpec())),
+        "key": jax.random.key(step),
+        "host": np.arange(3) + step,
+        "step": step,
+    }
+
+
+def _abstract(tree):
+    def leaf(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return None
+
+    return jax.tree.map(leaf, tree)
+
+
+def _same(got, want) -> None:
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if isinstance(w, jax.Array) and jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        if isinstance(w, jax.Array):
+            assert g.sharding == w.sharding
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+
+
+def test_part_round_trip_is_a_plain_checkpoint(tmp_path):
+    state = _state(3)
+    snap = local_part.snapshot(state, step=3, save="s", process=0, count=1)
+    local_part.write_part(tmp_path / "part", snap, overwrite=False)
+    info = local_part.read_info(tmp_path / "part")
+    assert info == snap.info and info.layout == local_part.target_layout(_abstract(state), 1)
+    # Sorted keys host, key, r, step, w: values have no boxes, r (replicated) one, w 8.
+    assert [len(li.boxes) for li in info.leaves] == [0, 1, 1, 0, 8]
+    _same(local_part.rebuild(tmp_path / "part", info, _abstract(state)), state)
+    plain = jaxckpt.restore(tmp_path / "part")  # any jaxckpt reader can read a part
+    assert set(plain) == {"description", "boxes", "values"}
+
+
+def test_target_layout_tells_layouts_apart():
+    state = _state(0)
+    same = local_part.target_layout(_abstract(state), 1)
+    assert same == local_part.target_layout(_abstract(_state(5)), 1)
+    other = _abstract(state)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    other["w"] = jax.ShapeDtypeStruct(
+        (64, 32), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("a", "b"))
+    )
+    assert local_part.target_layout(other, 1) != same
+    assert local_part.target_layout(_abstract(state), 2) != same  # another process count
+    assert local_part.target_layout(None, 1) is None
+    assert local_part.target_layout({**_abstract(state), "w": np.zeros(1)}, 1) is None
+
+
+def test_hostile_part_description_is_ignored(tmp_path):
+    snap = local_part.snapshot({"x": jnp.arange(4)}, step=1, save="s", process=0, count=1)
+    bad = json.loads(snap.info.to_json())
+    bad["leaves"][0]["boxes"] = [[[3], [4]]]  # outside its array
+    jaxckpt.save(tmp_path / "bad", {"description": json.dumps(bad), "boxes": {}, "values": {}})
+    assert local_part.read_info(tmp_path / "bad") is None
+    jaxckpt.save(tmp_path / "other", {"description": "[1, 2]"})
+    assert local_part.read_info(tmp_path / "other") is None
+    assert local_part.read_info(tmp_path / "absent") is None
+
+
+def _posted(parts, target="L", persistent=(0,)):
+    return {
+        p: {"parts": held, "target": target, "persistent": list(persistent) if p == 0 else []}
+        for p, held in enumerate(parts)
+    }
+
+
+def test_choose_newest_complete_local_step():
+    both = [[5, 0, "a", "L"], [5, 1, "a", "L"]]
+    c = tiers.choose(2, _posted([[both[0]], [both[1]]]))
+    assert (c["tier"], c["step"], c["fetch"]) == ("local", 5, {})
+    # Part 1 only on process 0: process 1 fetches it from there.
+    c = tiers.choose(2, _posted([both, []]))
+    assert (c["tier"], c["step"], c["fetch"]) == ("local", 5, {"1": 0})
+    # Newer but incomplete: the older whole step.
+    newer = [[6, 0, "a", "L"]]
+    c = tiers.choose(2, _posted([[*both, *newer], []]))
+    assert (c["tier"], c["step"]) == ("local", 5)
+
+
+def test_choose_never_mixes_saves_or_layouts():
+    mixed = [[[5, 0, "a", "L"]], [[5, 1, "b", "L"]]]  # step 5 saved twice (a restart between)
+    c = tiers.choose(2, _posted(mixed, persistent=[0]))
+    assert (c["tier"], c["step"]) == ("persistent", 0)
+    other = [[[5, 0, "a", "M"]], [[5, 1, "a", "M"]]]
+    c = tiers.choose(2, _posted(other))
+    assert (c["tier"], c["step"], c["local_steps"]) == ("persistent", 0, [5])
+    c = tiers.choose(2, _posted(other, target=None, persistent=[]))
+    assert c["tier"] is None and "target has no shardings" in c["why"]
+
+
+def test_choose_prefers_newer_persistent_and_spreads_senders():
+    parts = [[[4, q, "a", "L"] for q in range(4)], [], [], []]
+    c = tiers.choose(4, _posted(parts, persistent=[0, 5]))
+    assert (c["tier"], c["step"]) == ("persistent", 5)
+    c = tiers.choose(4, _posted(parts, persistent=[0, 4]))  # as new: local is faster
+    assert (c["tier"], c["step"]) == ("local", 4)
+    two_holders = [[[4, 1, "a", "L"], [4, 2, "a", "L"]], [[4, 3, "a", "L"]], [], []]
+    two_holders[1] += [[4, 0, "a", "L"], [4, 2, "a", "L"]]
+    c = tiers.choose(4, _posted(two_holders))
+    assert c["fetch"] == {"0": 1, "1": 0, "2": 0, "3": 1}  # part 2 to the less busy holder
+    assert tiers.choose(4, _posted(parts, persistent=[9]), step=4)["step"] == 4
+
+
+def test_manager_local_tier_single_process(tmp_path, caplog):
+    kw = dict(save_interval_steps=5, local_directory=tmp_path / "local", local_max_to_keep=2)
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt", **kw) as mgr:
+        for step in range(8):
+            assert mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.all_steps("persistent") == [0, 5]
+        assert mgr.all_steps("local") == [6, 7]
+        assert mgr.all_steps() == [0, 5, 6, 7] and mgr.latest_step() == 7
+        with caplog.at_level(logging.INFO, logger="jaxckpt"):
+            _same(mgr.restore(target=_abstract(_state(0))), _state(7))
+        assert mgr.restored_from == tiers.RestoredFrom("local", 7)
+        assert "restored step 7 from the local tier" in caplog.text
+        # Without shardings the local part cannot be rebuilt: the persistent tier, logged.
+        assert mgr.restore()["step"] == 5
+        assert mgr.restored_from == tiers.RestoredFrom("persistent", 5)
+        assert mgr.restore(6, target=_abstract(_state(0)))["step"] == 6
+    run = json.loads((tmp_path / "ckpt" / tiers.RUN_FILE).read_text())["run"]
+    marker = json.loads((tmp_path / "local" / f"jaxckpt-{run}" / tiers.MARKER).read_text())
+    assert marker["persistent"] == str(tmp_path / "ckpt")
+
+
+def test_a_new_persistent_directory_is_a_new_run(tmp_path):
+    kw = dict(local_directory=tmp_path / "local")
+    with jaxckpt.CheckpointManager(tmp_path / "a", **kw) as mgr:
+        mgr.save(1, _state(1))
+    with jaxckpt.CheckpointManager(tmp_path / "b", **kw) as mgr:  # same local dir, other run
+        assert mgr.all_steps() == []
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match="or its local tier"):
+            mgr.restore(target=_abstract(_state(0)))
+    assert len(list((tmp_path / "local").iterdir())) == 2  # the first run's dir is kept
+
+
+def test_local_step_of_an_earlier_save_is_replaced(tmp_path):
+    kw = dict(save_interval_steps=100, local_directory=tmp_path / "local")
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt", **kw) as mgr:
+        mgr.save(0, _state(0))
+        mgr.save(1, _state(1))
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt", **kw) as mgr:  # a restart at step 0
+        mgr.save(1, _state(11))
+        mgr.wait()
+        assert mgr.restore(target=_abstract(_state(0)))["step"] == 11

@@ -1,0 +1,271 @@
+"""One process of a multi-process JAX group for tests/test_tiers.py (run as a script).
+
+    python tests/tiers_worker.py STAGE PROCESS_ID NUM_PROCESSES PORT WORKDIR
+
+Each process has its own local directory ``WORKDIR/local/p<PROCESS_ID>`` and all share the
+persistent directory ``WORKDIR/persistent``; the manager saves a local step every step and a
+persistent step every 5. Stages, each a restart of the whole group:
+
+* ``train`` (4): steps 0..7, then process 3 is killed during its local save of step 8 (its
+  part written, not committed);
+* ``restart`` (4): (a)+(e) restores local step 7; (b) process 1's local directory wiped:
+  step 7 again, its part from its peer's replica; then steps 8 and 9 again, and process 2 is
+  killed while it sends its replica of step 9;
+* ``replaced`` (4, process 2's local directory wiped before the start): (d) a different mesh
+  gets persistent step 5; (e) step 8 (step 9 lacks a whole part 2), part 2 from its replica;
+  (c) processes 1 and 2 (its replica holder) wiped: persistent step 5;
+* ``two`` (2): (d) fewer processes get persistent step 5.
+
+Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``mh_worker.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import traceback
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import jaxckpt
+
+ARRAYS = {"w": ((256, 128), "float32"), "b": ((128,), "bfloat16"), "rep": ((64, 64), "float32")}
+SPECS = {"w": ("a", "b"), "b": ("b",), "rep": ()}
+OTHER_SPECS = {"w": ("b", "a"), "b": ("a",), "rep": ()}  # the same devices, another layout
+
+
+def value(key: str, step: int) -> np.ndarray:
+    import ml_dtypes
+
+    shape, dtype = ARRAYS[key]
+    rng = np.random.default_rng(zlib.crc32(key.encode()) + 1000 * step)
+    return rng.standard_normal(shape).astype(getattr(ml_dtypes, dtype, dtype))
+
+
+def _mesh(n: int):
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()).reshape(n, len(jax.devices()) // n), ("a", "b"))
+
+
+def _sharding(key: str, specs: dict, n: int):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(_mesh(n), PartitionSpec(*specs[key]))
+
+
+def make_state(step: int, n: int) -> dict:
+    state = {}
+    for key in ARRAYS:
+        v = value(key, step)
+        state[key] = jax.make_array_from_callback(
+            v.shape, _sharding(key, SPECS, n), lambda idx, v=v: v[idx]
+        )
+    state["step"] = step
+    state["host"] = np.full(3, step, np.int32)
+    return state
+
+
+def target(n: int, specs: dict = SPECS) -> dict:
+    out = {}
+    for key, (shape, _) in ARRAYS.items():
+        dtype = value(key, 0).dtype
+        out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(key, specs, n))
+    return {**out, "step": None, "host": None}
+
+
+def check_state(tree: dict, step: int) -> None:
+    for key in ARRAYS:
+        want = value(key, step)
+        assert tree[key].dtype == want.dtype, key
+        for shard in tree[key].addressable_shards:
+            assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes(), (key, step)
+    assert tree["step"] == step, (tree["step"], step)
+    assert np.asarray(tree["host"]).tolist() == [step] * 3
+
+
+class Record:
+    def __init__(self, out: Path) -> None:
+        self.out, self.checks, self.data = out, {}, {}
+        self.flush()
+
+    def flush(self) -> None:
+        tmp = self.out.with_suffix(".part")
+        tmp.write_text(json.dumps({"checks": self.checks, "data": self.data}))
+        os.replace(tmp, self.out)
+
+    def run(self, name: str, fn) -> None:
+        try:
+            fn()
+            self.checks[name] = "ok"
+        except BaseException:  # noqa: BLE001 - recorded for the test to report
+            self.checks[name] = traceback.format_exc()
+        self.flush()
+
+
+def manager(work: Path, pid: int) -> jaxckpt.CheckpointManager:
+    return jaxckpt.CheckpointManager(
+        work / "persistent",
+        save_interval_steps=5,
+        local_directory=work / "local" / f"p{pid}",
+        local_save_interval_steps=1,
+        local_max_to_keep=3,
+        local_replicas=1,
+    )
+
+
+def restored(rec: Record, name: str, mgr, tgt, step: int, n: int) -> None:
+    check_state(mgr.restore(target=tgt), step)
+    got = mgr.restored_from
+    rec.data[name] = [got.tier, got.step, list(got.from_peers)]
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stage_train(rec: Record, work: Path, pid: int, n: int) -> None:
+    from jaxckpt._storage import writer as _writer
+
+    mgr = manager(work, pid)
+    # (f): foreign things the manager must neither use nor delete.
+    local = work / "local" / f"p{pid}"
+    (local / "notes.txt").write_text("not jaxckpt's")
+    other = local / "jaxckpt-0123456789abcdef" / f"p{pid}" / "00000001"
+    other.mkdir(parents=True)
+    (other / "keep.txt").write_text("another run")
+    (mgr._local.mine / "00000001").mkdir()
+    (mgr._local.mine / "00000001" / "foreign.txt").write_text("foreign")
+    junk = mgr._local.mine / "00000099" / f"part-{pid}-of-{n}"
+    junk.mkdir(parents=True)
+    (junk / "manifest.json").write_text("{not a manifest")
+
+    def train():
+        for step in range(8):
+            mgr.save(step, make_state(step, n))
+        mgr.wait()
+        rec.data["local_steps"] = mgr.all_steps("local")
+        rec.data["persistent_steps"] = mgr.all_steps("persistent")
+        rec.data["all_steps"] = mgr.all_steps()
+
+    rec.run("train", train)
+    commit = _writer.Writer.commit
+
+    def commit_or_die(self, manifest):  # process 3 dies with step 8's part written
+        if pid == 3 and f"part-3-of-{n}" in str(self.loc) and "00000008" in str(self.loc):
+            rec.data["killed"] = True
+            rec.flush()
+            _die()
+        return commit(self, manifest)
+
+    _writer.Writer.commit = commit_or_die
+    os.environ["JAXCKPT_SYNC_TIMEOUT"] = "8"
+    mgr.save(8, make_state(8, n))
+    try:
+        mgr.close()
+    except Exception as e:  # noqa: BLE001
+        rec.data["close"] = repr(e)
+    rec.flush()
+
+
+def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
+    from jaxckpt._runtime import replication
+
+    mine = work / "local" / f"p{pid}"
+    rec.data["tmp_before"] = sorted(str(p) for p in mine.rglob(".part-*"))
+    mgr = manager(work, pid)
+    rec.data["tmp_after"] = sorted(str(p) for p in mine.rglob(".part-*"))
+    rec.run("a", lambda: restored(rec, "a", mgr, target(n), 7, n))
+    mgr.close()
+
+    def b():
+        if pid == 1:
+            shutil.rmtree(mine)
+        with manager(work, pid) as m:
+            restored(rec, "b", m, target(n), 7, n)
+            rec.data["b_local_after"] = m.all_steps("local")
+
+    rec.run("b", b)
+    replication.CHUNK_BYTES = 16 << 10  # several chunks per part, so a kill lands between two
+    mgr = manager(work, pid)
+
+    die = []
+
+    def again():
+        for step in (8, 9):
+            if step == 9:
+                mgr.wait()  # step 8 whole everywhere before the kill
+                rec.checks["again_8"] = "ok"
+                rec.flush()
+                os.environ["JAXCKPT_SYNC_TIMEOUT"] = "8"
+                die.append(True)
+            mgr.save(step, make_state(step, n))
+
+    flush = replication._Stream.flush
+
+    def flush_or_die(self):  # process 2 dies after the first chunk of its step-9 replica
+        if pid == 2 and die and "/2-3/" in self.prefix and self.seq == 1:
+            rec.data["killed"] = True
+            rec.flush()
+            _die()
+        return flush(self)
+
+    replication._Stream.flush = flush_or_die
+    rec.run("again", lambda: (again(), mgr.wait()))
+    rec.flush()
+
+
+def stage_replaced(rec: Record, work: Path, pid: int, n: int) -> None:
+    mgr = manager(work, pid)
+    rec.run("d_mesh", lambda: restored(rec, "d_mesh", mgr, target(n, OTHER_SPECS), 5, n))
+    rec.run("e", lambda: restored(rec, "e", mgr, target(n), 8, n))
+    mgr.close()
+
+    def c():
+        if pid in (1, 2):
+            shutil.rmtree(work / "local" / f"p{pid}")
+        with manager(work, pid) as m:
+            restored(rec, "c", m, target(n), 5, n)
+
+    rec.run("c", c)
+
+
+def stage_two(rec: Record, work: Path, pid: int, n: int) -> None:
+    with manager(work, pid) as mgr:
+        rec.run("d_count", lambda: restored(rec, "d_count", mgr, target(n), 5, n))
+
+
+def main(argv: list[str]) -> None:
+    stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
+    if stage == "replaced" and pid == 2:
+        shutil.rmtree(work / "local" / "p2")  # a replaced node: its local disk is empty
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = {}
+    if "jax_enable_recoverability" in jax.config.values:  # jax >= 0.7.1 (see mh_worker.py)
+        jax.config.update("jax_enable_recoverability", True)
+        timeouts = dict(heartbeat_timeout_seconds=60, shutdown_timeout_seconds=10)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        coordinator_bind_address=f"127.0.0.1:{port}",
+        num_processes=n,
+        process_id=pid,
+        initialization_timeout=60,
+        **timeouts,
+    )
+    rec = Record(work / f"{stage}-{pid}.json")
+    stages = {"train": stage_train, "restart": stage_restart, "replaced": stage_replaced}
+    {**stages, "two": stage_two}[stage](rec, work, pid, n)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
