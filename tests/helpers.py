@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+
 import jax
 import numpy as np
 import pytest
@@ -47,3 +50,20 @@ def one_array_per_leaf():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_pack, "DEFAULT_PACK_BYTES", 0)
         yield
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str = "8m"):
+    """A tmpfs mounted at ``path`` (made here), or skip where mounting is not allowed."""
+    path.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

@@ -22,6 +22,7 @@ import traceback
 import zlib
 from pathlib import Path
 
+import groups
 import jax
 import numpy as np
 import pytest
@@ -416,21 +417,7 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
 
 def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # Without it JAX itself terminates every process once one dies (see docs/multihost.md).
-    # Older jax (the floor) has neither the option (jax >= 0.7.1) nor the timeouts (>= 0.7.0).
-    timeouts = {}
-    if "jax_enable_recoverability" in jax.config.values:
-        jax.config.update("jax_enable_recoverability", True)
-        timeouts = dict(heartbeat_timeout_seconds=60, shutdown_timeout_seconds=10)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        coordinator_bind_address=f"127.0.0.1:{port}",
-        num_processes=n,
-        process_id=pid,
-        initialization_timeout=60,
-        **timeouts,
-    )
+    groups.join(pid, n, port)
     checks = _Checks(work / f"{stage}-{pid}.json")
     {"two": stage_two, "four": stage_four}[stage](checks, work, pid)
     # Skip the shutdown barrier: after the kill check one process is gone for good.

@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import fault_worker as fw
 import numpy as np
 import pytest
-from helpers import assert_tree_equal
+from helpers import assert_tree_equal, tmpfs
 
 import jaxckpt
 
@@ -202,17 +201,8 @@ def test_sigterm_saves_the_current_step_and_stops(ctx, tmp_path, fast_dir):
 @pytest.fixture
 def small_disk(tmp_path):
     """An 8 MiB tmpfs, or skip where mounting is not allowed (the rlimit test still runs)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_disk_full_raises_and_keeps_the_last_checkpoint(small_disk):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tmpfs
 
 import jaxckpt
 
@@ -79,19 +80,10 @@ def test_a_parent_that_is_a_file_is_a_checkpoint_error(tmp_path, how):
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A tmpfs remounted read-only, or skip where mounting is not allowed."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "ro") as mnt:
         jaxckpt.save(mnt / "c", {"w": np.arange(4.0)})
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])

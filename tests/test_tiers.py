@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from groups import run_group
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxckpt
@@ -38,57 +33,8 @@ WORKER = Path(__file__).with_name("tiers_worker.py")
 GROUP_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(stage: str, n: int, work: Path) -> list[dict]:
-    """Run ``n`` worker processes of ``stage``; each one's record (killed ones included)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = str(Path(__file__).resolve().parent.parent)
-    env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-        JAXCKPT_SYNC_TIMEOUT="60",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
-    )
-    port = _free_port()
-    procs, logs = [], []
-    for i in range(n):
-        log = open(work / f"{stage}-{i}.log", "wb")  # noqa: SIM115 - closed below
-        logs.append(log)
-        cmd = [sys.executable, str(WORKER), stage, str(i), str(n), str(port), str(work)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + GROUP_TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
-        pytest.fail(f"group {stage} hung; logs:\n{_tails(stage, n, work)}")
-    finally:
-        for log in logs:
-            log.close()
-    records = []
-    for i in range(n):
-        path = work / f"{stage}-{i}.json"
-        if not path.exists():
-            pytest.fail(f"process {i} of {stage} wrote no record; logs:\n{_tails(stage, n, work)}")
-        records.append(json.loads(path.read_text()))
-    return records
-
-
-def _tails(stage: str, n: int, work: Path) -> str:
-    return "\n".join(
-        f"--- {stage} process {i}:\n" + (work / f"{stage}-{i}.log").read_text()[-3000:]
-        for i in range(n)
-    )
+    return run_group(WORKER, stage, n, work, GROUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ import traceback
 import zlib
 from pathlib import Path
 
+import groups
 import jax
 import numpy as np
 
@@ -246,19 +247,7 @@ def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     if stage == "replaced" and pid == 2:
         shutil.rmtree(work / "local" / "p2")  # a replaced node: its local disk is empty
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeouts = {}
-    if "jax_enable_recoverability" in jax.config.values:  # jax >= 0.7.1 (see mh_worker.py)
-        jax.config.update("jax_enable_recoverability", True)
-        timeouts = dict(heartbeat_timeout_seconds=60, shutdown_timeout_seconds=10)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        coordinator_bind_address=f"127.0.0.1:{port}",
-        num_processes=n,
-        process_id=pid,
-        initialization_timeout=60,
-        **timeouts,
-    )
+    groups.join(pid, n, port)
     rec = Record(work / f"{stage}-{pid}.json")
     stages = {"train": stage_train, "restart": stage_restart, "replaced": stage_replaced}
     {**stages, "two": stage_two}[stage](rec, work, pid, n)
