@@ -144,3 +144,13 @@ def test_packed_leaves_get_their_pack_files_hinted(tmp_path, monkeypatch):
     assert "arrays/pack.float32.0/c/0" in files and len(files) == 1 + 8, sorted(files)
     assert _writeback.started() - before == len(files)
     assert_tree_equal(jaxckpt.restore(tmp_path / "ck", state), state)
+
+
+def test_a_cancelled_write_gets_no_hint_and_raises_nothing():
+    """A save that fails cancels its writes in flight; waiting for the hints must not replace
+    the save's own error (tensorstore raises asyncio's CancelledError, a BaseException)."""
+    promise, fut = ts.Promise.new()
+    fut.cancel()
+    hints = _writeback.Hints(group_bytes=1)
+    hints.add(fut, ["/nonexistent/c/0"], 8)
+    hints.wait()  # would raise CancelledError before the fix

@@ -17,6 +17,7 @@ staging directory. ``JAXCKPT_EARLY_WRITEBACK=0`` turns it off (benchmarks compar
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import threading
@@ -103,7 +104,9 @@ def _when_written(group: list[tuple[Any, list[str]]]) -> None:
     for fut, paths in group:
         try:
             fut.result()
-        except Exception:  # noqa: BLE001 - the writer reports a failed write; no hint for it
+        # The writer reports a failed write; no hint for it. A write cancelled on a failing
+        # save raises asyncio's CancelledError, which is no Exception.
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001
             continue
         _start(paths)
 
