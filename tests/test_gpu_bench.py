@@ -23,17 +23,21 @@ def _table(out: str) -> tuple[list[str], list[list[str]]]:
     return rows[0], rows[1:]
 
 
-def test_gpu_benchmark_prints_one_row_per_library_in_short_mode(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out_md = tmp_path / "gpu-cpu.md"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--short", "--out", str(out_md)],
+def _gpu_py(cwd, pythonpath: str, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/gpu.py in short mode, in a fresh process."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--short", *args],
         capture_output=True,
         text=True,
-        env=env,
-        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        cwd=cwd,
         timeout=300,
     )
+
+
+def test_gpu_benchmark_prints_one_row_per_library_in_short_mode(tmp_path):
+    out_md = tmp_path / "gpu-cpu.md"
+    proc = _gpu_py(tmp_path, str(ROOT), "--out", str(out_md))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Short mode" in proc.stdout
     header, rows = _table(proc.stdout)
@@ -53,14 +57,8 @@ def test_gpu_benchmark_degrades_without_orbax(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('no orbax on this machine')\n")
     (fake / "checkpoint.py").write_text("raise ImportError('no orbax on this machine')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--short", "--libs", "orbax"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
+    proc = _gpu_py(
+        tmp_path, os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), "--libs", "orbax"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "orbax: not installed" in proc.stdout
