@@ -68,6 +68,27 @@ def test_unchanged_boxes_are_linked_not_written(tmp_path):
     assert_tree_equal(jaxckpt.restore(tmp_path / "2", state(0)), state(2))
 
 
+def test_a_base_chunk_that_is_a_symlink_is_written_not_linked(tmp_path):
+    """A base whose chunk file was swapped for a symbolic link (to a file with the same
+    bytes) gives the new step a regular file of its own: a link to a link would make the new
+    step depend on a file outside every checkpoint."""
+    jaxckpt.save(tmp_path / "1", state(1))
+    files = chunk_files(tmp_path / "1")
+    name = next(k for k in sorted(files) if k.startswith("base/"))
+    chunk = tmp_path / "1" / "arrays" / name
+    outside = tmp_path / "outside"
+    shutil.copyfile(chunk, outside)
+    chunk.unlink()
+    chunk.symlink_to(outside)
+    h = jaxckpt.save_async(tmp_path / "2", state(2), base=tmp_path / "1")
+    h.wait()
+    new = tmp_path / "2" / "arrays" / name
+    assert not new.is_symlink() and new.stat().st_nlink == 1
+    assert h.reused_bytes < FROZEN.nbytes + 64 * 64 * 2  # that box was written
+    outside.unlink()
+    assert_tree_equal(jaxckpt.restore(tmp_path / "2", state(0)), state(2))
+
+
 def test_every_step_survives_deleting_the_others(tmp_path):
     """rm -rf of the base, cp -r of a step: each step is a whole checkpoint on its own."""
     jaxckpt.save(tmp_path / "1", state(1))

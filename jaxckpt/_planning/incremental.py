@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 
 import numpy as np
@@ -41,6 +42,7 @@ from jaxckpt._runtime import pools
 
 HASH_AHEAD = 64 << 20  # bytes of boxes hashed ahead of the one being decided
 HASH_AHEAD_ITEMS = 8
+LINKS_AHEAD = 16  # links in flight on the read threads
 
 
 def digest(data: np.ndarray) -> str:
@@ -168,26 +170,47 @@ class Tracker:
         """The items to write: every one whose box the base lacks or ``link`` cannot reuse.
 
         Boxes are hashed on the staging threads a few boxes ahead (the hash releases the GIL),
-        at most ``HASH_AHEAD`` bytes beyond the box being decided.
+        at most ``HASH_AHEAD`` bytes beyond the box being decided; the links run on the read
+        threads, at most ``LINKS_AHEAD`` at once, while the next boxes are resolved and hashed.
         """
         pool = pools.stage_pool()
         ahead: collections.deque = collections.deque()
+        linking: collections.deque = collections.deque()
         held = 0
-        for item, data in items:
-            ahead.append((item, data, pool.submit(digest, data)))
-            held += item.nbytes
-            while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
-                held -= ahead[0][0].nbytes
-                yield from self._decide(*ahead.popleft())
-        while ahead:
-            yield from self._decide(*ahead.popleft())
+        try:
+            for item, data in items:
+                ahead.append((item, data, pool.submit(digest, data)))
+                held += item.nbytes
+                while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
+                    held -= ahead[0][0].nbytes
+                    yield from self._decide(*ahead.popleft(), linking)
+            while ahead:
+                yield from self._decide(*ahead.popleft(), linking)
+            yield from self._settle(linking, 0)
+        finally:  # no link may land after the caller gave up (and removed the staging dir)
+            futures.wait([done for *_, done in linking])
 
-    def _decide(self, item: WriteItem, data: np.ndarray, hashed: Future) -> Iterator[tuple]:
+    def _decide(
+        self, item: WriteItem, data: np.ndarray, hashed: Future, linking: collections.deque
+    ) -> Iterator[tuple]:
         match = self.check(item, data, hashed.result())
-        if match is not None and self.link is not None and self.link(item, match):
-            self.reused_bytes += item.nbytes
+        if match is not None and self.link is not None:
+            linking.append((item, data, pools.read_pool().submit(self.link, item, match)))
+            yield from self._settle(linking, LINKS_AHEAD)
             return
         yield item, data
+
+    def _settle(self, linking: collections.deque, keep: int) -> Iterator[tuple]:
+        """Wait for the oldest links until at most ``keep`` run; a box that could not be
+        linked is written instead."""
+        while len(linking) > keep:
+            item, data, done = linking[0]
+            linked = done.result()
+            linking.popleft()
+            if linked:
+                self.reused_bytes += item.nbytes
+            else:
+                yield item, data
 
 
 def _same_array(e: ArrayEntry, b: ArrayEntry) -> bool:
