@@ -237,6 +237,28 @@ def test_fifo_in_place_of_a_chunk_is_refused_without_hanging(tmp_path):
         jaxckpt.restore(path)
 
 
+@pytest.mark.parametrize("swap", ["fifo", "link", "padded"])
+def test_read_ahead_hint_of_a_large_chunk_neither_hangs_nor_follows(tmp_path, swap):
+    """Chunks of 256 KiB and more get a read-ahead hint before they are read: a FIFO, a link
+    or an oversized file in place of one is still refused by the read, without hanging."""
+    path = tmp_path / "c"
+    jaxckpt.save(path, {"w": jnp.ones((512, 256), jnp.float32)})  # one chunk of 512 KiB
+    chunk = path / "arrays" / "w" / "c" / "0" / "0"
+    assert chunk.stat().st_size >= _chunkfile._PREFETCH_MIN
+    raw = chunk.read_bytes()
+    chunk.unlink()
+    if swap == "fifo":
+        os.mkfifo(chunk)
+    elif swap == "link":
+        (tmp_path / "secret").write_bytes(raw)
+        chunk.symlink_to(tmp_path / "secret")
+    else:
+        chunk.write_bytes(raw + bytes(1 << 20))
+    # (the listing before the read refuses the link already, as a ManifestError)
+    with pytest.raises((jaxckpt.CorruptChunkError, jaxckpt.ManifestError), match=r"Key 'w'"):
+        jaxckpt.restore(path)
+
+
 def test_link_swapped_in_after_the_listing_is_not_followed(tmp_path):
     # The listing (Reader.check_chunks) refuses links; a link made after it, before the read,
     # must still not be followed: the file is opened with O_NOFOLLOW.

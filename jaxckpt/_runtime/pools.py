@@ -43,6 +43,12 @@ def read_pool() -> ThreadPoolExecutor:
     return _get("jaxckpt-read", READ_THREADS)
 
 
+def prefetch_pool() -> ThreadPoolExecutor:
+    """Read-ahead hints for chunk files about to be read (``jaxckpt._storage.chunkfile``):
+    one thread, as each call only queues I/O."""
+    return _get("jaxckpt-prefetch", 1)
+
+
 def writeback_pool() -> ThreadPoolExecutor:
     """Early write-back of written chunk files (``jaxckpt._storage.writeback``)."""
     return _get("jaxckpt-writeback", WRITEBACK_THREADS)
