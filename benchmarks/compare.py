@@ -482,6 +482,28 @@ def _cold_table(res: dict, w: str, libs: tuple[str, ...], add) -> None:
     add("| pages still cached after eviction (max) | " + " | ".join(pages) + " |")
 
 
+def _scaling_floor(sc: dict, libs: tuple[str, ...], points: list[str], add) -> None:
+    """Each library's restore ÷ JAX's placement floor at each point (measured in its process:
+    a batched ``device_put`` of the restored host arrays onto the same shardings)."""
+    add(
+        "\nRestore ÷ placement floor (warm restore median, or the first where none ran warm, ÷ "
+        "the median batched `jax.device_put` of the same host arrays onto the same shardings, "
+        "in the same process; the floor in seconds beside it):\n"
+    )
+    add("| point | " + " | ".join(libs) + " |")
+    add("|---" * (len(libs) + 1) + "|")
+    for point in points:
+        cells = [point]
+        for lib in libs:
+            r = sc.get((lib, point))
+            if not r or not r.get("place"):
+                cells.append("—")
+                continue
+            t, floor = _med(r["restore"][1:] or r["restore"][:1]), _med(r["place"])
+            cells.append(f"{t / floor:.2f} ({_s(floor)})")
+        add("| " + " | ".join(cells) + " |")
+
+
 def _scaling_report(sc: dict, libs: tuple[str, ...], add) -> None:
     libs = tuple(x for x in libs if any(k[0] == x for k in sc))
     points = list(dict.fromkeys(k[1] for k in sc))
@@ -512,6 +534,7 @@ def _scaling_report(sc: dict, libs: tuple[str, ...], add) -> None:
             " / ".join(f"{sc[(x, point)]['files']:,}" if (x, point) in sc else "—" for x in libs)
         )
         add("| " + " | ".join(cells) + " |")
+    _scaling_floor(sc, libs, points, add)
     if "jaxckpt" in libs:
         add(
             "\njaxckpt speed-up at each point (their warm time ÷ jaxckpt's; both cold where the "

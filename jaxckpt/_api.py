@@ -22,8 +22,8 @@ from jaxckpt._incremental import Increment
 from jaxckpt._planning.global_plan import GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner, check_prng_keys
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
+from jaxckpt._runtime import collector, pools
 from jaxckpt._runtime import distributed as _distributed
-from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
@@ -71,7 +71,11 @@ def save(
       >>> jaxckpt.restore(d + "/ckpt")["step"]
       7
     """
-    _start_save(path, tree, overwrite=overwrite, planner=planner, stage=False, base=base).wait()
+    with collector.paused():
+        handle = _start_save(
+            path, tree, overwrite=overwrite, planner=planner, stage=False, base=base
+        )
+    handle.wait()
 
 
 def save_async(
@@ -96,7 +100,8 @@ def save_async(
       >>> h.wait(); h.done()
       True
     """
-    return _start_save(path, tree, overwrite=overwrite, planner=planner, stage=True, base=base)
+    with collector.paused():  # the blocking part only, not the background write
+        return _start_save(path, tree, overwrite=overwrite, planner=planner, stage=True, base=base)
 
 
 class SaveHandle:
@@ -357,15 +362,16 @@ def restore(
       >>> jaxckpt.restore(d, {"w": s})["w"].sharding == s
       True
     """
-    manifest, reader = _open(path)
-    planner = planner if planner is not None else DefaultLoadPlanner()
-    planner.set_up_planner(target, manifest, keys=keys, strict=strict)
-    plan = planner.create_local_plan()
-    ahead = planner.read_ahead_bytes
-    for item, data in reader.read(manifest.entries, plan.items, max_inflight_bytes=ahead):
-        planner.commit_tensor(item, planner.transform_tensor(item, data))
-        del data  # the planner owns the box now: dropping it frees it once placed
-    return planner.finish()
+    with collector.paused():
+        manifest, reader = _open(path)
+        planner = planner if planner is not None else DefaultLoadPlanner()
+        planner.set_up_planner(target, manifest, keys=keys, strict=strict)
+        plan = planner.create_local_plan()
+        ahead = planner.read_ahead_bytes
+        for item, data in reader.read(manifest.entries, plan.items, max_inflight_bytes=ahead):
+            planner.commit_tensor(item, planner.transform_tensor(item, data))
+            del data  # the planner owns the box now: dropping it frees it once placed
+        return planner.finish()
 
 
 def metadata(path: PathLike) -> Manifest:
