@@ -25,6 +25,7 @@ from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto 
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._storage import location as _location
 
 M = mesh((4, 2), ("data", "model"))
 FROZEN = (
@@ -273,6 +274,41 @@ def test_s3_references_and_reference_aware_retention(s3, prefix):  # noqa: F811
         assert not any(k.startswith("00000002/") for k in stored)
         for step in (3, 4):
             assert_tree_equal(mgr.restore(step), jax.device_get(state(step)))
+
+
+def test_s3_retention_deletes_nothing_when_a_kept_manifest_cannot_be_read(
+    s3,  # noqa: F811
+    prefix,  # noqa: F811
+    monkeypatch,
+    caplog,
+):
+    """A kept step's manifest that times out (the service stalled) is no step that references
+    nothing: retention deletes nothing that pass, instead of the arrays that step needs."""
+    run = f"s3://{BUCKET}/{prefix}"
+    mgr = jaxckpt.CheckpointManager(run, max_to_keep=2, incremental=True)
+    for step in (1, 2):
+        mgr.save(step, state(step))
+        mgr.wait()
+    read = _location.read_manifest
+
+    def stalled(loc):  # only retention's reads of the kept steps' manifests
+        if sys._getframe(1).f_code.co_name == "referenced":
+            raise jaxckpt.CheckpointError(f"reading manifest.json at {loc} did not finish")
+        return read(loc)
+
+    monkeypatch.setattr(_location, "read_manifest", stalled)
+    mgr.save(3, state(3))
+    mgr.wait()  # a failed retention does not fail the save: it is logged
+    assert "retention after step 3" in caplog.text
+    assert mgr.all_steps() == [1, 2, 3]  # step 1, referenced by 2 and 3, is still whole
+    for step in (2, 3):
+        assert_tree_equal(mgr.restore(step), jax.device_get(state(step)))
+    monkeypatch.setattr(_location, "read_manifest", read)
+    mgr.save(4, state(4))  # the next pass deletes what it could not
+    mgr.wait()
+    assert mgr.all_steps() == [3, 4]
+    for step in (3, 4):
+        assert_tree_equal(mgr.restore(step), jax.device_get(state(step)))
 
 
 def test_s3_verify_reports_referenced_data_removed_by_hand(s3, prefix, capsys):  # noqa: F811

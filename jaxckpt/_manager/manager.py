@@ -502,7 +502,8 @@ class CheckpointManager:
         """Write ``metrics`` (without the steps about to go) once, then delete those steps.
 
         Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
-        rank last and go at the next save; never a kept step without its metrics.
+        rank last and go at the next save; never a kept step without its metrics. What the kept
+        steps reference is read before either: if it cannot be, nothing changes.
         """
         steps = self.all_steps("persistent")
         doomed = steps_to_delete(
@@ -511,10 +512,10 @@ class CheckpointManager:
             keep_every_n_steps=self.keep_every_n_steps,
             score=None if self.best_fn is None else lambda s: self._score(metrics.get(str(s))),
         )
+        keep = self._referenced(s for s in steps if s not in doomed) if doomed else {}
         gone = {str(s) for s in doomed} & set(metrics)
         if gone or changed:
             self._metrics.write({k: v for k, v in metrics.items() if k not in gone})
-        keep = self._referenced(s for s in steps if s not in doomed)
         for step in doomed:
             _catalog.delete(self._loc.join(_name(step)), keep=keep.get(_name(step), ()))
             logger.info("deleted step %d from %s (retention)", step, self.directory)

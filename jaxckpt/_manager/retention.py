@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt._errors import CheckpointError, UnsupportedLeafError
+from jaxckpt._errors import CheckpointNotFoundError, ManifestError, UnsupportedLeafError
 from jaxckpt._format.manifest import Manifest
 from jaxckpt._storage import location as _location
 
@@ -133,14 +133,18 @@ def referenced(run: _location.Location, steps: Iterable[str]) -> dict[str, set[s
     """The arrays of each step (by name) that the committed ``steps`` of ``run`` reference:
     ``{held_by: {storage path in it}}`` (incremental steps on object stores; empty elsewhere).
 
-    One manifest read per step. A step whose manifest cannot be read references nothing here:
-    it is damaged already, and what it referenced is not kept for it.
+    One manifest read per step. A step whose manifest is damaged (or gone since the listing)
+    references nothing here: what it referenced is not kept for it.
+
+    Raises:
+      CheckpointError: a manifest could not be read (e.g. past the deadline): what that step
+        references is unknown, so the caller must delete nothing.
     """
     out: dict[str, set[str]] = {}
     for name in steps:
         try:
             m = Manifest.from_json(_location.read_manifest(run.join(name)))
-        except CheckpointError:
+        except (ManifestError, CheckpointNotFoundError):
             continue
         for target in m.refs.values():
             _, held_by, path = target.split("/", 2)
