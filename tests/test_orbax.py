@@ -204,6 +204,20 @@ def test_damaged_orbax_checkpoints_are_typed_errors(tmp_path):
         jaxckpt.restore(tmp_path / "o4")
 
 
+@pytest.mark.parametrize("chunks", [[1 << 20], [1 << 40]], ids=["larger", "absurd"])
+def test_orbax_chunks_larger_than_the_array_are_refused(tmp_path, chunks):
+    """A zarr chunk grid that would make tensorstore allocate what the array cannot hold (one
+    chunk of 8 MiB or 8 TiB for 4 elements) is refused from the metadata, before any read."""
+    path = tmp_path / "o"
+    _save(path, {"a": {"b": np.arange(4.0)}}, ocdbt=False, zarr3=False)
+    zarray = path / "a.b" / ".zarray"
+    meta = json.loads(zarray.read_text())
+    meta["chunks"] = chunks
+    zarray.write_text(json.dumps(meta))
+    with pytest.raises(jaxckpt.ManifestError, match=r"array a\.b .*chunk.*Restore it with orbax"):
+        jaxckpt.restore(path)
+
+
 def test_link_outside_the_checkpoint_is_refused(tmp_path):
     _save(tmp_path / "other", {"a": np.arange(3.0)}, ocdbt=False, zarr3=True)
     _save(tmp_path / "o", {"a": np.arange(3.0)}, ocdbt=False, zarr3=True)

@@ -97,6 +97,7 @@ def open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manife
         if math.prod(shape) * dtype.itemsize > _MAX_BYTES:
             raise bad_metadata(loc, f"array {name} claims an absurd shape {shape}")
         chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or shape)
+        _check_chunks(loc, name, shape, chunks, dtype.itemsize)
         arrays[key] = Stored(name, shape, dtype, chunks)
         stores[key] = store
     for key, (name, fut) in scalars.items():
@@ -106,6 +107,17 @@ def open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manife
             loc, arrays, read_json(kv, loc, ARRAY_METADATAS, _MAX_ARRAY_METADATAS)
         )
     return manifest_from_orbax(loc, item, arrays, values), OrbaxReader(loc, stores)
+
+
+def _check_chunks(
+    loc: _location.Location, name: str, shape: tuple, chunks: tuple, itemsize: int
+) -> None:
+    """Refuse a chunk grid that would make tensorstore allocate what the array cannot hold:
+    a chunk larger than the array (Orbax writes chunks of at most a shard) or absurdly large."""
+    if len(chunks) != len(shape) or any(c > max(s, 1) for s, c in zip(shape, chunks)):
+        raise bad_metadata(loc, f"array {name} has chunks {chunks} larger than its shape {shape}")
+    if math.prod(chunks) * itemsize > _MAX_BYTES:
+        raise bad_metadata(loc, f"array {name} claims an absurd chunk shape {chunks}")
 
 
 def _start_opening(
