@@ -22,6 +22,9 @@ import pytest
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._format.plan import ReadItem
+from jaxckpt._sources import detect
+from jaxckpt._storage.location import Location
 
 BUCKET = "deadline"
 DEADLINE = 3  # seconds, set per test through JAXCKPT_IO_TIMEOUT or io_timeout=
@@ -127,6 +130,43 @@ def test_a_dead_server_fails_within_the_deadline(server, monkeypatch):
     server.wait()
     _fails_in_time(jaxckpt.save, url, {"w": np.zeros(4)}, overwrite=True)
     _fails_in_time(jaxckpt.restore, url)
+
+
+def _upload(client, folder: Path, prefix: str) -> None:
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            client.upload_file(str(f), BUCKET, f"{prefix}/{f.relative_to(folder).as_posix()}")
+
+
+def test_orbax_and_safetensors_reads_fail_within_the_deadline(server, tmp_path, monkeypatch):
+    """Checkpoints of other libraries on an object store are read under the same deadline."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    st = pytest.importorskip("safetensors.numpy")
+    client = boto3.client(
+        "s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1"
+    )
+    with ocp.StandardCheckpointer() as c:
+        c.save(tmp_path / "orbax", {"w": np.arange(8.0)})
+    st.save_file({"w": np.arange(8.0)}, tmp_path / "m.safetensors")
+    run = uuid.uuid4().hex[:8]
+    _upload(client, tmp_path / "orbax", f"{run}/orbax")
+    client.upload_file(str(tmp_path / "m.safetensors"), BUCKET, f"{run}/m.safetensors")
+    orbax_url, st_url = f"s3://{BUCKET}/{run}/orbax", f"s3://{BUCKET}/{run}/m.safetensors"
+    for url in (orbax_url, st_url):  # readable while the server answers
+        np.testing.assert_array_equal(jaxckpt.restore(url)["w"], np.arange(8.0))
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", str(DEADLINE))
+    # Opened (metadata read) while the server answers, then its arrays read after it stalls.
+    opened = [detect.open_source(Location(url)) for url in (orbax_url, st_url)]
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        for url in (orbax_url, st_url):
+            assert url in str(_fails_in_time(jaxckpt.restore, url))
+        items = [ReadItem("w", (0,), (8,))]
+        for url, (manifest, reader) in zip((orbax_url, st_url), opened):
+            err = _fails_in_time(lambda m=manifest, r=reader: list(r.read(m.entries, items)))
+            assert url.rpartition("/")[0] in str(err)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-1", "inf"])

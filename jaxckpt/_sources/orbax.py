@@ -194,13 +194,14 @@ def listed(loc: _location.Location, kv: ts.KvStore, start: str, stop: str) -> bo
     """Whether any name in ``[start, stop)`` exists at the item's top (nothing is read)."""
     if loc.local is not None:  # one directory listing, not a walk of every array's chunks
         return any(start <= n < stop for n in os.listdir(loc.local))
-    return bool(kv.list(ts.KvStore.KeyRange(start, stop)).result())
+    return bool(_location.wait(kv.list(ts.KvStore.KeyRange(start, stop)), loc, "listing it"))
 
 
 def _database(loc: _location.Location) -> ts.KvStore:
     """The item's OCDBT key-value store, opened once (its b-tree nodes cached, not chunks)."""
     try:
-        return ts.KvStore.open({"driver": "ocdbt", "base": loc.kvstore}, context=_CONTEXT).result()
+        opening = ts.KvStore.open({"driver": "ocdbt", "base": loc.kvstore}, context=_CONTEXT)
+        return _location.wait(opening, loc, "opening its OCDBT database")
     except ValueError as e:
         raise CorruptChunkError(
             f"{loc}: the OCDBT database (manifest.ocdbt) cannot be opened ({e}). The Orbax "
@@ -221,7 +222,7 @@ def _kvstore(loc: _location.Location, name: str) -> dict:
 
 def _opened(loc: _location.Location, key: str, name: str, fut: Any) -> Any:
     try:
-        return fut.result()
+        return _location.wait(fut, loc, f"opening array {name} (leaf {key!r})")
     except ValueError as e:
         raise CorruptChunkError(
             f"{loc}: leaf {key!r} (array {name}) cannot be opened ({e}). The Orbax checkpoint "
@@ -229,9 +230,9 @@ def _opened(loc: _location.Location, key: str, name: str, fut: Any) -> Any:
         ) from e
 
 
-def _result(loc: _location.Location, key: str, name: str, fut: Any) -> np.ndarray:
+def _result(loc: _location.Location, key: str, name: str, fut: Any, nbytes: int = 0) -> np.ndarray:
     try:
-        return fut.result()
+        return _location.wait(fut, loc, f"reading array {name} (leaf {key!r})", nbytes)
     except ValueError as e:
         raise CorruptChunkError(
             f"{loc}: leaf {key!r} (array {name}): a chunk is missing or cannot be decoded ({e}). "
@@ -266,4 +267,5 @@ class OrbaxReader:
             store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
         fut = store.read()
         name = item.key.replace(SEP, ".")  # Orbax's parameter name
-        return lambda: _result(self.loc, item.key, name, fut)
+        nbytes = math.prod(item.sizes) * store.dtype.numpy_dtype.itemsize
+        return lambda: _result(self.loc, item.key, name, fut, nbytes)

@@ -71,7 +71,7 @@ def open_source(loc: _location.Location) -> tuple[Manifest, SafetensorsReader] |
     if (
         loc.local is not None
         and (loc.local / INDEX).is_file()
-        or (loc.local is None and kv.read(INDEX).result().state == "value")
+        or (loc.local is None and _location.wait(kv.read(INDEX), loc, INDEX).state == "value")
     ):
         return _from_index(loc, kv, INDEX)
     names = _list(loc, kv)
@@ -87,9 +87,12 @@ def _list(loc: _location.Location, kv: ts.KvStore) -> list[str]:
     return []  # object stores: no (recursive, costly) listing; name the file or the index
 
 
-def _read(kv: ts.KvStore, name: str, begin: int, end: int | None) -> bytes | None:
+def _read(
+    loc: _location.Location, kv: ts.KvStore, name: str, begin: int, end: int | None
+) -> bytes | None:
     try:
-        got = kv.read(name, byte_range=slice(begin, end)).result()
+        reading = kv.read(name, byte_range=slice(begin, end))
+        got = _location.wait(reading, loc, f"reading {name}", (end or begin) - begin)
     except ValueError as e:
         if "OUT_OF_RANGE" in str(e):
             return b""
@@ -142,7 +145,7 @@ def _build(
     tensors: dict[str, _Tensor] = {}
     sizes: dict[str, int | None] = {}
     for f in files:
-        head = _read(kv, f, 0, 8)
+        head = _read(loc, kv, f, 0, 8)
         if head is None:
             raise ManifestError(f"{loc}: safetensors file {f} is missing.")
         t, sizes[f] = _parse(loc, kv, f, head)
@@ -200,7 +203,7 @@ def _parse(
             f"{where}: the header claims {n} bytes ({found}). The file is truncated or not "
             f"safetensors: re-download it."
         )
-    raw = _read(kv, f, 8, 8 + n) or b""
+    raw = _read(loc, kv, f, 8, 8 + n) or b""
     try:
         if len(raw) != n:
             raise ValueError(f"read {len(raw)} of {n} header bytes")
@@ -316,7 +319,7 @@ class SafetensorsReader:
             out = np.empty(item.sizes, dtype)
             for (lo, hi, dest, view), fut in zip(reads, futures):
                 try:
-                    got = fut.result()
+                    got = _location.wait(fut, self.loc, where, hi - lo)
                     ok = got.state == "value" and len(got.value) == hi - lo
                 except ValueError as e:
                     got, ok = str(e), False
