@@ -122,8 +122,10 @@ def test_f_foreign_files_and_other_runs_are_kept(job):
 
 def test_replicas_move_peer_to_peer_where_jax_has_a_transfer_server(job):
     # jax.experimental.transfer works from the floor (0.6.2) on: the default is peer to peer.
-    assert _data(job["replaced"], "transport") == ["transfer"] * 4
-    assert _data(job["two"], "transport") == ["transfer"] * 2
+    # Every process replicated step 8 in `restart`; in `replaced` only the holder of part 2's
+    # replica (3) and its receiver (2) moved bytes.
+    assert _data(job["restart"], "transport_8") == ["transfer"] * 4
+    assert _data(job["replaced"], "transport", [2, 3]) == ["transfer"] * 2
 
 
 @pytest.fixture(scope="module")

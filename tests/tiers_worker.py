@@ -205,6 +205,7 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
             if step == 9:
                 mgr.wait()  # step 8 whole everywhere before the kill
                 rec.checks["again_8"] = "ok"
+                rec.data["transport_8"] = transport()  # every process replicated step 8
                 rec.flush()
                 os.environ["JAXCKPT_SYNC_TIMEOUT"] = "8"
                 die.append(True)

@@ -2,33 +2,37 @@
 
 The multi-tier manager (``jaxckpt._manager.tiers``) keeps each process's local checkpoint
 part on ``local_replicas`` other processes, and at a restore moves a part from the process
-that holds it to the one that needs it. The bytes travel over JAX's own distributed runtime:
-the key-value store of ``jax.distributed`` (the coordination service, hosted by process 0),
-never over a shared file system.
+that holds it to the one that needs it. The bytes travel over JAX's own runtime, never over a
+shared file system: peer to peer through each process's ``jax.experimental.transfer`` server
+(``jaxckpt._runtime.transfer``), with only small messages in the key-value store of
+``jax.distributed`` (the coordination service, hosted by process 0). Where there is no transfer
+server, or ``JAXCKPT_REPLICATION=kv``, the chunks themselves relay through the store.
 
-Why the store and not device collectives: replication runs on a background thread while the
-training loop issues its own collectives, and collectives must be issued in the same order on
-every process; two threads issuing them would race. The store needs no order, works with any
-backend (gloo on CPU included), and a transfer is between two processes only.
+Why not device collectives: replication runs on a background thread while the training loop
+issues its own collectives, and collectives must be issued in the same order on every process;
+two threads issuing them would race. A transfer server's pull and the store need no order,
+work with any backend (gloo on CPU included), and a transfer is between two processes only.
 
 One transfer, ``send_dir`` on the sender and ``receive_dir`` on the receiver, under one key
 prefix (unique to the transfer; both sides derive it from what they both know):
 
-1. ``head``: JSON ``{"files": [[relative path, size], ...]}``, or ``{"error": why}`` when the
+1. ``head``: JSON ``{"files": [[relative path, size], ...]}``, plus ``"via": "transfer"``, the
+   sender's server ``address``, the chunks' base ``uuid`` and ``chunk`` size when the bytes go
+   peer to peer (the sender decides, so both sides agree); or ``{"error": why}`` when the
    sender has nothing to send (its own save failed), which ends the transfer at once.
-2. ``c/<i>``: chunk ``i`` of the files' bytes end to end, at most :data:`CHUNK_BYTES`. The
-   receiver writes it, deletes it and posts ``ack/<i>``; the sender posts chunk ``i`` only
-   once ``ack/<i - WINDOW>`` has arrived. So each process holds one chunk of host memory at a
-   time, and the store at most :data:`WINDOW` chunks per transfer.
+2. Chunk ``i`` of the files' bytes end to end, at most one chunk size: peer to peer, the sender
+   offers it as ``uuid + i`` and the receiver pulls it; relayed, the sender posts it as
+   ``c/<i>`` and the receiver reads and deletes it. Either way the receiver then posts
+   ``ack/<i>``, and the sender offers or posts chunk ``i`` only once ``ack/<i - WINDOW>`` has
+   arrived. So each side holds a few chunks of host memory at a time (at most :data:`WINDOW`
+   offered or in the store per transfer), whatever the part's size.
 3. ``tail``: JSON ``{"chunks": n, "crc32": [per file]}``; the receiver checks every size and
    checksum, fsyncs, and posts ``done`` (``"ok"`` or why not). The sender deletes the prefix.
 
-The limit: every byte relays through one process's coordination service, at the speed of one
-gRPC stream (see docs/benchmarks.md, "Multi-tier checkpoints"). That suits tests and states of
-moderate size per process; a job of hundreds of hosts would move parts with a collective
-permute at a synchronous point of the loop instead (each host sends to its neighbour at
-interconnect bandwidth, no relay), which this module's callers could swap in for ``send_dir``
-/ ``receive_dir`` without changing the on-disk format.
+What scales: peer to peer, each pair moves its part at the network's speed between the two
+hosts, all pairs at once; process 0 carries one small acknowledgement per chunk. Relayed, every
+byte goes through process 0's one gRPC server (tens to ~150 MiB/s in all here), which suits
+tests and moderate states only (docs/tiers.md, docs/benchmarks.md "Multi-tier checkpoints").
 
 :func:`decide`: every process posts a value, process 0 applies a function to all of them and
 every process gets its answer: one agreement, computed once.
