@@ -94,6 +94,13 @@ def worker(pid: int, port: int, work: Path, mib: int, runs: int) -> dict:
         ) as m:
             m.save(0, state)  # the persistent step 0 (due at any interval), not timed
             out[name] = _timed_saves(m, state, 1, runs)
+    out["part_bytes"] = max(
+        (
+            sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            for d in local.rglob(f"part-{pid}-of-{N}")
+        ),
+        default=0,
+    )
     if pid == 0:  # the first local run done: its persistent steps go
         shutil.rmtree(work / "p-0", ignore_errors=True)
     kw = dict(local_directory=local, local_replicas=1, save_interval_steps=never)
@@ -174,6 +181,16 @@ def report(results: list[dict], runs: int) -> str:
         lines.append(f"| {k} | {max(r['recovery'][k] for r in results):.2f} |")
     rec = {k: max(r["recovery"][k] for r in results) for k in results[0]["recovery"]}
     local_total = worst["local + 1 replica"]["total"]
+    part = max(r.get("part_bytes", 0) for r in results) / 2**20
+    repl = local_total - worst["local, no replica"]["total"]
+    peer = rec["local (one part from its peer)"] - rec["local (own parts)"]
+    if part and repl > 0 and peer > 0:
+        lines += [
+            "",
+            f"Replication, derived (total with a replica minus without): {N} parts of "
+            f"{part:.0f} MiB at once in {repl:.2f} s, {N * part / repl:.0f} MiB/s in all; a peer "
+            f"recovery's one part (from its peer minus own parts) at {part / peer:.0f} MiB/s.",
+        ]
     lines += [
         "",
         "Expected work lost per failure, step time 1 s (local every k, persistent every n):",

@@ -11,6 +11,11 @@ its own local directory and one shared persistent directory:
 3. ``replaced`` (4, process 2's local dir wiped): (d) another mesh gets persistent step 5;
    (e) step 8, part 2 from its replica; (c) processes 1 and 2 wiped: persistent step 5;
 4. ``two`` (2): (d) another process count gets persistent step 5.
+
+These move replicas peer to peer (``jax.experimental.transfer``, the default). Two more groups:
+``kv`` (2) forces the key-value relay (``JAXCKPT_REPLICATION=kv``) and recovers a wiped process
+from its peer's replica; ``memory`` (2) sends a 200 MiB part by each transport and bounds the
+peak RSS growth of sender and receiver by the chunk window, not the part size.
 """
 
 from __future__ import annotations
@@ -113,6 +118,43 @@ def test_f_foreign_files_and_other_runs_are_kept(job):
         assert (mine / "00000001" / "foreign.txt").read_text() == "foreign"
         assert not (mine / "00000001" / f"part-{p}-of-4").exists()  # retention took ours
         assert (mine / "00000099" / f"part-{p}-of-4" / "manifest.json").exists()  # never used
+
+
+def test_replicas_move_peer_to_peer_where_jax_has_a_transfer_server(job):
+    # jax.experimental.transfer works from the floor (0.6.2) on: the default is peer to peer.
+    # Every process replicated step 8 in `restart`; in `replaced` only the holder of part 2's
+    # replica (3) and its receiver (2) moved bytes.
+    assert _data(job["restart"], "transport_8") == ["transfer"] * 4
+    assert _data(job["replaced"], "transport", [2, 3]) == ["transfer"] * 2
+
+
+@pytest.fixture(scope="module")
+def kv_group(tmp_path_factory) -> list[dict]:
+    return _run_group("kv", 2, tmp_path_factory.mktemp("tiers-kv"))
+
+
+def test_kv_relay_when_forced_replicates_and_recovers_from_peer(kv_group):
+    _ok(kv_group, "kv_save")
+    _ok(kv_group, "kv_b")
+    assert _data(kv_group, "kv_b") == [["local", 1, [1]]] * 2
+    assert _data(kv_group, "transport") == ["kv"] * 2  # no transfer server was started
+
+
+def test_replication_host_memory_is_bounded_by_the_window_not_the_part(tmp_path):
+    from tiers_worker import PART_MIB
+
+    records = _run_group("memory", 2, tmp_path)
+    window, pulled, relayed = records[0]["data"]["chunks"]
+    for mode, chunk in (("transfer", pulled), ("kv", relayed)):
+        _ok(records, f"memory_{mode}")
+        # The sender holds WINDOW chunks offered (in the store on process 0 for the relay),
+        # the receiver one being written and one arriving; the allocator's per-thread arenas
+        # each keep a freed chunk (at most 8 per core): 8 x the window, plus 48 MiB slack.
+        bound = 8 * window * chunk + (48 << 20)
+        assert bound < (PART_MIB << 20) * 0.6
+        for p, r in enumerate(records):
+            got = r["data"][f"growth_{mode}"]
+            assert got < bound, f"{mode}: process {p} grew {got >> 20} MiB, bound {bound >> 20}"
 
 
 # -- single process -------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
             rec.data["b_local_after"] = m.all_steps("local")
 
     rec.run("b", b)
-    replication.CHUNK_BYTES = 16 << 10  # several chunks per part, so a kill lands between two
+    # several chunks per part, so a kill lands between two
+    replication.CHUNK_BYTES = replication.TRANSFER_CHUNK_BYTES = 16 << 10
     mgr = manager(work, pid)
 
     die = []
@@ -204,6 +205,7 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
             if step == 9:
                 mgr.wait()  # step 8 whole everywhere before the kill
                 rec.checks["again_8"] = "ok"
+                rec.data["transport_8"] = transport()  # every process replicated step 8
                 rec.flush()
                 os.environ["JAXCKPT_SYNC_TIMEOUT"] = "8"
                 die.append(True)
@@ -243,6 +245,81 @@ def stage_two(rec: Record, work: Path, pid: int, n: int) -> None:
         rec.run("d_count", lambda: restored(rec, "d_count", mgr, target(n), 5, n))
 
 
+def transport() -> str:
+    """How this process's replicas went: ``transfer`` once its transfer server started."""
+    from jaxckpt._runtime import transfer
+
+    return "transfer" if transfer._server is not None else "kv"
+
+
+def stage_kv(rec: Record, work: Path, pid: int, n: int) -> None:
+    """The key-value relay, forced: replicas made and one used (process 1's dir wiped)."""
+    os.environ["JAXCKPT_REPLICATION"] = "kv"
+    work = work / "kv"
+
+    def save():
+        with manager(work, pid) as mgr:
+            for step in range(2):
+                mgr.save(step, make_state(step, n))
+
+    def b():
+        if pid == 1:
+            shutil.rmtree(work / "local" / f"p{pid}")
+        with manager(work, pid) as m:
+            restored(rec, "kv_b", m, target(n), 1, n)
+
+    rec.run("kv_save", save)
+    rec.run("kv_b", b)
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) << 10
+    raise KeyError(field)
+
+
+def stage_memory(rec: Record, work: Path, pid: int, n: int) -> None:
+    """Process 0 sends a part of PART_MIB to process 1 by each transport; each records its
+    peak RSS growth (VmHWM reset through /proc/self/clear_refs) during the transfer."""
+    import numpy as np
+
+    from jaxckpt._runtime import replication, transfer
+
+    src, rng = work / "mem-src", np.random.default_rng(0)
+    if pid == 0:
+        src.mkdir()
+        for i in range(PART_MIB // 50):
+            with open(src / f"f{i}", "wb") as f:
+                for _ in range(50 // 5):
+                    f.write(rng.bytes(5 << 20))
+    transfer.server()  # started before the measurement, as by any earlier replica
+    replication.decide("memory-ready", "", lambda _: "")
+    for mode in ("transfer", "kv"):
+        os.environ["JAXCKPT_REPLICATION"] = mode
+
+        def move(mode=mode):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+            base = _vm("VmRSS")
+            if pid == 0:
+                replication.send_dir(f"memory/{mode}/", src)
+            else:
+                replication.receive_dir(f"memory/{mode}/", work / f"mem-{mode}", max_bytes=1 << 40)
+            rec.data[f"growth_{mode}"] = _vm("VmHWM") - base
+            replication.decide(f"memory-{mode}", "", lambda _: "")
+
+        rec.run(f"memory_{mode}", move)
+    rec.data["chunks"] = [
+        replication.WINDOW,
+        replication.TRANSFER_CHUNK_BYTES,
+        replication.CHUNK_BYTES,
+    ]
+
+
+PART_MIB = 200
+
+
 def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     if stage == "replaced" and pid == 2:
@@ -250,7 +327,10 @@ def main(argv: list[str]) -> None:
     groups.join(pid, n, port)
     rec = Record(work / f"{stage}-{pid}.json")
     stages = {"train": stage_train, "restart": stage_restart, "replaced": stage_replaced}
-    {**stages, "two": stage_two}[stage](rec, work, pid, n)
+    stages.update(two=stage_two, kv=stage_kv, memory=stage_memory)
+    stages[stage](rec, work, pid, n)
+    rec.data["transport"] = transport()
+    rec.flush()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

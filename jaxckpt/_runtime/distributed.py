@@ -71,6 +71,14 @@ def kv_client():
     return _client()
 
 
+def coordinator_address() -> str:
+    """``host:port`` of process 0's coordination service, as ``jax.distributed`` was given it."""
+    from jax._src import distributed
+
+    _client()  # raises the usual error where jax.distributed is not initialized
+    return distributed.global_state.coordinator_address or ""
+
+
 def _client():
     from jax._src import distributed
 

@@ -68,3 +68,22 @@ def in_background(fn: Any, *args: Any) -> Future | None:
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         fn(*args)
         return None
+
+
+def abandonable(fn: Any, *args: Any) -> Future:
+    """Run ``fn(*args)`` on a new daemon thread, for a call that may never return (a pull from a
+    peer that died: ``jax.experimental.transfer`` ignores its timeout then). The caller waits on
+    the future with a deadline and gives the thread up after it; the interpreter neither joins
+    nor waits for it at exit, as it would a pool's."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="jaxckpt-abandonable", daemon=True).start()
+    return future

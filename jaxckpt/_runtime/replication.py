@@ -2,33 +2,37 @@
 
 The multi-tier manager (``jaxckpt._manager.tiers``) keeps each process's local checkpoint
 part on ``local_replicas`` other processes, and at a restore moves a part from the process
-that holds it to the one that needs it. The bytes travel over JAX's own distributed runtime:
-the key-value store of ``jax.distributed`` (the coordination service, hosted by process 0),
-never over a shared file system.
+that holds it to the one that needs it. The bytes travel over JAX's own runtime, never over a
+shared file system: peer to peer through each process's ``jax.experimental.transfer`` server
+(``jaxckpt._runtime.transfer``), with only small messages in the key-value store of
+``jax.distributed`` (the coordination service, hosted by process 0). Where there is no transfer
+server, or ``JAXCKPT_REPLICATION=kv``, the chunks themselves relay through the store.
 
-Why the store and not device collectives: replication runs on a background thread while the
-training loop issues its own collectives, and collectives must be issued in the same order on
-every process; two threads issuing them would race. The store needs no order, works with any
-backend (gloo on CPU included), and a transfer is between two processes only.
+Why not device collectives: replication runs on a background thread while the training loop
+issues its own collectives, and collectives must be issued in the same order on every process;
+two threads issuing them would race. A transfer server's pull and the store need no order,
+work with any backend (gloo on CPU included), and a transfer is between two processes only.
 
 One transfer, ``send_dir`` on the sender and ``receive_dir`` on the receiver, under one key
 prefix (unique to the transfer; both sides derive it from what they both know):
 
-1. ``head``: JSON ``{"files": [[relative path, size], ...]}``, or ``{"error": why}`` when the
+1. ``head``: JSON ``{"files": [[relative path, size], ...]}``, plus ``"via": "transfer"``, the
+   sender's server ``address``, the chunks' base ``uuid`` and ``chunk`` size when the bytes go
+   peer to peer (the sender decides, so both sides agree); or ``{"error": why}`` when the
    sender has nothing to send (its own save failed), which ends the transfer at once.
-2. ``c/<i>``: chunk ``i`` of the files' bytes end to end, at most :data:`CHUNK_BYTES`. The
-   receiver writes it, deletes it and posts ``ack/<i>``; the sender posts chunk ``i`` only
-   once ``ack/<i - WINDOW>`` has arrived. So each process holds one chunk of host memory at a
-   time, and the store at most :data:`WINDOW` chunks per transfer.
+2. Chunk ``i`` of the files' bytes end to end, at most one chunk size: peer to peer, the sender
+   offers it as ``uuid + i`` and the receiver pulls it; relayed, the sender posts it as
+   ``c/<i>`` and the receiver reads and deletes it. Either way the receiver then posts
+   ``ack/<i>``, and the sender offers or posts chunk ``i`` only once ``ack/<i - WINDOW>`` has
+   arrived. So each side holds a few chunks of host memory at a time (at most :data:`WINDOW`
+   offered or in the store per transfer), whatever the part's size.
 3. ``tail``: JSON ``{"chunks": n, "crc32": [per file]}``; the receiver checks every size and
    checksum, fsyncs, and posts ``done`` (``"ok"`` or why not). The sender deletes the prefix.
 
-The limit: every byte relays through one process's coordination service, at the speed of one
-gRPC stream (see docs/benchmarks.md, "Multi-tier checkpoints"). That suits tests and states of
-moderate size per process; a job of hundreds of hosts would move parts with a collective
-permute at a synchronous point of the loop instead (each host sends to its neighbour at
-interconnect bandwidth, no relay), which this module's callers could swap in for ``send_dir``
-/ ``receive_dir`` without changing the on-disk format.
+What scales: peer to peer, each pair moves its part at the network's speed between the two
+hosts, all pairs at once; process 0 carries one small acknowledgement per chunk. Relayed, every
+byte goes through process 0's one gRPC server (tens to ~150 MiB/s in all here), which suits
+tests and moderate states only (docs/tiers.md, docs/benchmarks.md "Multi-tier checkpoints").
 
 :func:`decide`: every process posts a value, process 0 applies a function to all of them and
 every process gets its answer: one agreement, computed once.
@@ -42,13 +46,18 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import transfer as _transfer
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 4 << 20  # through the store: well under its gRPC message limit
+# Pulled peer to peer. 4 MiB moved as fast as 16 or 64 here, and host memory grows less: the
+# transfer threads' allocator arenas each keep a freed chunk (docs/benchmarks.md, "Multi-tier").
+TRANSFER_CHUNK_BYTES = 4 << 20
+_MAX_CHUNK = 1 << 30  # a head asking for bigger chunks is not jaxckpt's
 WINDOW = 2
 PREFIX = "jaxckpt/tiers"
 _MAX_HEAD = 16 << 20  # bytes of a head or tail: far above any real part's file list
@@ -85,6 +94,10 @@ def send_dir(
 ) -> int:
     """Send the files under ``root`` to the process that calls ``receive_dir(prefix, ...)``.
 
+    The bytes go peer to peer over this process's transfer server, or through the key-value
+    store where there is none (``JAXCKPT_REPLICATION``, see ``jaxckpt._runtime.transfer``);
+    the head tells the receiver which.
+
     Args:
       prefix: the transfer's key prefix (ends with ``/``), known to both processes.
       root: the directory to send; ``None`` with ``error`` tells the receiver why not.
@@ -94,15 +107,21 @@ def send_dir(
       The bytes sent.
 
     Raises:
-      DistributedError: the receiver did not acknowledge in time, or reported a bad copy.
+      DistributedError: the receiver did not acknowledge in time, or reported a bad copy, or
+        ``JAXCKPT_REPLICATION=transfer`` and this process has no transfer server.
     """
     kv = _distributed.kv_client()
     timeout = _distributed.sync_timeout() if timeout is None else timeout
+    try:
+        server = _server() if root is not None else None
+    except DistributedError as e:  # the receiver hears why at once
+        kv.key_value_set_bytes(prefix + "head", json.dumps({"error": str(e)}).encode())
+        raise
     if root is None:
         kv.key_value_set_bytes(prefix + "head", json.dumps({"error": error}).encode())
         return 0
     try:
-        sent = _send_files(kv, prefix, root, timeout)
+        sent = _send_files(kv, prefix, root, timeout, server)
         verdict = _get(kv, prefix + "done", timeout, f"copy of {root}").decode()
     finally:  # also when the receiver is gone: no chunk stays in the store
         kv.key_value_delete(prefix.rstrip("/"))
@@ -111,17 +130,33 @@ def send_dir(
     return sent.total
 
 
-def _send_files(kv, prefix: str, root: Path, timeout: float) -> _Stream:
+def _server() -> _transfer.Server | None:
+    """The transfer server the bytes go through; ``None``: through the store."""
+    mode = _transfer.mode()
+    server = None if mode == "kv" else _transfer.server()
+    if server is None and mode == "transfer":
+        raise DistributedError(
+            f"{_transfer.ENV}=transfer but this process has no jax transfer server "
+            f"({_transfer.failure()}); unset {_transfer.ENV} to relay replicas through the "
+            f"coordination service."
+        )
+    return server
+
+
+def _send_files(kv, prefix: str, root: Path, timeout: float, server) -> _Stream:
     """Post the head, every file's bytes in chunks, then the tail with their crc32s."""
     files = files_of(root)
-    kv.key_value_set_bytes(prefix + "head", json.dumps({"files": files}).encode())
-    sent = _Stream(kv, prefix, timeout)
+    sent = _Stream(kv, prefix, timeout, server)
+    head: dict = {"files": files}
+    if server is not None:
+        head.update(via="transfer", address=server.address, uuid=sent.base, chunk=sent.chunk)
+    kv.key_value_set_bytes(prefix + "head", json.dumps(head).encode())
     crcs = []
     for rel, size in files:
         crc, left = 0, size
         with open(root / rel, "rb") as f:
             while left:
-                block = f.read(min(left, CHUNK_BYTES - len(sent.buf)))
+                block = f.read(min(left, sent.chunk - len(sent.buf)))
                 if not block:
                     raise DistributedError(f"{root / rel} shrank while it was being sent")
                 crc, left = zlib.crc32(block, crc), left - len(block)
@@ -134,16 +169,19 @@ def _send_files(kv, prefix: str, root: Path, timeout: float) -> _Stream:
 
 
 class _Stream:
-    """The sender's side of the chunks: at most ``WINDOW`` unacknowledged in the store."""
+    """The sender's side of the chunks: at most ``WINDOW`` unacknowledged at a time, in the
+    store or offered by the transfer server (``server``)."""
 
-    def __init__(self, kv, prefix: str, timeout: float) -> None:
-        self.kv, self.prefix, self.timeout = kv, prefix, timeout
+    def __init__(self, kv, prefix: str, timeout: float, server=None) -> None:
+        self.kv, self.prefix, self.timeout, self.server = kv, prefix, timeout, server
+        self.chunk = CHUNK_BYTES if server is None else TRANSFER_CHUNK_BYTES
+        self.base = 0 if server is None else _transfer.new_ids()
         self.buf = bytearray()
         self.seq = self.total = 0
 
     def add(self, block: bytes) -> None:
         self.buf += block
-        if len(self.buf) >= CHUNK_BYTES:
+        if len(self.buf) >= self.chunk:
             self.flush()
 
     def flush(self) -> None:
@@ -153,7 +191,10 @@ class _Stream:
             ack = f"{self.prefix}ack/{self.seq - WINDOW}"
             _get(self.kv, ack, self.timeout, f"chunk {self.seq - WINDOW} of {self.prefix}")
             self.kv.key_value_delete(ack)
-        self.kv.key_value_set_bytes(f"{self.prefix}c/{self.seq}", bytes(self.buf))
+        if self.server is None:
+            self.kv.key_value_set_bytes(f"{self.prefix}c/{self.seq}", bytes(self.buf))
+        else:  # the server holds the buffer until the receiver pulls it: a new one follows
+            self.server.offer(self.base + self.seq, self.buf)
         self.total += len(self.buf)
         self.seq += 1
         self.buf = bytearray()
@@ -178,8 +219,13 @@ def receive_dir(prefix: str, dest: Path, *, max_bytes: int, timeout: float | Non
         raise DistributedError(f"the sender of {dest.name} has nothing to send: {head['error']}")
     try:
         files = _check_files(head.get("files"), max_bytes)
-        crcs = _receive_files(kv, prefix, dest, files, timeout)
-        tail = _json(_get(kv, prefix + "tail", timeout, f"receiving {dest.name}"), "tail")
+        total, what = sum(size for _, size in files), f"receiving {dest.name}"
+        if head.get("via") == "transfer":
+            chunks = _pulled(kv, prefix, head, total, timeout, what)
+        else:
+            chunks = _relayed(kv, prefix, timeout, what)
+        crcs = _receive_files(dest, files, chunks)
+        tail = _json(_get(kv, prefix + "tail", timeout, what), "tail")
         if tail.get("crc32") != crcs:
             raise DistributedError(f"{dest.name} arrived damaged: a file's crc32 differs")
     except DistributedError as e:
@@ -189,10 +235,42 @@ def receive_dir(prefix: str, dest: Path, *, max_bytes: int, timeout: float | Non
     kv.key_value_set_bytes(prefix + "done", b"ok")
 
 
-def _receive_files(kv, prefix: str, dest: Path, files: list, timeout: float) -> list[int]:
+def _relayed(kv, prefix: str, timeout: float, what: str) -> Iterator[memoryview]:
+    """The chunks from the store, each deleted and acknowledged once read."""
+    for seq in itertools.count():
+        chunk = _get(kv, f"{prefix}c/{seq}", timeout, what)
+        kv.key_value_delete(f"{prefix}c/{seq}")
+        kv.key_value_set(f"{prefix}ack/{seq}", "")
+        yield memoryview(chunk)
+
+
+def _pulled(kv, prefix: str, head: dict, total: int, timeout: float, what: str):
+    """The chunks pulled from the sender's transfer server, each acknowledged once here."""
+    address, base, chunk = head.get("address"), head.get("uuid"), head.get("chunk")
+    if not (
+        isinstance(address, str)
+        and isinstance(base, int)
+        and isinstance(chunk, int)
+        and 0 < chunk <= _MAX_CHUNK
+    ):
+        raise DistributedError(f"a transfer's head is not what jaxckpt sends ({what})")
+    server = _transfer.server()
+    if server is None:
+        raise DistributedError(
+            f"{what}: the sender offers its bytes over jax's transfer server, but this process "
+            f"cannot start one ({_transfer.failure()}); set {_transfer.ENV}=kv on every process."
+        )
+    conn = server.connect(address)
+    for seq in range(-(-total // chunk)):
+        data = conn.pull(base + seq, min(chunk, total - seq * chunk), timeout)
+        kv.key_value_set(f"{prefix}ack/{seq}", "")  # the sender may offer the next one
+        yield memoryview(data)
+
+
+def _receive_files(dest: Path, files: list, chunks: Iterator[memoryview]) -> list[int]:
     """Write the chunks into ``files`` under ``dest`` (each fsynced); their crc32s."""
     dest.mkdir(parents=True)
-    seq, chunk, at, crcs = 0, b"", 0, []
+    chunk, at, crcs = memoryview(b""), 0, []
     for rel, size in files:
         path = dest / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,10 +278,7 @@ def _receive_files(kv, prefix: str, dest: Path, files: list, timeout: float) -> 
         with open(path, "wb") as f:
             while left:
                 if at == len(chunk):
-                    chunk, at = _get(kv, f"{prefix}c/{seq}", timeout, f"receiving {dest.name}"), 0
-                    kv.key_value_delete(f"{prefix}c/{seq}")
-                    kv.key_value_set(f"{prefix}ack/{seq}", "")
-                    seq += 1
+                    chunk, at = next(chunks), 0
                 piece = chunk[at : at + left]
                 f.write(piece)
                 crc, left, at = zlib.crc32(piece, crc), left - len(piece), at + len(piece)
