@@ -94,7 +94,7 @@ class Increment:
         self.writer = writer
         if self.loc.local is not None:
             return self.tracker.to_write(items), set()
-        hashed = [(item, data, self.tracker.check(item, data)) for item, data in items]
+        hashed = [(item, data, self.tracker.decide(item, data)) for item, data in items]
         changed = json.loads(sync.reduce("reuse", json.dumps(sorted(self.tracker.changed)), _union))
         whole = self.reuse.whole_arrays(changed) if self.refs_ok else set()
         for key in whole:
@@ -107,20 +107,25 @@ class Increment:
 
     def payload(self) -> str:
         """What this process tells the coordinator at the "written" barrier."""
-        return json.dumps({"digests": self.tracker.digests, "reused": self.tracker.reused_bytes})
+        t = self.tracker
+        return json.dumps({"digests": t.digests, "probes": t.probes, "reused": t.reused_bytes})
 
     def manifest(self, planned: Manifest, payloads: dict[int, str]) -> Manifest:
         """The manifest to commit: the planned one with every process's digests and the
         references recorded (coordinator)."""
         digests: dict[str, dict[str, str]] = {}
+        probes: dict[str, dict[str, str]] = {}
         reused = 0
         for text in payloads.values():
             got = json.loads(text)
             reused += got["reused"]
-            for path, boxes in got["digests"].items():
-                digests.setdefault(path, {}).update(boxes)
+            for merged, field in ((digests, "digests"), (probes, "probes")):
+                for path, boxes in got[field].items():
+                    merged.setdefault(path, {}).update(boxes)
         name = self.base_name if self.base_name is not None else str(self.base)
-        return recorded(planned, digests, refs=self.refs, base_name=name, reused_bytes=reused)
+        return recorded(
+            planned, digests, refs=self.refs, probes=probes, base_name=name, reused_bytes=reused
+        )
 
     @property
     def reused_bytes(self) -> int:

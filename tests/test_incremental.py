@@ -167,6 +167,66 @@ def test_any_single_bit_flip_is_saved(tmp_path, index, bit, packed):
     assert back["a"].tobytes() == b.tobytes() and back["b"].tobytes() == (a + 1).tobytes()
 
 
+BIG = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 256 KiB boxes
+
+
+def _chain(d, arrays: list[np.ndarray]) -> list:
+    """Save each array as step 1, 2, ... (each step's base the one before); the handles."""
+    handles = []
+    for n, x in enumerate(arrays, 1):
+        h = jaxckpt.save_async(
+            d / str(n), {"w": put(x, M, "data", "model")}, base=d / str(n - 1) if n > 1 else None
+        )
+        h.wait()
+        handles.append(h)
+    return handles
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(at=st.integers(0, BIG.nbytes // 8 - 1), bit=st.integers(0, 7))
+def test_a_bit_flip_anywhere_in_a_probed_box_is_saved(tmp_path, at, bit):
+    """Property, with a base that recorded probes (a 3-step chain): a changed byte inside the
+    probe's sample makes the probe differ, one outside it is found by the full digest."""
+    d = tmp_path / f"{at}-{bit}"
+    flipped = BIG.copy()
+    b = flipped[:128, :512].copy().reshape(-1).view(np.uint8)  # one box of the (4, 2) mesh
+    b[at] ^= np.uint8(1 << bit)
+    flipped[:128, :512] = b.view(np.float32).reshape(128, 512)
+    h = _chain(d, [BIG, BIG, flipped])
+    manifest = jaxckpt.metadata(d / "2")
+    assert manifest.probes and manifest.digests  # the base of step 3 recorded both
+    back = jaxckpt.restore(d / "3")["w"]
+    assert back.tobytes() == flipped.tobytes()
+    assert h[2].nbytes == BIG.nbytes // 8  # exactly the changed box
+    assert h[2].reused_bytes == BIG.nbytes - BIG.nbytes // 8
+
+
+def test_boxes_that_keep_changing_are_probed_not_hashed(tmp_path):
+    """Pre-training: a box whose probe differs from the base's is written without its full
+    digest; at the first step it stops changing, the base's bytes are read back to compare
+    (the base took no digest of them), and it is reused from that step on."""
+    steps = [BIG, BIG + 1, BIG + 2, BIG + 2, BIG + 2]
+    h = _chain(tmp_path, steps)
+    third = jaxckpt.metadata(tmp_path / "3")
+    (path,) = {e.path for e in third.entries.values() if isinstance(e, jaxckpt.ArrayEntry)}
+    assert len(third.probes[path]) == 8 and path not in third.digests  # changed: no digest
+    assert [x.reused_bytes for x in h[1:]] == [0, 0, BIG.nbytes, BIG.nbytes]
+    assert len(jaxckpt.metadata(tmp_path / "4").digests[path]) == 8  # probe equal: digested
+    for n, x in enumerate(steps, 1):
+        assert jaxckpt.restore(tmp_path / str(n))["w"].tobytes() == x.tobytes()
+
+
+def test_hostile_probes_are_refused(tmp_path):
+    _chain(tmp_path, [BIG, BIG])
+    raw = json.loads((tmp_path / "2" / "manifest.json").read_text())
+    raw["probes"] = {"../../etc/passwd": {"0,0+128,512": "0" * 32}}
+    (tmp_path / "2" / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(jaxckpt.ManifestError, match=r"the probes of '\.\./\.\./etc/passwd'"):
+        jaxckpt.restore(tmp_path / "2")
+
+
 def test_a_pack_is_reused_only_whole(tmp_path):
     small = {f"p{i}": np.full(16, i, np.float32) for i in range(20)}
     jaxckpt.save(tmp_path / "1", small)

@@ -171,6 +171,9 @@ class Manifest:
     # Content digests of the stored boxes, by storage path then box (``box_key``): what an
     # incremental save compares its bytes with. Optional; readers never need them.
     digests: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    # Digests of a fixed sample of each large box, same layout: a box whose probe differs from
+    # the base's changed, and is written without computing its full digest.
+    probes: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # Arrays (by storage path) whose data lives in a sibling step: ``../STEP/arrays/NAME``.
     refs: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -191,6 +194,8 @@ class Manifest:
             head["refs"] = self.refs
         if self.digests:
             head["digests"] = self.digests
+        if self.probes:
+            head["probes"] = self.probes
         lines = [f" {dump(k)}: {dump(v)}," for k, v in head.items()]
         entries = ",\n".join(
             f"  {dump(k)}: {dump(_entry_to_json(e))}" for k, e in self.entries.items()
@@ -238,6 +243,7 @@ class Manifest:
             doc.get("refs", {}) if version >= REFS_VERSION else {}, stored, where
         )
         digests = _digests_from_json(doc.get("digests", {}), stored, where)
+        probes = _digests_from_json(doc.get("probes", {}), stored, where, "probes")
         return cls(
             tree=tree,
             entries=entries,
@@ -245,6 +251,7 @@ class Manifest:
             version=version,
             packs=packs,
             digests=digests,
+            probes=probes,
             refs=refs,
         )
 
@@ -271,9 +278,11 @@ _BOX = re.compile(r"[0-9,]{0,1300}\+[0-9,]{0,1300}")
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 
-def _digests_from_json(raw: Any, stored: set[str], where: str) -> dict[str, dict[str, str]]:
+def _digests_from_json(
+    raw: Any, stored: set[str], where: str, field: str = "digests"
+) -> dict[str, dict[str, str]]:
     if not isinstance(raw, dict):
-        raise ManifestError(f'{where}: "digests" must be an object.')
+        raise ManifestError(f'{where}: "{field}" must be an object.')
     for path, boxes in raw.items():
         ok = path in stored and isinstance(boxes, dict)
         if not ok or not all(
@@ -281,7 +290,7 @@ def _digests_from_json(raw: Any, stored: set[str], where: str) -> dict[str, dict
             for b, h in boxes.items()
         ):
             raise ManifestError(
-                f"{where}: the digests of {path!r} are malformed or name no stored array. The "
+                f"{where}: the {field} of {path!r} are malformed or name no stored array. The "
                 f"manifest is damaged or was not written by jaxckpt; nothing was read."
             )
     return raw

@@ -8,6 +8,12 @@ checksum, and for a pack the same members at the same offsets — and recorded, 
 same box, the digest this save computes for its bytes. Nothing is compared by identity: a
 jitted step hands back new arrays whose bytes did not change, and they are found.
 
+A large box is first probed (:func:`probe`: 64 KiB of it hashed); where the base's probe of
+the same box differs, the box changed and is written without its full digest, so a run where
+everything changes (pre-training) hashes almost nothing. Otherwise the full digest decides;
+where the base took none (the box changed in the base's step), the base's box is read back
+and hashed once, so a box that stops changing is reused from the first step it is equal.
+
 The digest is XXH3-128 of the box's bytes in C order and little-endian byte order: 128 bits,
 so two different boxes of one array agree by accident with probability 2^-128. It runs at
 memory speed (tens of GB/s), so a save that reuses nothing costs what it did. It is no
@@ -40,6 +46,8 @@ from jaxckpt._format.manifest import (
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
 
+PROBE_MIN = 256 << 10  # boxes at least this large get a probe before their full digest
+PROBE_BLOCKS, PROBE_BLOCK = 16, 4096  # a probe hashes 16 blocks of 4 KiB spread over the box
 HASH_AHEAD = 64 << 20  # bytes of boxes hashed ahead of the one being decided
 HASH_AHEAD_ITEMS = 8
 LINKS_AHEAD = 16  # links in flight on the read threads
@@ -63,6 +71,35 @@ def digest(data: np.ndarray) -> str:
         data = data.astype(data.dtype.newbyteorder("<"))
     flat = np.ascontiguousarray(data).reshape(-1)
     return xxhash.xxh3_128_hexdigest(memoryview(flat.view(np.uint8)))
+
+
+def probe(data: np.ndarray) -> str | None:
+    """The digest of a fixed sample of a large box: 16 blocks of 4 KiB spread evenly over its
+    bytes (C order, little-endian, as :func:`digest`); ``None`` for a small box or one that is
+    not contiguous (only its full digest is taken).
+
+    Two boxes with different probes differ; equal probes prove nothing (the full digest
+    decides). So a box that changes every step (pre-training) costs 64 KiB of hashing, not
+    all its bytes.
+
+    Example:
+      >>> import numpy as np
+      >>> a = np.zeros(1 << 18, np.float32)  # 1 MiB
+      >>> b = a.copy(); b[0] = 1.0
+      >>> probe(a) != probe(b), probe(a[:10]) is None
+      (True, True)
+    """
+    if data.nbytes < PROBE_MIN or not data.flags.c_contiguous:
+        return None
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    flat = memoryview(data.reshape(-1).view(np.uint8))
+    h = xxhash.xxh3_128()
+    last = len(flat) - PROBE_BLOCK
+    for i in range(PROBE_BLOCKS):
+        at = i * last // (PROBE_BLOCKS - 1)
+        h.update(flat[at : at + PROBE_BLOCK])
+    return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,15 +143,28 @@ class Reuse:
         """The base's entry if it holds bytes of digest ``found`` for this very box of ``key``.
 
         ``base_digest(base_entry)``: the digest of the base's box, for a base that recorded
-        none (saved without ``base=``, or by an older jaxckpt): it reads the base's bytes.
+        none (saved without ``base=``, by an older jaxckpt, or a box that changed in the base's
+        own step, which took only its probe): it reads the base's bytes.
         """
         b = self._same.get(key)
         if b is None:
             return None
         recorded = self.base.digests.get(b.path, {}).get(box_key(offsets, sizes))
-        if recorded is None and base_digest is not None:
+        if recorded is None and base_digest is not None:  # e.g. it changed in the base's step
             recorded = base_digest(b)
         return Match(b, self.base.refs.get(b.path)) if recorded == found else None
+
+    def same_probe(
+        self, key: str, offsets: Sequence[int], sizes: Sequence[int], found: str
+    ) -> bool | None:
+        """Whether the base's probe of this box is ``found``; ``None`` where the base has no
+        probe of it (not comparable, or saved without probes)."""
+        b = self._same.get(key)
+        theirs = None if b is None else self._probes(b.path).get(box_key(offsets, sizes))
+        return None if theirs is None else theirs == found
+
+    def _probes(self, path: str) -> dict[str, str]:
+        return self.base.probes.get(path, {})
 
     def match_array(self, key: str) -> Match:
         """The base's entry of ``key``, an array :meth:`whole_arrays` found unchanged."""
@@ -148,6 +198,7 @@ class Tracker:
     ) -> None:
         self.reuse, self.entries, self.link, self.base_digest = reuse, entries, link, base_digest
         self.digests: dict[str, dict[str, str]] = {}  # by storage path, then box
+        self.probes: dict[str, dict[str, str]] = {}  # likewise
         self.reused_bytes = 0
         self.changed: set[str] = set()  # keys with a box the base does not hold
 
@@ -164,6 +215,23 @@ class Tracker:
             self.changed.add(item.key)
         return match
 
+    def needs_digest(self, item: WriteItem, data: np.ndarray) -> bool:
+        """Record the box's probe; whether its full digest is worth taking: not where the
+        base's probe of the same box differs (it changed: written, digest left out)."""
+        found = probe(data)
+        if found is None:
+            return True
+        path, box = self.entries[item.key].path, box_key(item.offsets, item.sizes)
+        self.probes.setdefault(path, {})[box] = found
+        if self.reuse.same_probe(item.key, item.offsets, item.sizes, found) is False:
+            self.changed.add(item.key)
+            return False
+        return True
+
+    def decide(self, item: WriteItem, data: np.ndarray) -> Match | None:
+        """:meth:`check` where the probe leaves it open, else ``None`` (changed)."""
+        return self.check(item, data) if self.needs_digest(item, data) else None
+
     def to_write(
         self, items: Iterable[tuple[WriteItem, np.ndarray]]
     ) -> Iterator[tuple[WriteItem, np.ndarray]]:
@@ -179,6 +247,9 @@ class Tracker:
         held = 0
         try:
             for item, data in items:
+                if not self.needs_digest(item, data):  # changed: written without waiting
+                    yield item, data
+                    continue
                 ahead.append((item, data, pool.submit(digest, data)))
                 held += item.nbytes
                 while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
@@ -237,6 +308,7 @@ def recorded(
     digests: dict[str, dict[str, str]],
     *,
     refs: dict[str, str] | None = None,
+    probes: dict[str, dict[str, str]] | None = None,
     base_name: str | None = None,
     reused_bytes: int = 0,
 ) -> Manifest:
@@ -251,6 +323,7 @@ def recorded(
     return dataclasses.replace(
         manifest,
         digests=digests,
+        probes=probes or {},
         refs=refs or {},
         created=created,
         version=REFS_VERSION if refs else manifest.version,
