@@ -354,18 +354,14 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         raise _bad(where, key, f"has unknown kind {d.get('kind')!r}")
     shape, chunks, path = d.get("shape"), d.get("chunks"), d.get("path")
     _check_grid(key, shape, chunks, where)
-    if not is_storage_path(path):
+    if not (type(path) is str and _storage_path_ok(path)):
         raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
     dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
-    try:
-        logical = dtype_from_name(dtype)
-        dtype_from_name(sdtype)
-    except (ManifestError, TypeError):
-        raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}") from None
-    if sdtype != storage_dtype_name(logical):
-        raise _bad(
-            where, key, f"stores {dtype} as {sdtype}, expected {storage_dtype_name(logical)}"
-        )
+    logical = _dtype_pair(dtype, sdtype) if type(dtype) is str and type(sdtype) is str else None
+    if logical is None:
+        raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}")
+    if isinstance(logical, str):
+        raise _bad(where, key, logical)
     if math.prod(shape) * logical.itemsize > _MAX_BYTES:
         raise _bad(where, key, f"claims an absurd size {shape!r}")
     if math.prod(chunks) * logical.itemsize > _MAX_BYTES:  # a zero-size array's chunks too
@@ -395,6 +391,25 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         pack=pack,
         offset=offset or 0,
     )
+
+
+@functools.cache
+def _storage_path_ok(path: str) -> bool:  # cached: the members of a pack share one path
+    return is_storage_path(path)
+
+
+@functools.cache
+def _dtype_pair(dtype: str, sdtype: str) -> np.dtype | str | None:
+    """The logical dtype of an entry; ``None`` for an unknown name, or why the pair is wrong.
+    Cached: a manifest names a handful of dtypes over thousands of entries."""
+    try:
+        logical = dtype_from_name(dtype)
+        dtype_from_name(sdtype)
+    except ManifestError:
+        return None
+    if sdtype != storage_dtype_name(logical):
+        return f"stores {dtype} as {sdtype}, expected {storage_dtype_name(logical)}"
+    return logical
 
 
 def _check_grid(key: str, shape: Any, chunks: Any, where: str) -> None:
