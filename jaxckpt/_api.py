@@ -40,6 +40,7 @@ def save(
     overwrite: bool = False,
     planner: SavePlanner | None = None,
     base: PathLike | None = None,
+    digests: bool = False,
 ) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
@@ -59,6 +60,9 @@ def save(
         for arrays that did not change at all, referenced (object stores; the base must then
         sit beside ``path``) instead of written. The new checkpoint is whole either way
         (docs/format.md, "Incremental steps").
+      digests: record the content digests of what is written even without ``base`` (always
+        with one), so that a later save against this one compares without reading it back:
+        the first step of an incremental run. Costs hashing the state once.
 
     Raises:
       CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite=False``.
@@ -73,7 +77,13 @@ def save(
     """
     with collector.paused():
         handle = _start_save(
-            path, tree, overwrite=overwrite, planner=planner, stage=False, base=base
+            path,
+            tree,
+            overwrite=overwrite,
+            planner=planner,
+            stage=False,
+            base=base,
+            digests=digests,
         )
     handle.wait()
 
@@ -85,6 +95,7 @@ def save_async(
     overwrite: bool = False,
     planner: SavePlanner | None = None,
     base: PathLike | None = None,
+    digests: bool = False,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the device data is staged on the host.
 
@@ -101,7 +112,9 @@ def save_async(
       True
     """
     with collector.paused():  # the blocking part only, not the background write
-        return _start_save(path, tree, overwrite=overwrite, planner=planner, stage=True, base=base)
+        return _start_save(
+            path, tree, overwrite=overwrite, planner=planner, stage=True, base=base, digests=digests
+        )
 
 
 class SaveHandle:
@@ -170,6 +183,7 @@ def _start_save(
     planner: SavePlanner | None,
     stage: bool,
     base: PathLike | None = None,
+    digests: bool = False,
 ) -> SaveHandle:
     """Plan on every process, stage (if ``stage``), then write and commit: in the background
     when staged, else here."""
@@ -182,8 +196,8 @@ def _start_save(
     global_plan, local = _plan_everywhere(sync, planner, tree)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None
-    if base is not None:  # its manifest is read here, before anything is written
-        base_loc = _location.Location(base)
+    if base is not None or digests:  # the base's manifest is read before anything is written
+        base_loc = None if base is None else _location.Location(base)
         increment = sync.run(
             "base", lambda: Increment(base_loc, loc, global_plan.manifest, entries)
         )

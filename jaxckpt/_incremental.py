@@ -35,7 +35,9 @@ class Increment:
     """One save's reuse of ``base``.
 
     Args:
-      base: the base checkpoint (committed; e.g. the run's previous step).
+      base: the base checkpoint (committed; e.g. the run's previous step); ``None``: nothing
+        to reuse, the save only records its digests (the first step of an incremental run,
+        so that the second compares without reading it back).
       loc: where this save goes.
       manifest: this save's planned manifest.
       entries: this save's storage entries (arrays, and packs as arrays), by key.
@@ -45,9 +47,13 @@ class Increment:
     """
 
     def __init__(
-        self, base: Location, loc: Location, manifest: Manifest, entries: dict[str, ArrayEntry]
+        self,
+        base: Location | None,
+        loc: Location,
+        manifest: Manifest,
+        entries: dict[str, ArrayEntry],
     ) -> None:
-        if (base.local is None) != (loc.local is None):
+        if base is not None and (base.local is None) != (loc.local is None):
             raise CheckpointError(
                 f"Incremental save to {loc} from base {base}: the base must be on the same kind "
                 f"of storage (a local path for a local save, the same bucket for an object "
@@ -55,13 +61,19 @@ class Increment:
             )
         self.base, self.loc, self.entries = base, loc, entries
         self.writer: _storage.Writer | None = None
-        self.base_manifest = Manifest.from_json(read_manifest(base), where=f"{base}/manifest.json")
+        self.base_manifest = (
+            Manifest(tree={}, entries={})  # holds nothing: every box is new
+            if base is None
+            else Manifest.from_json(read_manifest(base), where=f"{base}/manifest.json")
+        )
         self.reuse = Reuse(manifest, self.base_manifest)
-        self.base_name = _sibling_name(base, loc)
+        self.base_name = None if base is None else _sibling_name(base, loc)
         # References are to a sibling step only, never to this path's own older generation.
         self.refs_ok = loc.local is None and self.base_name not in (None, _name(loc))
-        link = self._link if loc.local is not None else None
-        self._base_reader = CheckpointReader(base, None, self.base_manifest.refs)
+        link = self._link if loc.local is not None and base is not None else None
+        self._base_reader = (
+            None if base is None else CheckpointReader(base, None, self.base_manifest.refs)
+        )
         self._base_entries = storage_entries(self.base_manifest)
         self.tracker = Tracker(self.reuse, entries, link, self._read_digest)
         self.refs: dict[str, str] = {}
@@ -75,6 +87,7 @@ class Increment:
         """The digest of the base's bytes of ``item``'s box, read from the base (which
         recorded none); ``None`` where they cannot be read, and the box is written."""
         want = ReadItem(base_entry.key, item.offsets, item.sizes)
+        assert self._base_reader is not None  # only a base's entries match
         try:
             for _, data in self._base_reader.read(self._base_entries, [want]):
                 return digest(data)
@@ -92,7 +105,7 @@ class Increment:
         references and are neither created nor written.
         """
         self.writer = writer
-        if self.loc.local is not None:
+        if self.loc.local is not None or self.base is None:  # no exchange without a base
             return self.tracker.to_write(items), set()
         hashed = [(item, data, self.tracker.decide(item, data)) for item, data in items]
         changed = json.loads(sync.reduce("reuse", json.dumps(sorted(self.tracker.changed)), _union))
@@ -122,7 +135,7 @@ class Increment:
             for merged, field in ((digests, "digests"), (probes, "probes")):
                 for path, boxes in got[field].items():
                     merged.setdefault(path, {}).update(boxes)
-        name = self.base_name if self.base_name is not None else str(self.base)
+        name = None if self.base is None else self.base_name or str(self.base)
         return recorded(
             planned, digests, refs=self.refs, probes=probes, base_name=name, reused_bytes=reused
         )

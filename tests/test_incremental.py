@@ -26,6 +26,7 @@ from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto 
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import location as _location
 
 M = mesh((4, 2), ("data", "model"))
@@ -250,6 +251,23 @@ def test_a_base_saved_without_digests_is_read_once(tmp_path):
     h.wait()
     assert h.reused_bytes >= FROZEN.nbytes
     assert "digests" in json.loads((tmp_path / "2" / "manifest.json").read_text())
+
+
+def test_the_first_step_records_digests_so_the_second_reads_nothing_back(tmp_path):
+    """An incremental run's first step (no base yet) records its digests, so the second step
+    compares without reading the first one's bytes; a plain save hashes nothing."""
+    jaxckpt.save(tmp_path / "plain", state(1))
+    assert jaxckpt.metadata(tmp_path / "plain").digests == {}
+    mgr = jaxckpt.CheckpointManager(tmp_path / "run", incremental=True, async_save=False)
+    mgr.save(1, state(1))
+    (step1,) = [p for p in (tmp_path / "run").iterdir() if p.is_dir()]
+    first = jaxckpt.metadata(step1)
+    assert first.digests and "base" not in first.created
+    before = _chunkfile.bytes_read()
+    mgr.save(2, state(2))
+    assert _chunkfile.bytes_read() == before  # nothing of step 1 was read to compare
+    assert mgr.last_save.reused_bytes >= FROZEN.nbytes
+    assert_tree_equal(mgr.restore(2), jax.device_get(state(2)))
 
 
 def test_an_old_format_base_is_compared_by_content(tmp_path):

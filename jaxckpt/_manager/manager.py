@@ -225,7 +225,7 @@ class CheckpointManager:
             )
         base = self._base() if self.incremental else None
         with _location.deadline(self._loc.io_timeout):
-            handle = save_async(str(loc), tree, base=base)
+            handle = save_async(str(loc), tree, base=base, digests=self.incremental)
         self.last_save = handle
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
