@@ -104,7 +104,8 @@ def _one_step(root: str, step: int, state: dict, orbax, order: int, times: dict,
     prev = f"{root}/inc/{step - 1:03d}" if step > 1 else None
 
     def incremental() -> None:
-        jaxckpt.save(f"{root}/inc/{step:03d}", state, base=prev)
+        # As CheckpointManager(incremental=True): the first step records its digests.
+        jaxckpt.save(f"{root}/inc/{step:03d}", state, base=prev, digests=prev is None)
 
     def full() -> None:
         jaxckpt.save(f"{root}/full/{step:03d}", state)

@@ -212,7 +212,8 @@ def _start_save(
     if stage:  # copy every item off the caller's buffers, which it may reuse once we return
         data, arena = _stage(planner, local.items, loc, sync, writer)
     else:
-        data = ((item, planner.resolve_data(item)) for item in local.items)
+        order = local.items if increment is None else increment.order(local.items)
+        data = ((item, planner.resolve_data(item)) for item in order)
     handle.timings["stage"] = time.perf_counter() - t1
     pending = [data]  # popped by the writer, so nothing holds the staged bytes once written
 
@@ -303,6 +304,8 @@ def _write_and_commit(
             items, skip = increment.to_write(items, sync, writer)
         if sync.is_coordinator:
             writer.open_arrays((e for k, e in entries.items() if k not in skip), create=True)
+            if sync.count > 1:  # the others open them after the barrier
+                writer.opened()
         sync.barrier("created", wait_for_all=False)
         if not sync.is_coordinator:
             own = {i.key for i in local.items} - skip

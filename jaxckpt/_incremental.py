@@ -118,6 +118,10 @@ class Increment:
         self.tracker.reused_bytes = sum(i.nbytes for i, _, _ in hashed if i.key in whole)
         return ((i, d) for i, d, _ in hashed if i.key not in whole), whole
 
+    def order(self, items: Iterable[WriteItem]) -> list[WriteItem]:
+        """The order in which to resolve this process's items (``Reuse.order``)."""
+        return self.reuse.order(items)
+
     def payload(self) -> str:
         """What this process tells the coordinator at the "written" barrier."""
         t = self.tracker

@@ -176,3 +176,36 @@ def test_overwrite_true_still_replaces(tmp_path):
     jaxckpt.save(path, {"a": np.ones(2)}, overwrite=True)
     np.testing.assert_array_equal(jaxckpt.restore(path)["a"], np.ones(2))
     assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_a_save_aborted_while_its_arrays_are_created_leaves_nothing(tmp_path):
+    """Arrays are created in the background while the first boxes are resolved: an abort
+    waits for them, so no file appears after its clean-up."""
+    from jaxckpt._format.manifest import storage_entries
+    from jaxckpt._storage.location import Location
+    from jaxckpt._storage.writer import Writer
+
+    jaxckpt.save(tmp_path / "model", {f"w{i}": np.zeros((64, 64), np.float32) for i in range(32)})
+    entries = storage_entries(jaxckpt.metadata(tmp_path / "model"))
+    writer = Writer(Location(tmp_path / "new"), overwrite=False)
+    writer.open_arrays(entries.values(), create=True)
+    writer.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_an_array_that_cannot_be_opened_names_it_at_the_flush(tmp_path):
+    """Opening arrays that do not exist fails where the writer waits for them, naming one."""
+    from jaxckpt._format.manifest import storage_entries
+    from jaxckpt._storage.location import Location
+    from jaxckpt._storage.writer import Writer
+
+    jaxckpt.save(tmp_path / "model", {"w": np.zeros(4, np.float32)})
+    entries = storage_entries(jaxckpt.metadata(tmp_path / "model"))
+    writer = Writer(Location(tmp_path / "new"), overwrite=False)
+    writer.open_arrays(entries.values(), create=False)  # nobody created them
+    with pytest.raises(
+        jaxckpt.CheckpointError, match=r"failed opening array arrays/pack\S+ of key"
+    ):
+        writer.flush()
+    writer.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

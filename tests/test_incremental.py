@@ -444,3 +444,33 @@ def test_an_older_reader_refuses_a_v3_step():
         [sys.executable, "-c", code], input=raw, capture_output=True, env={**os.environ}
     )
     assert b"version 3" in r.stdout and b"Upgrade jaxckpt" in r.stdout, r
+
+
+class _Recorder(jaxckpt.DefaultSavePlanner):
+    """Records the order in which the save resolves its boxes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    def resolve_data(self, item):
+        self.order.append(item.key)
+        return super().resolve_data(item)
+
+
+def test_boxes_that_changed_in_the_base_step_are_resolved_early(tmp_path):
+    """Boxes that changed in the base's own step (it took their probe, not their digest) are
+    resolved right after the first few unchanged boxes, so their writes overlap the hashing of
+    the rest; the order changes nothing that is saved."""
+    from jaxckpt._planning.incremental import HASH_AHEAD_ITEMS
+
+    frozen = {f"a{i}": put(BIG, M, "data", "model") for i in range(2)}  # 16 boxes
+    for n in (1, 2, 3):
+        tree = {**frozen, "z": put(BIG + n, M, "data", "model")}  # last in key order
+        planner = _Recorder()
+        base = tmp_path / str(n - 1) if n > 1 else None
+        jaxckpt.save(tmp_path / str(n), tree, base=base, digests=n == 1, planner=planner)
+        assert_tree_equal(jaxckpt.restore(tmp_path / str(n)), jax.device_get(tree))
+    assert planner.order[-8:] != ["z"] * 8  # the key order would resolve z last
+    assert planner.order[HASH_AHEAD_ITEMS : HASH_AHEAD_ITEMS + 8] == ["z"] * 8
+    assert planner.order[:HASH_AHEAD_ITEMS] == ["a0"] * HASH_AHEAD_ITEMS

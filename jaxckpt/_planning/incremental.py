@@ -50,7 +50,6 @@ PROBE_MIN = 256 << 10  # boxes at least this large get a probe before their full
 PROBE_BLOCKS, PROBE_BLOCK = 16, 4096  # a probe hashes 16 blocks of 4 KiB spread over the box
 HASH_AHEAD = 64 << 20  # bytes of boxes hashed ahead of the one being decided
 HASH_AHEAD_ITEMS = 8
-LINKS_AHEAD = 16  # links in flight on the read threads
 
 
 def digest(data: np.ndarray) -> str:
@@ -163,6 +162,27 @@ class Reuse:
         theirs = None if b is None else self._probes(b.path).get(box_key(offsets, sizes))
         return None if theirs is None else theirs == found
 
+    def order(self, items: Iterable[WriteItem]) -> list[WriteItem]:
+        """``items`` in the order to resolve them: the boxes expected to change after the
+        first ``HASH_AHEAD_ITEMS`` expected unchanged, then the rest. So the hash threads start
+        at once, and the writes of the changed boxes (and the disk's write-back of them)
+        overlap the hashing of the others instead of following it. Only an order: the
+        digests decide what is written."""
+        items = list(items)
+        changed = [self._likely_changed(i.key, i.offsets, i.sizes) for i in items]
+        same = [i for i, c in zip(items, changed) if not c]
+        ahead = HASH_AHEAD_ITEMS
+        return same[:ahead] + [i for i, c in zip(items, changed) if c] + same[ahead:]
+
+    def _likely_changed(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
+        """The base has no comparable array, or took only the box's probe (it changed in the
+        base's own step, and will likely change again)."""
+        b = self._same.get(key)
+        if b is None:
+            return True
+        box = box_key(offsets, sizes)
+        return box in self._probes(b.path) and box not in self.base.digests.get(b.path, {})
+
     def _probes(self, path: str) -> dict[str, str]:
         return self.base.probes.get(path, {})
 
@@ -237,13 +257,12 @@ class Tracker:
     ) -> Iterator[tuple[WriteItem, np.ndarray]]:
         """The items to write: every one whose box the base lacks or ``link`` cannot reuse.
 
-        Boxes are hashed on the staging threads a few boxes ahead (the hash releases the GIL),
-        at most ``HASH_AHEAD`` bytes beyond the box being decided; the links run on the read
-        threads, at most ``LINKS_AHEAD`` at once, while the next boxes are resolved and hashed.
+        Boxes are hashed on the hash threads a few boxes ahead (the hash releases the GIL),
+        at most ``HASH_AHEAD`` bytes beyond the box being decided; each decided box is linked
+        here, while the next ones are hashed (a link is a few microseconds of metadata).
         """
-        pool = pools.stage_pool()
+        pool = pools.hash_pool()
         ahead: collections.deque = collections.deque()
-        linking: collections.deque = collections.deque()
         held = 0
         try:
             for item, data in items:
@@ -254,34 +273,18 @@ class Tracker:
                 held += item.nbytes
                 while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
                     held -= ahead[0][0].nbytes
-                    yield from self._decide(*ahead.popleft(), linking)
+                    yield from self._decide(*ahead.popleft())
             while ahead:
-                yield from self._decide(*ahead.popleft(), linking)
-            yield from self._settle(linking, 0)
-        finally:  # no link may land after the caller gave up (and removed the staging dir)
-            futures.wait([done for *_, done in linking])
+                yield from self._decide(*ahead.popleft())
+        finally:  # no hash may still read a box after the caller gave up on the save
+            futures.wait([done for *_, done in ahead])
 
-    def _decide(
-        self, item: WriteItem, data: np.ndarray, hashed: Future, linking: collections.deque
-    ) -> Iterator[tuple]:
+    def _decide(self, item: WriteItem, data: np.ndarray, hashed: Future) -> Iterator[tuple]:
         match = self.check(item, data, hashed.result())
-        if match is not None and self.link is not None:
-            linking.append((item, data, pools.read_pool().submit(self.link, item, match)))
-            yield from self._settle(linking, LINKS_AHEAD)
+        if match is not None and self.link is not None and self.link(item, match):
+            self.reused_bytes += item.nbytes
             return
         yield item, data
-
-    def _settle(self, linking: collections.deque, keep: int) -> Iterator[tuple]:
-        """Wait for the oldest links until at most ``keep`` run; a box that could not be
-        linked is written instead."""
-        while len(linking) > keep:
-            item, data, done = linking[0]
-            linked = done.result()
-            linking.popleft()
-            if linked:
-                self.reused_bytes += item.nbytes
-            else:
-                yield item, data
 
 
 def _same_array(e: ArrayEntry, b: ArrayEntry) -> bool:

@@ -174,14 +174,17 @@ def assign(packs: list[Candidate], proc_loads: np.ndarray, *, lowest: bool) -> l
     return [out[i] for i in range(len(packs))]
 
 
-def assemble(pack: PackEntry, members: Iterable[tuple[ArrayEntry, Any]]) -> np.ndarray:
-    """The pack's bytes: each member's data (whole, logical dtype) at its offset."""
+def assemble(
+    pack: PackEntry, members: Iterable[tuple[ArrayEntry, Iterable[tuple[Any, Any]]]]
+) -> np.ndarray:
+    """The pack's bytes: each member's pieces ``(index, data)`` (an index into the member, in
+    its logical dtype; ``()`` for the whole) copied once, straight to its place in the pack."""
     out = np.empty(pack.size, dtype_from_name(pack.storage_dtype))
-    for e, data in members:
-        # In the logical dtype first: a byte-swapped array (">f4") converts its values here,
-        # where a view to the storage dtype would reinterpret its bytes.
-        flat = np.ascontiguousarray(data, dtype=dtype_from_name(e.dtype)).reshape(-1)
-        out[e.offset : e.offset + e.size] = (
-            flat.view(out.dtype) if flat.dtype != out.dtype else flat
-        )
+    for e, pieces in members:
+        logical = dtype_from_name(e.dtype)  # of the storage dtype's size: a view, no copy
+        slot = out[e.offset : e.offset + e.size].view(logical).reshape(e.shape)
+        for index, data in pieces:
+            # Assigned as values: a byte-swapped array (">f4") is converted here, where a
+            # view to the storage dtype would reinterpret its bytes.
+            slot[index] = data
     return out

@@ -354,7 +354,7 @@ class DefaultSavePlanner(SavePlanner):
         if members is not None:  # a pack: its members' bytes end to end, built on the host
             entries = self.global_plan.manifest.entries
             pack = entries[members[0]].pack
-            return _pack.assemble(pack, ((entries[k], self._whole(k)) for k in members))
+            return _pack.assemble(pack, ((entries[k], self._pieces(k)) for k in members))
         leaf = self.leaves[item.key]
         if isinstance(leaf, jax.Array):
             return self._box(item, self._shard(item.key, leaf, item.device).data)
@@ -369,19 +369,21 @@ class DefaultSavePlanner(SavePlanner):
         )
         return np.asarray(shard_data)[local]
 
-    def _whole(self, key: str) -> np.ndarray:
-        """The whole array of ``key`` on the host (this process holds every box of it)."""
+    def _pieces(self, key: str) -> list[tuple[Any, Any]]:
+        """The whole array of ``key`` as ``(index, data)`` pieces on the host (this process
+        holds every box of it): its shards, each box once, not an assembled copy (which jax
+        would also keep on the array)."""
         leaf = self.leaves[key]
         if not isinstance(leaf, jax.Array):
-            return leaf
+            return [((), leaf)]
         if leaf.is_fully_replicated:
-            return np.asarray(leaf.addressable_data(0))
-        if leaf.is_fully_addressable:
-            return np.asarray(leaf)
-        out = np.empty(leaf.shape, leaf.dtype)
-        for shard in leaf.addressable_shards:
-            out[shard.index] = np.asarray(shard.data)
-        return out
+            return [((), np.asarray(leaf.addressable_data(0)))]
+        every = leaf.is_fully_addressable  # replica 0 of every box is here
+        return [
+            (shard.index, np.asarray(shard.data))
+            for shard in leaf.addressable_shards
+            if not every or shard.replica_id == 0
+        ]
 
     def _shard(self, key: str, leaf: jax.Array, device: int | None) -> Any:
         found = self._shards.get((key, device))

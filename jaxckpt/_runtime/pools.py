@@ -19,6 +19,8 @@ SAVE_THREADS = 32
 READ_THREADS = max(4, min(64, os.cpu_count() or 4))  # tensorstore's file I/O default
 WRITEBACK_THREADS = 2  # each call only queues I/O, it does not wait for it
 STAGE_THREADS = max(2, min(8, os.cpu_count() or 2))  # numpy copies release the GIL
+# Hashing is bound by memory bandwidth: half the cores hash, the rest write, link and resolve.
+HASH_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 _lock = threading.Lock()
 _pools: dict[str, ThreadPoolExecutor] = {}
 
@@ -58,6 +60,11 @@ def stage_pool() -> ThreadPoolExecutor:
     """The threads that copy staged items (and dispatch device copies, see
     ``DefaultSavePlanner.detach``)."""
     return _get("jaxckpt-stage", STAGE_THREADS)
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The threads that hash boxes for incremental saves (``jaxckpt._planning.incremental``)."""
+    return _get("jaxckpt-hash", HASH_THREADS)
 
 
 def in_background(fn: Any, *args: Any) -> Future | None:

@@ -102,6 +102,9 @@ class Writer:
         self._linkable: dict[str, bool] = {}  # base array folders checked for links (link())
         self._folders: set[str] = set()  # chunk folders link() has made
         self._regular: dict[str, frozenset[str]] = {}  # base chunk folder: its regular files
+        self.arrays: dict[str, Any] = {}  # by key, once opened
+        self._opening: dict[str, tuple[ArrayEntry, Any]] = {}  # by key, still being opened
+        self._create = False
         if loc.local is not None:
             # Only the coordinator checks the target and makes the staging dir; the others
             # write into the same dir (shared storage), and only the coordinator commits or
@@ -130,27 +133,37 @@ class Writer:
             self.root = {**loc.kvstore, "path": loc.kvstore["path"] + self.generation}
 
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
-        """Create (coordinator) or open (others, after it) the zarr arrays, all at once."""
-        entries = list(entries)
-        futures = [
-            ts.open(
-                {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True},
-                create=create,
-                open=not create,
-                context=CONTEXT,
+        """Start creating (coordinator) or opening (others, after it) the zarr arrays, all at
+        once. Each is waited for where it is first written, and all by :meth:`opened`, which
+        ``flush`` calls: the first boxes are resolved and hashed meanwhile."""
+        self._create = create
+        for e in entries:
+            spec = {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True}
+            self._opening[e.key] = (
+                e,
+                ts.open(spec, create=create, open=not create, context=CONTEXT),
             )
-            for e in entries
-        ]
+
+    def opened(self) -> None:
+        """Wait until every array :meth:`open_arrays` started exists (before the barrier that
+        lets the other processes open them, and before the commit)."""
+        for key in list(self._opening):
+            self._array(key)
+
+    def _array(self, key: str) -> Any:
+        store = self.arrays.get(key)
+        if store is not None:
+            return store
+        e, fut = self._opening.pop(key)
+        what = f"{'creating' if self._create else 'opening'} array {e.path} of key {key!r}"
         try:
-            self.arrays = {
-                e.key: wait(f, self.loc, f"creating array {e.path} of key {e.key!r}")
-                for e, f in zip(entries, futures)
-            }
-        except ValueError as e:
-            if create and not self.overwrite and "ALREADY_EXISTS" in str(e):
+            store = self.arrays[key] = wait(fut, self.loc, what)
+        except ValueError as err:
+            if self._create and not self.overwrite and "ALREADY_EXISTS" in str(err):
                 # Object stores: another save to the same prefix created its arrays first.
-                raise _lost_error(self.loc, False, writing=True) from e
-            raise _write_error(self.loc, "creating the arrays' zarr.json", e) from e
+                raise _lost_error(self.loc, False, writing=True) from err
+            raise _write_error(self.loc, what, err) from err
+        return store
 
     def _child(self, name: str) -> dict:
         return {**self.root, "path": self.root["path"] + name + "/"}
@@ -173,7 +186,7 @@ class Writer:
         try:
             for item, data in items:
                 entry = entries[item.key]
-                store = self.arrays[item.key]
+                store = self._array(item.key)
                 if entry.storage_dtype != entry.dtype:
                     data = data.view(entry.storage_dtype)
                 if item.sizes == entry.shape:  # the whole array: skip building an indexed view
@@ -214,6 +227,7 @@ class Writer:
     def flush(self) -> None:
         """Make this process's writes durable; every process calls it before reporting done,
         so every array byte is on disk before the coordinator writes the manifest."""
+        self.opened()
         if self.loc.local is not None:
             _syncfs(Path(self.root["path"]))
 
@@ -333,6 +347,12 @@ class Writer:
         return names
 
     def abort(self) -> None:
+        for e, fut in self._opening.values():  # none may create a file after the removal
+            try:
+                wait(fut, self.loc, f"creating array {e.path}")
+            except Exception:  # noqa: BLE001 - the save failed already; only its data goes
+                pass
+        self._opening.clear()
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
 
