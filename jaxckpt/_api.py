@@ -209,10 +209,10 @@ def _start_save(
         ),
     )
     t1 = time.perf_counter()
+    order = local.items if increment is None else increment.order(local.items)
     if stage:  # copy every item off the caller's buffers, which it may reuse once we return
-        data, arena = _stage(planner, local.items, loc, sync, writer)
+        data, arena = _stage(planner, order, loc, sync, writer)
     else:
-        order = local.items if increment is None else increment.order(local.items)
         data = ((item, planner.resolve_data(item)) for item in order)
     handle.timings["stage"] = time.perf_counter() - t1
     pending = [data]  # popped by the writer, so nothing holds the staged bytes once written

@@ -458,7 +458,8 @@ class _Recorder(jaxckpt.DefaultSavePlanner):
         return super().resolve_data(item)
 
 
-def test_boxes_that_changed_in_the_base_step_are_resolved_early(tmp_path):
+@pytest.mark.parametrize("use_async", [False, True])
+def test_boxes_that_changed_in_the_base_step_are_resolved_early(tmp_path, use_async):
     """Boxes that changed in the base's own step (it took their probe, not their digest) are
     resolved right after the first few unchanged boxes, so their writes overlap the hashing of
     the rest; the order changes nothing that is saved."""
@@ -469,7 +470,10 @@ def test_boxes_that_changed_in_the_base_step_are_resolved_early(tmp_path):
         tree = {**frozen, "z": put(BIG + n, M, "data", "model")}  # last in key order
         planner = _Recorder()
         base = tmp_path / str(n - 1) if n > 1 else None
-        jaxckpt.save(tmp_path / str(n), tree, base=base, digests=n == 1, planner=planner)
+        save = jaxckpt.save_async if use_async else jaxckpt.save
+        h = save(tmp_path / str(n), tree, base=base, digests=n == 1, planner=planner)
+        if use_async:
+            h.wait()
         assert_tree_equal(jaxckpt.restore(tmp_path / str(n)), jax.device_get(tree))
     assert planner.order[-8:] != ["z"] * 8  # the key order would resolve z last
     assert planner.order[HASH_AHEAD_ITEMS : HASH_AHEAD_ITEMS + 8] == ["z"] * 8
