@@ -18,6 +18,9 @@ import pytest
 from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures)
 
 import jaxckpt
+from jaxckpt._format.manifest import storage_entries
+from jaxckpt._storage.location import Location
+from jaxckpt._storage.writer import Writer
 
 ROUNDS = 12
 
@@ -181,10 +184,6 @@ def test_overwrite_true_still_replaces(tmp_path):
 def test_a_save_aborted_while_its_arrays_are_created_leaves_nothing(tmp_path):
     """Arrays are created in the background while the first boxes are resolved: an abort
     waits for them, so no file appears after its clean-up."""
-    from jaxckpt._format.manifest import storage_entries
-    from jaxckpt._storage.location import Location
-    from jaxckpt._storage.writer import Writer
-
     jaxckpt.save(tmp_path / "model", {f"w{i}": np.zeros((64, 64), np.float32) for i in range(32)})
     entries = storage_entries(jaxckpt.metadata(tmp_path / "model"))
     writer = Writer(Location(tmp_path / "new"), overwrite=False)
@@ -195,10 +194,6 @@ def test_a_save_aborted_while_its_arrays_are_created_leaves_nothing(tmp_path):
 
 def test_an_array_that_cannot_be_opened_names_it_at_the_flush(tmp_path):
     """Opening arrays that do not exist fails where the writer waits for them, naming one."""
-    from jaxckpt._format.manifest import storage_entries
-    from jaxckpt._storage.location import Location
-    from jaxckpt._storage.writer import Writer
-
     jaxckpt.save(tmp_path / "model", {"w": np.zeros(4, np.float32)})
     entries = storage_entries(jaxckpt.metadata(tmp_path / "model"))
     writer = Writer(Location(tmp_path / "new"), overwrite=False)

@@ -171,8 +171,8 @@ class Reuse:
         items = list(items)
         changed = [self._likely_changed(i.key, i.offsets, i.sizes) for i in items]
         same = [i for i, c in zip(items, changed) if not c]
-        ahead = HASH_AHEAD_ITEMS
-        return same[:ahead] + [i for i, c in zip(items, changed) if c] + same[ahead:]
+        first = same[:HASH_AHEAD_ITEMS]
+        return first + [i for i, c in zip(items, changed) if c] + same[HASH_AHEAD_ITEMS:]
 
     def _likely_changed(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
         """The base has no comparable array, or took only the box's probe (it changed in the
