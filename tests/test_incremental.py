@@ -478,3 +478,29 @@ def test_boxes_that_changed_in_the_base_step_are_resolved_early(tmp_path, use_as
     assert planner.order[-8:] != ["z"] * 8  # the key order would resolve z last
     assert planner.order[HASH_AHEAD_ITEMS : HASH_AHEAD_ITEMS + 8] == ["z"] * 8
     assert planner.order[:HASH_AHEAD_ITEMS] == ["a0"] * HASH_AHEAD_ITEMS
+
+
+def test_a_save_goes_on_while_every_hash_thread_is_busy(tmp_path):
+    """With every hash thread taken (another save, a stuck task), the saving thread hashes
+    the boxes itself: the save completes, links what is unchanged and saves what changed."""
+    import threading
+
+    from jaxckpt._runtime import pools
+
+    jaxckpt.save(tmp_path / "1", state(1), digests=True)
+    release = threading.Event()
+    blockers = [pools.hash_pool().submit(release.wait) for _ in range(pools.HASH_THREADS)]
+    saving = threading.Thread(
+        target=jaxckpt.save, args=(tmp_path / "2", state(2)), kwargs={"base": tmp_path / "1"}
+    )
+    saving.start()
+    saving.join(timeout=120)
+    waited = saving.is_alive()
+    release.set()  # whatever happened, let the pool and a stuck save go
+    saving.join()
+    for b in blockers:
+        b.result()
+    assert not waited, "the save waited for hash threads that were all busy"
+    reused = jaxckpt.metadata(tmp_path / "2").created["reused_bytes"]
+    assert reused == FROZEN.nbytes + 64 * 64 * 2  # the base, and the bfloat16 pack of emb
+    assert_tree_equal(jaxckpt.restore(tmp_path / "2", state(0)), state(2))

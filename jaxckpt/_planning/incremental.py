@@ -260,31 +260,56 @@ class Tracker:
         Boxes are hashed on the hash threads a few boxes ahead (the hash releases the GIL),
         at most ``HASH_AHEAD`` bytes beyond the box being decided; each decided box is linked
         here, while the next ones are hashed (a link is a few microseconds of metadata).
+        While the box being decided is still hashed, this thread hashes a later one itself
+        instead of idling (:class:`_Hashing`).
         """
         pool = pools.hash_pool()
-        ahead: collections.deque = collections.deque()
+        ahead: collections.deque[_Hashing] = collections.deque()
         held = 0
         try:
             for item, data in items:
                 if not self.needs_digest(item, data):  # changed: written without waiting
                     yield item, data
                     continue
-                ahead.append((item, data, pool.submit(digest, data)))
+                ahead.append(_Hashing(item, data, pool.submit(digest, data)))
                 held += item.nbytes
                 while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
-                    held -= ahead[0][0].nbytes
-                    yield from self._decide(*ahead.popleft())
+                    held -= ahead[0].item.nbytes
+                    yield from self._decide(ahead.popleft(), ahead)
             while ahead:
-                yield from self._decide(*ahead.popleft())
+                yield from self._decide(ahead.popleft(), ahead)
         finally:  # no hash may still read a box after the caller gave up on the save
-            futures.wait([done for *_, done in ahead])
+            futures.wait([h.future for h in ahead])
 
-    def _decide(self, item: WriteItem, data: np.ndarray, hashed: Future) -> Iterator[tuple]:
-        match = self.check(item, data, hashed.result())
-        if match is not None and self.link is not None and self.link(item, match):
-            self.reused_bytes += item.nbytes
+    def _decide(self, box: _Hashing, later: collections.deque[_Hashing]) -> Iterator[tuple]:
+        match = self.check(box.item, box.data, box.result(later))
+        if match is not None and self.link is not None and self.link(box.item, match):
+            self.reused_bytes += box.item.nbytes
             return
-        yield item, data
+        yield box.item, box.data
+
+
+@dataclasses.dataclass
+class _Hashing:
+    """A box on its way through the hash threads."""
+
+    item: WriteItem
+    data: np.ndarray
+    future: Future
+    found: str | None = None  # the digest, where the deciding thread took it itself
+
+    def result(self, later: Iterable[_Hashing]) -> str:
+        """This box's digest. Until it is known, the calling thread hashes the latest of
+        ``later`` (then this box) that no hash thread has started: no core waits idle while
+        boxes are left to hash (on two cores: one hash thread, and this one when it would
+        wait), and the save goes on where the hash threads are all busy."""
+        while self.found is None and not self.future.done():
+            free = (b for b in (*reversed(later), self) if b.found is None and b.future.cancel())
+            box = next(free, None)
+            if box is None:
+                break  # a hash thread has this box and every later one: wait for it
+            box.found = digest(box.data)
+        return self.found if self.found is not None else self.future.result()
 
 
 def _same_array(e: ArrayEntry, b: ArrayEntry) -> bool:
