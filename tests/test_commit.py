@@ -204,3 +204,32 @@ def test_an_array_that_cannot_be_opened_names_it_at_the_flush(tmp_path):
         writer.flush()
     writer.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_commit_makes_data_and_manifest_durable_in_one_flush(tmp_path, monkeypatch, overwrite):
+    """A local save flushes once, after the manifest is written and before the rename: the
+    coordinator's bytes and the manifest go to the disk together, and nothing is visible at
+    the target before they are durable."""
+    from jaxckpt._storage import writer as _writer
+
+    target = tmp_path / "ckpt"
+    if overwrite:
+        jaxckpt.save(target, {"w": np.zeros(4)})
+    flushes = []
+    real = _writer._syncfs
+
+    def syncfs(path):
+        staging = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
+        flushes.append(
+            {
+                "manifest written": [(p / "manifest.json").exists() for p in staging],
+                "target": jaxckpt.metadata(target).entries["w"].shape if target.exists() else None,
+            }
+        )
+        real(path)
+
+    monkeypatch.setattr(_writer, "_syncfs", syncfs)
+    jaxckpt.save(target, {"w": np.arange(8.0)}, overwrite=overwrite)
+    assert flushes == [{"manifest written": [True], "target": (4,) if overwrite else None}]
+    np.testing.assert_array_equal(jaxckpt.restore(target)["w"], np.arange(8.0))

@@ -79,9 +79,11 @@ class Writer:
     3. ``write(entries, items)`` (all processes): each item's box into its array, as whole
        chunks (the planner aligned every box to the chunk grid, so no two processes touch one
        chunk); at most ``max_inflight_bytes`` queued. Data comes from the planner only.
-    4. ``flush()`` (all processes): this process's bytes are durable.
+    4. ``flush()`` (all processes): this process's bytes are durable (the coordinator's on
+       local files: at the commit, with the manifest).
     5. After a barrier, ``commit(manifest)`` (coordinator): ``manifest.json`` is written last,
-       then made visible at once (rename, or the manifest is the commit on object stores).
+       then made visible at once (``syncfs`` and a rename, or the manifest is the commit on
+       object stores).
 
     On any failure, ``abort()`` (every process that made one): the temporary data goes; the
     last committed checkpoint at ``loc`` is never touched.
@@ -226,13 +228,17 @@ class Writer:
 
     def flush(self) -> None:
         """Make this process's writes durable; every process calls it before reporting done,
-        so every array byte is on disk before the coordinator writes the manifest."""
+        so every array byte is on disk before the coordinator commits. The coordinator of a
+        local save leaves its own bytes to :meth:`commit`, which flushes them with the
+        manifest in one ``syncfs`` (one disk cache flush fewer per save): nothing in the
+        staging directory is visible before the rename that follows it."""
         self.opened()
-        if self.loc.local is not None:
+        if self.loc.local is not None and not self.is_coordinator:
             _syncfs(Path(self.root["path"]))
 
     def commit(self, manifest: bytes) -> None:
-        """Write the manifest last, then make the checkpoint visible.
+        """Write the manifest last, make the staging directory durable (its data and the
+        manifest), then make the checkpoint visible by renaming it into place.
 
         With ``overwrite=False`` the commit itself refuses to replace a checkpoint that another
         save committed meanwhile: :class:`CheckpointExistsError`, and only this save's own
@@ -245,10 +251,9 @@ class Writer:
         try:
             with open(self.staging / MANIFEST, "wb") as f:
                 f.write(manifest)
-                f.flush()
-                os.fsync(f.fileno())
         except OSError as e:
             raise _write_error(self.loc, f"writing {MANIFEST}", e) from e
+        _syncfs(self.staging)
         try:
             if not self.overwrite:
                 self._commit_noreplace(target)
