@@ -259,10 +259,9 @@ class Tracker:
 
         Boxes are hashed on the hash threads a few boxes ahead (the hash releases the GIL),
         at most ``HASH_AHEAD`` bytes beyond the box being decided; each decided box is linked
-        here, while the next ones are hashed (a link is metadata only: a hard link per chunk file,
-        a folder per row of chunks).
-        While the box being decided is still hashed, this thread hashes a later one itself
-        instead of idling (:class:`_Hashing`).
+        here, while the next ones are hashed (a link is metadata only: a hard link per chunk
+        file, a folder per row of chunks). While the box being decided is still hashed, this
+        thread hashes a later one itself instead of idling (:class:`_Hashing`).
         """
         pool = pools.hash_pool()
         ahead: collections.deque[_Hashing] = collections.deque()
