@@ -19,8 +19,9 @@ SAVE_THREADS = 32
 READ_THREADS = max(4, min(64, os.cpu_count() or 4))  # tensorstore's file I/O default
 WRITEBACK_THREADS = 2  # each call only queues I/O, it does not wait for it
 STAGE_THREADS = max(2, min(8, os.cpu_count() or 2))  # numpy copies release the GIL
-# Hashing is bound by memory bandwidth: half the cores hash, the rest write, link and resolve.
-HASH_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# Hashing is bound by memory bandwidth: half the cores hash, the rest write, link and resolve;
+# at least two, as two threads read memory faster than one and the saving thread mostly waits.
+HASH_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 _lock = threading.Lock()
 _pools: dict[str, ThreadPoolExecutor] = {}
 
