@@ -92,6 +92,23 @@ def test_a_base_chunk_that_is_a_symlink_is_written_not_linked(tmp_path):
     assert_tree_equal(jaxckpt.restore(tmp_path / "2", state(0)), state(2))
 
 
+def test_a_base_chunk_folder_that_is_a_symlink_is_written_not_linked(tmp_path):
+    """A base whose folder of chunks was swapped for a symbolic link (to a folder outside it,
+    with the same files) gives the new step files of its own: nothing outside the base is
+    linked into a step."""
+    jaxckpt.save(tmp_path / "1", state(1), digests=True)
+    name = next(k for k in sorted(chunk_files(tmp_path / "1")) if k.startswith("base/"))
+    folder = (tmp_path / "1" / "arrays" / name).parent
+    outside = tmp_path / "outside"
+    shutil.copytree(folder, outside)
+    shutil.rmtree(folder)
+    folder.symlink_to(outside, target_is_directory=True)
+    jaxckpt.save(tmp_path / "2", state(2), base=tmp_path / "1")
+    assert [f.stat().st_nlink for f in outside.iterdir()] == [1] * len(list(outside.iterdir()))
+    shutil.rmtree(outside)
+    assert_tree_equal(jaxckpt.restore(tmp_path / "2", state(0)), state(2))
+
+
 def test_every_step_survives_deleting_the_others(tmp_path):
     """rm -rf of the base, cp -r of a step: each step is a whole checkpoint on its own."""
     jaxckpt.save(tmp_path / "1", state(1))

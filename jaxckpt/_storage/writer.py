@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -101,7 +102,7 @@ class Writer:
         self.loc = loc
         self.overwrite = overwrite
         self.is_coordinator = is_coordinator
-        self._linkable: dict[str, bool] = {}  # base array folders checked for links (link())
+        self._plain: dict[str, bool] = {}  # base folders reached without a link (link())
         self._folders: set[str] = set()  # chunk folders link() has made
         self._regular: dict[str, frozenset[str]] = {}  # base chunk folder: its regular files
         self.arrays: dict[str, Any] = {}  # by key, once opened
@@ -318,18 +319,17 @@ class Writer:
         """
         if self.loc.local is None or base.local is None:
             return False
-        src_dir = os.path.join(base.local, base_path)
-        inside = self._linkable.get(src_dir)
-        if inside is None:  # once per array: no link below the base leads out of it
-            inside = self._linkable[src_dir] = _inside(src_dir, base.local)
-        if not inside:
-            return False
+        root = os.fspath(base.local)
+        src_dir = os.path.join(root, base_path)
         dst_dir = os.path.join(self.root["path"], entry.path)
         try:
             for idx in chunks_touching(offsets, sizes, entry.chunks):
                 name = chunk_key(idx)
                 src, dst = os.path.join(src_dir, name), os.path.join(dst_dir, name)
-                if os.path.basename(src) not in self._regular_files(os.path.dirname(src)):
+                src_folder = os.path.dirname(src)
+                if not self._plain_folder(root, src_folder):
+                    return False  # a folder on the way is a link: it may lead out of the base
+                if os.path.basename(src) not in self._regular_files(src_folder):
                     return False
                 folder = os.path.dirname(dst)
                 if folder not in self._folders:
@@ -339,6 +339,21 @@ class Writer:
         except OSError:  # a link made already is replaced by the write
             return False
         return True
+
+    def _plain_folder(self, root: str, folder: str) -> bool:
+        """Whether every folder from below ``root`` down to ``folder`` is a directory, not a
+        link to one, so that what is linked from it lies inside the base. One ``lstat`` per
+        folder of the base, remembered."""
+        plain = self._plain.get(folder)
+        if plain is None:
+            parent = os.path.dirname(folder)
+            if not folder.startswith(root + os.sep) or parent == folder:
+                plain = False
+            else:
+                above = parent == root or self._plain_folder(root, parent)
+                plain = above and stat.S_ISDIR(os.lstat(folder).st_mode)
+            self._plain[folder] = plain
+        return plain
 
     def _regular_files(self, folder: str) -> frozenset[str]:
         """The names of the regular files in ``folder`` (not links), listed once: one
@@ -360,11 +375,6 @@ class Writer:
         self._opening.clear()
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
-
-
-def _inside(path: str, root: Path) -> bool:
-    """Whether ``path`` resolves below ``root`` (no link leads out of it)."""
-    return os.path.realpath(path).startswith(os.path.realpath(root) + os.sep)
 
 
 def _write_error(loc: Location, what: str, e: Exception) -> CheckpointError:
