@@ -104,7 +104,8 @@ def test_a_base_chunk_folder_that_is_a_symlink_is_written_not_linked(tmp_path):
     shutil.rmtree(folder)
     folder.symlink_to(outside, target_is_directory=True)
     jaxckpt.save(tmp_path / "2", state(2), base=tmp_path / "1")
-    assert [f.stat().st_nlink for f in outside.iterdir()] == [1] * len(list(outside.iterdir()))
+    links = [f.stat().st_nlink for f in outside.iterdir()]
+    assert links and set(links) == {1}  # each outside file has its own name only
     shutil.rmtree(outside)
     assert_tree_equal(jaxckpt.restore(tmp_path / "2", state(0)), state(2))
 

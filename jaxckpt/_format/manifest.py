@@ -393,12 +393,12 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
     )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # bounded: the paths come from a manifest on disk
 def _storage_path_ok(path: str) -> bool:  # cached: the members of a pack share one path
     return is_storage_path(path)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # bounded: a hostile manifest may name any string
 def _dtype_pair(dtype: str, sdtype: str) -> np.dtype | str | None:
     """The logical dtype of an entry; ``None`` for an unknown name, or why the pair is wrong.
     Cached: a manifest names a handful of dtypes over thousands of entries."""

@@ -357,8 +357,7 @@ class Writer:
 
     def _regular_files(self, folder: str) -> frozenset[str]:
         """The names of the regular files in ``folder`` (not links), listed once: one
-        ``scandir`` per chunk folder instead of an ``lstat`` per chunk. Safe from several
-        threads (a race lists a folder twice, with the same answer)."""
+        ``scandir`` per chunk folder instead of an ``lstat`` per chunk."""
         names = self._regular.get(folder)
         if names is None:
             with os.scandir(folder) as it:
