@@ -5,11 +5,12 @@ Workers (tests/fault_worker_s3.py, forked from the forkserver tests/test_faults.
 incremental steps with ``CheckpointManager(s3://..., max_to_keep=2, incremental=True)``: most
 steps reference arrays of older steps, and most retention passes delete a step that the kept
 steps reference (its manifest goes, the referenced arrays stay). Each worker is killed with
-SIGKILL at a moment chosen by delay or by a tripwire on an object-store call. After every
-kill, before any clean-up: every committed step restores bit-exactly (so nothing a kept step
-references is missing) and ``latest_step()`` is at least the last step known committed; after
-the next manager's clean-up the bucket holds only what docs/format.md allows; and the next
-save succeeds, after which retention leaves exactly that again.
+SIGKILL at a moment chosen as a fraction of its own save cycle, or by a tripwire on an
+object-store call. After every kill, before any clean-up: every committed step restores
+bit-exactly (so nothing a kept step references is missing) and ``latest_step()`` is at least
+the last step known committed; after the next manager's clean-up the bucket holds only what
+docs/format.md allows; and the next save succeeds, after which retention leaves exactly that
+again.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from test_s3 import BUCKET, keys, s3  # noqa: F401  (the moto server fixture)
 import jaxckpt
 from jaxckpt._format.manifest import MANIFEST
 
-# Delays (s) after a worker has committed its first step; a save cycle takes ~0.1-0.2 s here.
-DELAYS = [0.0, 0.01, 0.02, 0.035, 0.05, 0.07, 0.09, 0.12, 0.15, 0.2]
+# Kill moments as fractions of the worker's own save cycle, measured in each run: the kills
+# spread over a whole cycle however fast the machine saves (0.1-0.3 s, slower under load).
+# The finer spreads are tried only until a kill has landed inside a save (a save's writes
+# fill ~15% of the cycle here, in two or three stretches).
+SPREAD = [i / 10 for i in range(10)]
+MORE = [(i + k) / 10 for k in (0.5, 0.25, 0.75) for i in range(10)]
 AWS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
 
 
@@ -47,9 +52,10 @@ def run(s3):  # noqa: F811
     return f"faults-{os.getpid()}-{time.monotonic_ns() % 10**8}"
 
 
-def _kill(ctx, url: str, progress, trap: str | None, delay: float = 0.0) -> list[str]:
-    """Start a worker on ``url``; kill it ``delay`` s after its first commit, or let its
-    tripwire do it. Returns its progress lines."""
+def _kill(ctx, url: str, progress, trap: str | None, fraction: float = 0.0) -> list[str]:
+    """Start a worker on ``url``; kill it ``fraction`` of a save cycle after its second
+    commit (the cycle timed between its first two), or let its tripwire do it. Returns its
+    progress lines."""
     env = {k: os.environ[k] for k in AWS}  # the forkserver may predate the moto fixture
     proc = ctx.Process(target=fw3.save_loop, args=(url, str(progress), trap, env), daemon=True)
     proc.start()
@@ -57,7 +63,9 @@ def _kill(ctx, url: str, progress, trap: str | None, delay: float = 0.0) -> list
         if trap is None:
             first = int(_wait_for(progress, proc, "first ")[0].split()[1])
             _wait_for(progress, proc, f"started {first + 1}")  # it has committed a step
-            time.sleep(delay)
+            t = time.monotonic()
+            _wait_for(progress, proc, f"started {first + 2}")
+            time.sleep(fraction * (time.monotonic() - t))
             proc.kill()
         proc.join(60)
     finally:
@@ -193,8 +201,10 @@ def test_sigkill_at_a_chosen_object_store_call(s3, ctx, run, tmp_path, trap):  #
 def test_sigkill_at_a_spread_of_moments(s3, ctx, run, tmp_path):  # noqa: F811
     url = f"s3://{BUCKET}/{run}"
     phases = []
-    for i, delay in enumerate(DELAYS):
-        lines = _kill(ctx, url, tmp_path / f"progress{i}", None, delay)
+    for i, fraction in enumerate(SPREAD + MORE):
+        if i >= len(SPREAD) and "saving" in phases:
+            break
+        lines = _kill(ctx, url, tmp_path / f"progress{i}", None, fraction)
         phases.append(_check_after_crash(s3, url, run, lines))
     print("phase at each kill:", phases)
     assert "saving" in phases  # the kills did land inside saves
