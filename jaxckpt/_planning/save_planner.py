@@ -378,12 +378,10 @@ class DefaultSavePlanner(SavePlanner):
             return [((), leaf)]
         if leaf.is_fully_replicated:
             return [((), np.asarray(leaf.addressable_data(0)))]
-        every = leaf.is_fully_addressable  # replica 0 of every box is here
-        return [
-            (shard.index, np.asarray(shard.data))
-            for shard in leaf.addressable_shards
-            if not every or shard.replica_id == 0
-        ]
+        boxes = {}  # the first shard of each box: its replicas here are not copied again
+        for shard in leaf.addressable_shards:
+            boxes.setdefault(tuple((s.start, s.stop) for s in shard.index), shard)
+        return [(shard.index, np.asarray(shard.data)) for shard in boxes.values()]
 
     def _shard(self, key: str, leaf: jax.Array, device: int | None) -> Any:
         found = self._shards.get((key, device))

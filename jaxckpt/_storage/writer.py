@@ -366,12 +366,11 @@ class Writer:
         return names
 
     def abort(self) -> None:
-        for e, fut in self._opening.values():  # none may create a file after the removal
+        for key in list(self._opening):  # none may create a file after the removal
             try:
-                wait(fut, self.loc, f"creating array {e.path}")
+                self._array(key)
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes
                 pass
-        self._opening.clear()
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
 
