@@ -1,10 +1,16 @@
 """Restores onto other meshes, specs, device subsets, numpy; keys=, strict, casting."""
 
+import tempfile
+from pathlib import Path
+
+import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -252,3 +258,110 @@ def test_saved_scalars_into_scalar_targets_need_a_compatible_dtype(tmp_path):
     )
     assert float(back["n"]) == 300.0 and float(back["flag"]) == 1.0
     assert isinstance(back["lr"], np.ndarray) and back["lr"].dtype == np.float16  # numpy target
+
+
+BIG = {"a": np.array([1099511627783, -3], np.int64), "f": np.array([1e300, 2.0])}
+X64_FIX = r"jax_enable_x64.*jax\.config\.update.*allow_dtype_cast=True"
+
+
+def test_64_bit_arrays_onto_devices_without_x64_are_an_error_not_truncated(tmp_path):
+    # With x64 off (jax's default) jax has no 64-bit arrays: placing these would give int32
+    # [7, -3] and float32 [inf, 2.] with no word. The targets that take the saved dtype (a bare
+    # Sharding) or ask for a 64-bit one (a ShapeDtypeStruct) are refused, naming the fix.
+    jaxckpt.save(tmp_path / "c", BIG)
+    s = SingleDeviceSharding(jax.devices()[1])
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=rf"'a'.*int64.*int32.*{X64_FIX}"):
+        jaxckpt.restore(tmp_path / "c", {"a": s, "f": None})
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=rf"'f'.*float64.*float32.*{X64_FIX}"):
+        jaxckpt.restore(tmp_path / "c", {"a": None, "f": s})
+    for sharding in (s, None):  # None: a plain jax.eval_shape leaf, put on the default device
+        sds = jax.ShapeDtypeStruct((2,), np.int64, sharding=sharding)
+        with pytest.raises(jaxckpt.DtypeMismatchError, match=rf"'a'.*int64.*int32.*{X64_FIX}"):
+            jaxckpt.restore(tmp_path / "c", {"a": sds, "f": None})
+    # Host targets keep the saved dtype: None, a numpy array, a Python scalar.
+    for target in (None, {"a": np.zeros(2, np.int64), "f": 0.0}):
+        back = jaxckpt.restore(tmp_path / "c", target)
+        for k in BIG:
+            assert isinstance(back[k], np.ndarray) and back[k].dtype == BIG[k].dtype
+            np.testing.assert_array_equal(back[k], BIG[k])
+
+
+def test_32_bit_array_target_for_64_bit_data_names_jax_enable_x64(tmp_path):
+    # jnp.zeros(2, jnp.int64) is int32 when x64 is off: an ordinary dtype mismatch, whose
+    # usual cause is that flag.
+    jaxckpt.save(tmp_path / "c", BIG)
+    target = {"a": jnp.zeros(2, jnp.int32), "f": None}
+    with pytest.raises(
+        jaxckpt.DtypeMismatchError, match=r"'a'.*int32.*int64.*allow_dtype_cast.*jax_enable_x64"
+    ):
+        jaxckpt.restore(tmp_path / "c", target)
+
+
+def test_64_bit_arrays_cast_when_asked_and_exact_with_x64(tmp_path):
+    jaxckpt.save(tmp_path / "c", {"a": BIG["a"], "f": np.array([1.5, -2.0])})
+    s = SingleDeviceSharding(jax.devices()[0])
+    cast = jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True)
+    back = jaxckpt.restore(tmp_path / "c", {"a": s, "f": s}, planner=cast)
+    assert back["a"].dtype == jnp.int32 and back["f"].dtype == jnp.float32
+    assert back["a"].tolist() == [7, -3] and back["f"].tolist() == [1.5, -2.0]  # as asked
+    with jax.enable_x64(True):
+        sds = jax.ShapeDtypeStruct((2,), np.int64, sharding=s)
+        back = jaxckpt.restore(tmp_path / "c", {"a": sds, "f": s})
+        assert back["a"].dtype == jnp.int64 and back["f"].dtype == jnp.float64
+        assert back["a"].tolist() == BIG["a"].tolist() and back["f"].tolist() == [1.5, -2.0]
+
+
+def test_saved_python_numbers_into_64_bit_scalar_targets_follow_the_same_rule(tmp_path):
+    jaxckpt.save(tmp_path / "c", {"n": 2**40 + 7, "lr": 0.1})
+    i64 = jax.ShapeDtypeStruct((), np.int64, sharding=SingleDeviceSharding(jax.devices()[0]))
+    f64 = jax.ShapeDtypeStruct((), np.float64)
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=rf"'n'.*int64.*int32.*{X64_FIX}"):
+        jaxckpt.restore(tmp_path / "c", {"n": i64, "lr": None})
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=rf"'lr'.*float64.*float32.*{X64_FIX}"):
+        jaxckpt.restore(tmp_path / "c", {"n": None, "lr": f64})
+    cast = jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True)
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=r"'n'.*does not fit in int32"):
+        jaxckpt.restore(tmp_path / "c", {"n": i64, "lr": f64}, planner=cast)
+    back = jaxckpt.restore(tmp_path / "c", {"n": None, "lr": f64}, planner=cast)
+    assert back["lr"].dtype == jnp.float32 and float(back["lr"]) == np.float32(0.1)
+    with jax.enable_x64(True):
+        back = jaxckpt.restore(tmp_path / "c", {"n": i64, "lr": f64})
+        assert back["n"].dtype == jnp.int64 and int(back["n"]) == 2**40 + 7
+        assert back["lr"].dtype == jnp.float64 and float(back["lr"]) == 0.1
+
+
+WIDE = ["int64", "uint64", "float64", "complex128"]
+
+
+@settings(
+    max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    values=hnp.arrays(st.sampled_from(WIDE).map(np.dtype), st.integers(1, 5)),  # NaN, inf too
+    kind=st.sampled_from(["sharding", "sds", "eval_shape"]),
+)
+def test_64_bit_dtypes_raise_cast_or_restore_exactly(tmp_path, values, kind):
+    # Whenever x64 canonicalisation would change the dtype jax places: an error by default, a
+    # numpy cast when asked, and the exact values with x64 on.
+    path = Path(tempfile.mkdtemp(dir=tmp_path)) / "c"  # hypothesis reuses tmp_path
+    jaxckpt.save(path, {"x": values})
+    s = NamedSharding(M42, P())
+
+    def target():
+        if kind == "sharding":
+            return {"x": s}
+        sharding = s if kind == "sds" else None  # None: as jax.eval_shape makes them
+        return {"x": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=sharding)}
+
+    placed = np.dtype(jax.dtypes.canonicalize_dtype(values.dtype))
+    name = values.dtype.name
+    with pytest.raises(jaxckpt.DtypeMismatchError, match=rf"'x'.*{name}.*{placed.name}.*{X64_FIX}"):
+        jaxckpt.restore(path, target())
+    cast = jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True)
+    with np.errstate(over="ignore", invalid="ignore"):  # 1e300 -> inf: the cast asked for
+        back = jaxckpt.restore(path, target(), planner=cast)["x"]
+        want = values.astype(placed)
+    assert back.dtype == placed and np.asarray(back).tobytes() == want.tobytes()
+    with jax.enable_x64(True):
+        back = jaxckpt.restore(path, target())["x"]
+        assert back.dtype == values.dtype and np.asarray(back).tobytes() == values.tobytes()

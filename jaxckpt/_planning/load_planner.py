@@ -188,7 +188,7 @@ class DefaultLoadPlanner(LoadPlanner):
         if leaf is None or isinstance(leaf, (int, float, bool, str)):
             return dtype, _HOST
         if isinstance(leaf, jax.sharding.Sharding):
-            return dtype, leaf
+            return _device_dtype(key, dtype, f"on disk: {entry.dtype}", self.allow_dtype_cast), leaf
         shape, tdtype = tuple(leaf.shape), leaf.dtype
         sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, np.ndarray) else None
         if isinstance(leaf, jax.Array) and not leaf.committed:  # e.g. optax's jnp.zeros count
@@ -215,13 +215,12 @@ class DefaultLoadPlanner(LoadPlanner):
             raise _shape_error(key, shape, entry.shape)
         if np.dtype(tdtype) != dtype:
             if not self.allow_dtype_cast:
-                raise DtypeMismatchError(
-                    f"Key {key!r}: dtype in `target`: {np.dtype(tdtype).name}, on disk: "
-                    f"{entry.dtype}. Pass planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) "
-                    f"to cast, or fix the target's dtype."
-                )
+                raise _dtype_error(key, np.dtype(tdtype), dtype)
             dtype = np.dtype(tdtype)
-        return dtype, sharding or _HOST
+        if sharding is None:  # a numpy target: the host keeps every dtype
+            return dtype, _HOST
+        # Without a cast ``dtype`` is the saved one here (a mismatch raised above).
+        return _device_dtype(key, dtype, f"on disk: {entry.dtype}", self.allow_dtype_cast), sharding
 
     def _value_want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
         """A saved Python value: returned as it is, or into a scalar array target (e.g. the
@@ -230,23 +229,29 @@ class DefaultLoadPlanner(LoadPlanner):
         if leaf is None or not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             return None, _HOST
         value, dtype = entry.value, np.dtype(leaf.dtype)
+        asked = dtype
         if tuple(leaf.shape) != () or value is None or isinstance(value, str):
             raise ShapeMismatchError(
                 f"Key {key!r}: the target holds an array of shape {tuple(leaf.shape)} but the "
                 f"checkpoint a Python value ({value!r}). Use a Python value or None at this key "
                 f"in `target` (a number also restores into a scalar array target, shape ())."
             )
+        sharding = None if isinstance(leaf, np.ndarray) else getattr(leaf, "sharding", None)
+        if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
+            sharding = _HOST if isinstance(leaf, np.ndarray) else _UNCOMMITTED
+        if sharding is not _HOST:
+            found = f"in `target`: {dtype.name} (a scalar array, for the Python {value!r})"
+            dtype = _device_dtype(key, dtype, found, self.allow_dtype_cast)
         problem = _scalar_problem(value, dtype, self.allow_dtype_cast)
+        if problem and dtype != asked:  # cast to what jax places (jax_enable_x64 off)
+            problem += f" (jax places {asked.name} as {dtype.name} while jax_enable_x64 is off)"
         if problem:
             cast = "pass planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast, or "
             raise DtypeMismatchError(
                 f"Key {key!r}: on disk the Python {type(value).__name__} {value!r}, in `target` a "
-                f"scalar array of dtype {dtype.name}: {problem}. Use a target dtype of the value's kind, "
+                f"scalar array of dtype {asked.name}: {problem}. Use a target dtype of the value's kind, "
                 f"{'' if self.allow_dtype_cast else cast}a Python value or None at this key."
             )
-        sharding = None if isinstance(leaf, np.ndarray) else getattr(leaf, "sharding", None)
-        if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
-            sharding = _HOST if isinstance(leaf, np.ndarray) else _UNCOMMITTED
         return dtype, sharding
 
     # 2.
@@ -346,6 +351,45 @@ class DefaultLoadPlanner(LoadPlanner):
             return None if tree is _tree.MISSING else tree
         leaves = [values.get(k, self.targets[k]) for k in self.targets]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _device_dtype(key: str, dtype: np.dtype, found: str, cast: bool) -> np.dtype:
+    """The dtype an array of ``dtype`` has on a device: jax's canonical one (``int64`` becomes
+    ``int32``, ``float64`` ``float32``, ... while ``jax_enable_x64`` is off), where ``cast`` is
+    asked for; else ``dtype`` itself, which jax must place as it is.
+
+    Raises:
+      DtypeMismatchError: jax would place ``dtype`` as another (the values would change
+        silently: wrap around, overflow to inf, lose precision), and ``cast`` is false.
+    """
+    placed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if placed == dtype or cast:
+        return placed
+    raise DtypeMismatchError(
+        f"Key {key!r}: dtype {found}, but jax would place it on the device as {placed.name} "
+        f"(jax_enable_x64 is off, so jax has no {dtype.name} arrays): the values would change "
+        f"silently. Enable it with jax.config.update('jax_enable_x64', True) before creating "
+        f"arrays to restore {dtype.name} exactly, or pass "
+        f"planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast to {placed.name} "
+        f"deliberately (None at this key restores it on the host, unchanged)."
+    )
+
+
+def _dtype_error(key: str, target: np.dtype, saved: np.dtype) -> DtypeMismatchError:
+    """The target asks for ``target``, the checkpoint holds ``saved``; where the target is
+    what jax made of ``saved`` with ``jax_enable_x64`` off, say so."""
+    x64 = ""
+    if target == jax.dtypes.canonicalize_dtype(saved) != saved:
+        x64 = (
+            f" A {target.name} target for {saved.name} data is what jax makes while "
+            f"jax_enable_x64 is off: enable it with jax.config.update('jax_enable_x64', True) "
+            f"before creating the target to restore {saved.name} exactly."
+        )
+    return DtypeMismatchError(
+        f"Key {key!r}: dtype in `target`: {target.name}, on disk: {saved.name}. Pass "
+        f"planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast, or fix the "
+        f"target's dtype.{x64}"
+    )
 
 
 def _scalar_problem(value: Any, dtype: np.dtype, cast: bool) -> str | None:
