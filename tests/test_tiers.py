@@ -13,8 +13,8 @@ its own local directory and one shared persistent directory:
 4. ``two`` (2): (d) another process count gets persistent step 5.
 
 These move replicas peer to peer (``jax.experimental.transfer``, the default). Two more groups:
-``kv`` (2) forces the key-value relay (``JAXCKPT_REPLICATION=kv``) and recovers a wiped process
-from its peer's replica; ``memory`` (2) sends a 200 MiB part by each transport and bounds the
+``kv`` (2) forces the key-value relay (``JAXCKPT_REPLICATION=kv``), recovers a wiped process
+from its peer's replica and saves a step again (its replica is replaced, issue 41.5); ``memory`` (2) sends a 200 MiB part by each transport and bounds the
 peak RSS growth of sender and receiver by the chunk window, not the part size.
 """
 
@@ -140,6 +140,11 @@ def test_kv_relay_when_forced_replicates_and_recovers_from_peer(kv_group):
     assert _data(kv_group, "transport") == ["kv"] * 2  # no transfer server was started
 
 
+def test_a_step_saved_again_replaces_the_replica_its_peer_holds(kv_group):
+    _ok(kv_group, "kv_again")
+    assert _data(kv_group, "kv_again") == [["local", 1, [1]]] * 2
+
+
 def test_replication_host_memory_is_bounded_by_the_window_not_the_part(tmp_path):
     from tiers_worker import PART_MIB
 
@@ -260,6 +265,24 @@ def test_choose_never_mixes_saves_or_layouts():
     assert c["tier"] is None and "target has no shardings" in c["why"]
 
 
+def test_choose_counts_only_the_newest_save_of_a_step():
+    old = [[5, 0, "a", "L"], [5, 1, "a", "L"]]  # step 5, saved whole by save "a"
+    # Saved again by "b" (later), part 1 lost: step 5 is not whole, "a" is never used.
+    parts = [[*old, [5, 0, "b", "L"]], [old[1]]]
+    c = tiers.choose(2, _posted(parts, persistent=[0]))
+    assert (c["tier"], c["step"], c["local_steps"]) == ("persistent", 0, [])
+    c = tiers.choose(2, _posted([[*parts[0], [4, 0, "a", "L"]], [*parts[1], [4, 1, "a", "L"]]]))
+    assert (c["tier"], c["step"], c["save"], c["local_steps"]) == ("local", 4, "a", [4])
+    c = tiers.choose(2, _posted(parts, persistent=[]), step=5)
+    assert c["tier"] is None and c["why"] == "no complete local step"
+    # "b" whole too: it wins, and only its holders send.
+    parts = [[*old, [5, 0, "b", "L"]], [[5, 1, "b", "L"]]]
+    c = tiers.choose(2, _posted(parts))
+    assert (c["tier"], c["step"], c["save"], c["fetch"]) == ("local", 5, "b", {})
+    c = tiers.choose(2, _posted([[*old, [5, 0, "b", "L"], [5, 1, "b", "L"]], []]))
+    assert (c["save"], c["fetch"]) == ("b", {"1": 0})
+
+
 def test_choose_prefers_newer_persistent_and_spreads_senders():
     parts = [[[4, q, "a", "L"] for q in range(4)], [], [], []]
     c = tiers.choose(4, _posted(parts, persistent=[0, 5]))
@@ -315,3 +338,24 @@ def test_local_step_of_an_earlier_save_is_replaced(tmp_path):
         mgr.save(1, _state(11))
         mgr.wait()
         assert mgr.restore(target=_abstract(_state(0)))["step"] == 11
+
+
+def test_a_step_saved_again_after_a_rollback_replaces_its_local_part(tmp_path):
+    # Issue 41.5: the re-save of step 3 by the same manager was skipped (same save id), and
+    # restore() gave the old step 3 from the local tier.
+    mesh = Mesh(np.array(jax.devices()), ("a",))
+
+    def state(w: float) -> dict:
+        return {"w": jax.device_put(jnp.full((8, 4), w), NamedSharding(mesh, PartitionSpec("a")))}
+
+    target = _abstract(state(0.0))
+    kw = dict(save_interval_steps=100, local_directory=tmp_path / "local")
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt", **kw) as mgr:
+        for step in range(4):
+            mgr.save(step, state(float(step)))
+        mgr.wait()
+        assert float(mgr.restore(0, target=target)["w"][0, 0]) == 0.0
+        mgr.save(3, state(1003.0), force=True)
+        mgr.wait()
+        assert float(mgr.restore(target=target)["w"][0, 0]) == 1003.0
+        assert mgr.restored_from == tiers.RestoredFrom("local", 3)

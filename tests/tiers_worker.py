@@ -14,7 +14,10 @@ persistent step every 5. Stages, each a restart of the whole group:
 * ``replaced`` (4, process 2's local directory wiped before the start): (d) a different mesh
   gets persistent step 5; (e) step 8 (step 9 lacks a whole part 2), part 2 from its replica;
   (c) processes 1 and 2 (its replica holder) wiped: persistent step 5;
-* ``two`` (2): (d) fewer processes get persistent step 5.
+* ``two`` (2): (d) fewer processes get persistent step 5;
+* ``kv`` (2): the key-value relay; process 1's directory wiped, its part from its peer; then
+  step 1 saved again by one manager: its part and its replica are replaced;
+* ``memory`` (2): one large part sent by each transport, the peak memory of both sides.
 
 Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``mh_worker.py``.
 """
@@ -268,8 +271,20 @@ def stage_kv(rec: Record, work: Path, pid: int, n: int) -> None:
         with manager(work, pid) as m:
             restored(rec, "kv_b", m, target(n), 1, n)
 
+    def again():  # a step saved again by the same manager replaces its part and its replica
+        with manager(work, pid) as m:
+            m.save(1, make_state(1, n))
+            m.wait()
+            restored(rec, "kv_rollback", m, target(n), 1, n)
+            m.save(1, make_state(11, n))
+            m.wait()
+            if pid == 1:  # its new part is lost: the one to use is process 0's new replica
+                shutil.rmtree(m._local.mine / "00000001" / f"part-1-of-{n}")
+            restored(rec, "kv_again", m, target(n), 11, n)
+
     rec.run("kv_save", save)
     rec.run("kv_b", b)
+    rec.run("kv_again", again)
 
 
 def _vm(field: str) -> int:

@@ -8,7 +8,7 @@ and the checks on read of any checkpoint (``jaxckpt.restore(PART)`` reads it). I
      "values": {"<leaf #>": value}}                  # numpy and Python leaves, whole
 
 The description (:class:`PartInfo`) names the step, the process and the process count, the
-save that wrote it (parts of one step combine only when they come from the same save), the
+save that wrote it (parts of one step combine only when they come from its newest save), the
 state's global layout digest (keys, shapes, dtypes and every device's box: the same on every
 process, so comparing it with a restore target's tells whether the target has the layout the
 part was cut for), and per leaf its key, kind (``array``, ``prng`` or ``value``), shape, dtype
@@ -60,7 +60,7 @@ class PartInfo:
     step: int
     process: int
     process_count: int
-    save: str  # the save that wrote it: "<process 0's start time, hex>-<random>"
+    save: str  # the save that wrote it: "<manager's start time, hex>-<random>-<save #>"
     layout: str
     leaves: tuple[LeafInfo, ...]
 
@@ -222,7 +222,7 @@ def write_part(path: Path, snap: Snapshot, *, overwrite: bool) -> int:
         writer.open_arrays(entries.values(), create=True)
         nbytes = writer.write(entries, ((i, planner.resolve_data(i)) for i in items))
         writer.flush()
-        writer.commit(plan.manifest.to_json())
+        writer.commit(plan.manifest)
     except BaseException:
         writer.abort()
         raise

@@ -17,11 +17,14 @@ first manager on it), so a local directory of another run (or of an earlier run 
 persistent directory since deleted) is never used and never deleted; neither is anything in
 ``LOCAL_DIR`` that does not match these names.
 
-A local step counts as complete only when every process's part, or a replica of it, is
-committed somewhere, all from the same save and cut for the restore target's layout; that is
-decided once, at the restore, by process 0 from what every process reports through the
-key-value store (:func:`choose`), never by a shared file system. Retention keeps the newest
-``local_max_to_keep`` step directories of each process, replicas included.
+Every save has its own id (the manager's, made by process 0, and the save's number), so a step
+saved again (after a rollback, or by a restart) replaces its parts and their replicas. A local
+step counts as complete only when every process's part, or a replica of it, is committed
+somewhere, all from the step's newest save (an older save of a step is never used) and cut for
+the restore target's layout; that is decided once, at the restore, by process 0 from what
+every process reports through the key-value store (:func:`choose`), never by a shared file
+system. Retention keeps the newest ``local_max_to_keep`` step directories of each process,
+replicas included.
 """
 
 from __future__ import annotations
@@ -87,8 +90,10 @@ def choose(
     Returns:
       ``{"tier": "local" | "persistent" | None, "step", "save", "fetch": {part: holder},
       "fallback": persistent step or None, "local_steps": [complete local steps], "why"}``.
-      A local step wins when it is at least as new as the newest persistent step: it is the
-      faster copy.
+      A local step counts with its newest save only (the greatest save id any process posts
+      for it): if that save is not complete, neither is the step, whole older saves of it
+      or not. A local step wins when it is at least as new as the newest persistent step: it
+      is the faster copy.
 
     Example:
       >>> posted = {0: {"parts": [[5, 0, "a", "L"], [5, 1, "a", "L"]], "target": "L",
@@ -97,11 +102,7 @@ def choose(
       >>> c = choose(2, posted); c["tier"], c["step"], c["fetch"]
       ('local', 5, {'1': 0})
     """
-    holders: dict[tuple, dict[int, list[int]]] = {}
-    for p in sorted(posted):
-        for s, q, save, layout in posted[p]["parts"]:
-            if 0 <= q < count:
-                holders.setdefault((s, save, layout), {}).setdefault(q, []).append(p)
+    holders = _holders(count, posted)
     targets = {posted[p]["target"] for p in posted}
     target = targets.pop() if len(targets) == 1 else None
     complete = sorted(k for k, parts in holders.items() if len(parts) == count)
@@ -128,6 +129,21 @@ def choose(
     if newest is not None:
         out.update(tier="persistent", step=newest)
     return out
+
+
+def _holders(count: int, posted: Mapping[int, Mapping[str, Any]]) -> dict[tuple, dict]:
+    """``{(step, save, layout): {part: [holders]}}`` of each step's newest save only."""
+    newest: dict[int, str] = {}
+    for p in posted:
+        for s, q, save, _ in posted[p]["parts"]:
+            if 0 <= q < count:
+                newest[s] = max(save, newest.get(s, save))  # later saves' ids sort later
+    holders: dict[tuple, dict[int, list[int]]] = {}
+    for p in sorted(posted):
+        for s, q, save, layout in posted[p]["parts"]:
+            if 0 <= q < count and save == newest[s]:
+                holders.setdefault((s, save, layout), {}).setdefault(q, []).append(p)
+    return holders
 
 
 def _senders(parts: dict[int, list[int]]) -> dict[str, int]:
@@ -164,9 +180,9 @@ class LocalTier:
         self.replicas = min(replicas, self.count - 1)
         primary = ""
         if self.process == 0:
-            save = f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}"  # later saves sort later
-            primary = json.dumps([_run_id(persistent), save])
-        self.run, self.save_id = json.loads(_replication.decide("run", primary, lambda v: v[0]))
+            manager = f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}"  # later ones sort later
+            primary = json.dumps([_run_id(persistent), manager])
+        self.run, self.manager = json.loads(_replication.decide("run", primary, lambda v: v[0]))
         self.root = Path(os.path.expanduser(os.fspath(directory))) / f"jaxckpt-{self.run}"
         self.mine = self.root / f"p{self.process}"
         self.mine.mkdir(parents=True, exist_ok=True)
@@ -183,10 +199,10 @@ class LocalTier:
         """Copy this process's part of ``tree`` off its buffers, then write and replicate it in
         the background (at most one local save in flight)."""
         self.wait()
-        snap = _part.snapshot(
-            tree, step=step, save=self.save_id, process=self.process, count=self.count
-        )
-        n, self._saves = self._saves, self._saves + 1
+        n = self._saves  # the same on every process: all of them call save() alike
+        save = f"{self.manager}-{n:012d}"  # this save's id; later saves sort later
+        snap = _part.snapshot(tree, step=step, save=save, process=self.process, count=self.count)
+        self._saves = n + 1
         self._pending = pools.in_background(self._finish, step, snap, n)
 
     def _finish(self, step: int, snap: _part.Snapshot, n: int) -> None:
@@ -216,11 +232,13 @@ class LocalTier:
             logger.warning("local retention in %s failed", self.mine, exc_info=True)
 
     def _write_own(self, step: int, snap: _part.Snapshot) -> Path:
+        """Write the own part of ``step``; a part of an earlier save of it goes first, so a
+        save that fails leaves no part of the step rather than an older one."""
         path = self.mine / _name(step) / _part.part_name(self.process, self.count)
         path.parent.mkdir(parents=True, exist_ok=True)
-        old = _part.read_info(path) if path.exists() else None
-        if old is None or old.save != snap.info.save:  # a step of an earlier save is replaced
-            _part.write_part(path, snap, overwrite=path.exists())
+        if path.exists():
+            _catalog.delete(_location.Location(path))  # refuses what jaxckpt did not write
+        _part.write_part(path, snap, overwrite=False)
         return path
 
     def _replicate(self, step: int, own: Path | None, error: str, prefix: str) -> None:
@@ -247,11 +265,14 @@ class LocalTier:
                 )
 
     def _receive(self, step: int, src: int, prefix: str) -> None:
-        """Receive process ``src``'s part of ``step`` and commit it here (rename into place)."""
+        """Receive process ``src``'s part of ``step`` and commit it here (rename into place);
+        a copy of an earlier save of it goes first, received or not."""
         final = self.mine / _name(step) / _part.part_name(src, self.count)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / staging_name(final.name, uuid.uuid4().hex[:8])
         try:
+            if final.exists():
+                _catalog.delete(_location.Location(final))  # refuses what jaxckpt did not write
             room = shutil.disk_usage(final.parent).free
             _replication.receive_dir(prefix, tmp, max_bytes=room)
             info = _part.read_info(tmp)
@@ -261,8 +282,6 @@ class LocalTier:
                 self.count,
             ):
                 raise CheckpointError(f"{tmp} is not part {src} of local step {step}")
-            if final.exists():
-                _catalog.delete(_location.Location(final))  # refuses what jaxckpt did not write
             os.rename(tmp, final)
             _catalog.fsync_dir(final.parent)
         finally:
