@@ -14,8 +14,9 @@ its own local directory and one shared persistent directory:
 
 These move replicas peer to peer (``jax.experimental.transfer``, the default). Two more groups:
 ``kv`` (2) forces the key-value relay (``JAXCKPT_REPLICATION=kv``), recovers a wiped process
-from its peer's replica and saves a step again (its replica is replaced, issue 41.5); ``memory`` (2) sends a 200 MiB part by each transport and bounds the
-peak RSS growth of sender and receiver by the chunk window, not the part size.
+from its peer's replica and saves a step again (its replica is replaced, issue 41.5);
+``memory`` (2) sends a 200 MiB part by each transport and bounds the peak RSS growth of sender
+and receiver by the chunk window, not the part size.
 """
 
 from __future__ import annotations
