@@ -318,7 +318,7 @@ def _write_and_commit(
             manifest = global_plan.manifest
             if increment is not None:
                 manifest = increment.manifest(manifest, payloads)
-            writer.commit(manifest.to_json())
+            writer.commit(manifest)
         sync.barrier("committed", wait_for_all=False)
         handle.reused_bytes = increment.reused_bytes if increment is not None else 0
         handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)

@@ -69,7 +69,7 @@ class Increment:
         self.reuse = Reuse(manifest, self.base_manifest)
         self.base_name = None if base is None else _sibling_name(base, loc)
         # References are to a sibling step only, never to this path's own older generation.
-        self.refs_ok = loc.local is None and self.base_name not in (None, _name(loc))
+        self.refs_ok = loc.local is None and self.base_name not in (None, loc.name)
         link = self._link if loc.local is not None and base is not None else None
         self._base_reader = (
             None if base is None else CheckpointReader(base, None, self.base_manifest.refs)
@@ -110,11 +110,12 @@ class Increment:
         hashed = [(item, data, self.tracker.decide(item, data)) for item, data in items]
         changed = json.loads(sync.reduce("reuse", json.dumps(sorted(self.tracker.changed)), _union))
         whole = self.reuse.whole_arrays(changed) if self.refs_ok else set()
-        for key in whole:
+        for key in sorted(whole):
             match = self.reuse.match_array(key)
-            self.refs[self.entries[key].path] = (
-                match.base_ref or f"../{self.base_name}/{match.base_entry.path}"
-            )
+            target = match.base_ref or f"../{self.base_name}/{match.base_entry.path}"
+            if not target.startswith(f"../{self.loc.name}/"):  # a step saved again never
+                self.refs[self.entries[key].path] = target  # refers to its own name: written
+        whole = {k for k in whole if self.entries[k].path in self.refs}
         self.tracker.reused_bytes = sum(i.nbytes for i, _, _ in hashed if i.key in whole)
         return ((i, d) for i, d, _ in hashed if i.key not in whole), whole
 
@@ -154,13 +155,9 @@ def _union(values: list[str]) -> str:
     return json.dumps(sorted({k for v in values for k in json.loads(v)}))
 
 
-def _name(loc: Location) -> str:
-    return loc.local.name if loc.local is not None else loc.url.rstrip("/").rpartition("/")[2]
-
-
 def _sibling_name(base: Location, loc: Location) -> str | None:
     """The base's name if it sits beside ``loc`` (the steps of one run), else ``None``."""
     if base.local is not None and loc.local is not None:
         return base.local.name if base.local.parent == loc.local.parent else None
     parent = loc.url.rstrip("/").rpartition("/")[0]
-    return _name(base) if base.url.rstrip("/").rpartition("/")[0] == parent else None
+    return base.name if base.url.rstrip("/").rpartition("/")[0] == parent else None

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._storage import writer  # noqa: E402
+from jaxckpt._storage import local_commit  # noqa: E402
 
 N_SMALL = 48  # many small arrays: many files, so deletes and writes take a while
 
@@ -102,8 +102,8 @@ def arm(trap: str, progress: str) -> None:
         moment(src, dst, "after")
         return done
 
-    noreplace = writer._rename_noreplace
-    writer._rename_noreplace = trapped_noreplace
+    noreplace = local_commit.rename_noreplace
+    local_commit.rename_noreplace = trapped_noreplace
 
     def trapped_unlink(path, *args, **kwargs):
         count["unlink"] += 1

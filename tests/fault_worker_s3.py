@@ -143,7 +143,7 @@ def arm(trap: str, progress: str) -> None:
         if (
             (trap == f"after_{kind}_manifest_delete" and manifest)
             or (trap == f"mid_{kind}_delete" and seen["deletes"] == 3)
-            or (trap == "mid_cleanup" and "cleanup" in deleting and whole)
+            or (trap == "mid_cleanup" and "cleanup" in deleting and not manifest and not whole)
         ):
             fut.result()
             die(seen["loc"])

@@ -7,6 +7,7 @@ check (the target did not exist yet for either), so the second commit always fin
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -69,21 +70,16 @@ def race(path: str, *, use_async: bool) -> list:
     return results
 
 
-def check_one_winner(path: str, results: list, *, arrays: bool = True) -> None:
-    """Exactly one commit; ``arrays``: the committed arrays are the winner's (local paths).
-
-    On object stores two saves to one prefix write the same array objects (there is no private
-    staging directory), so only the manifest's single commit is checked there: the documented
-    limit in docs/format.md.
-    """
+def check_one_winner(path: str, results: list) -> None:
+    """Exactly one commit, and the committed arrays are the winner's (on object stores too:
+    the second save to take a prefix writes into a generation of its own)."""
     won = [r for r in results if isinstance(r, dict)]
     lost = [r for r in results if isinstance(r, jaxckpt.CheckpointExistsError)]
     assert len(won) == 1 and len(lost) == 1, results
     assert "lost the race to one path" in str(lost[0]) and path in str(lost[0])
     got = jaxckpt.restore(path)
     assert got["who"] == won[0]["who"]
-    if arrays:
-        np.testing.assert_array_equal(got["w"], won[0]["w"])
+    np.testing.assert_array_equal(got["w"], won[0]["w"])
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["save", "save_async"])
@@ -105,16 +101,20 @@ def test_loser_into_an_empty_directory(tmp_path):
 def test_two_threads_one_commits_memory():
     for r in range(ROUNDS):
         path = f"memory://commit-race/{os.getpid()}/{r}"
-        check_one_winner(path, race(path, use_async=r % 2 == 1), arrays=False)
+        check_one_winner(path, race(path, use_async=r % 2 == 1))
 
 
 def test_two_threads_one_commits_s3(s3, prefix):  # noqa: F811
     for r in range(3):
         path = f"s3://{BUCKET}/{prefix}/ck{r}"
-        check_one_winner(path, race(path, use_async=False), arrays=False)
-        found = keys(s3, f"{prefix}/ck{r}")
-        assert "manifest.json" in found and all(
-            k.startswith(("arrays/w", "arrays/pack.")) or k == "manifest.json" for k in found
+        check_one_winner(path, race(path, use_async=False))
+        found = keys(s3, f"{prefix}/ck{r}")  # the winner's arrays and manifest, nothing else
+        assert "manifest.json" in found, found
+        gens = {re.match(r"(g[0-9a-f]{8}/)?", k)[0] for k in found if k != "manifest.json"}
+        assert len(gens) == 1 and all(
+            re.fullmatch(r"(g[0-9a-f]{8}/)?arrays/(w|pack\.float32\.0)/.+", k)
+            for k in found
+            if k != "manifest.json"
         ), found
 
 
@@ -211,13 +211,13 @@ def test_the_commit_makes_data_and_manifest_durable_in_one_flush(tmp_path, monke
     """A local save flushes once, after the manifest is written and before the rename: the
     coordinator's bytes and the manifest go to the disk together, and nothing is visible at
     the target before they are durable."""
-    from jaxckpt._storage import writer as _writer
+    from jaxckpt._storage import local_commit
 
     target = tmp_path / "ckpt"
     if overwrite:
         jaxckpt.save(target, {"w": np.zeros(4)})
     flushes = []
-    real = _writer._syncfs
+    real = local_commit.syncfs
 
     def syncfs(path):
         staging = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
@@ -229,7 +229,7 @@ def test_the_commit_makes_data_and_manifest_durable_in_one_flush(tmp_path, monke
         )
         real(path)
 
-    monkeypatch.setattr(_writer, "_syncfs", syncfs)
+    monkeypatch.setattr(local_commit, "syncfs", syncfs)
     jaxckpt.save(target, {"w": np.arange(8.0)}, overwrite=overwrite)
     assert flushes == [{"manifest written": [True], "target": (4,) if overwrite else None}]
     np.testing.assert_array_equal(jaxckpt.restore(target)["w"], np.arange(8.0))

@@ -98,16 +98,17 @@ def _manifests(s3, run: str, stored: dict) -> dict[str, dict]:  # noqa: F811
 
 def _allowed(manifests: dict[str, dict]) -> dict[str, set[str]]:
     """Array folders each step may hold: a committed step its own arrays; any step (committed
-    or not) the arrays that a committed step references in it."""
+    or not) the arrays that a committed step references in it, and that step's marker
+    ``held-by/STEP`` (docs/format.md)."""
     allowed = {  # an entry's path in "refs" is held by the step the reference names
         name: ({e["path"] for e in m["entries"].values() if "path" in e} | set(m.get("packs", {})))
         - set(m.get("refs", {}))
         for name, m in manifests.items()
     }
-    for m in manifests.values():
+    for name, m in manifests.items():
         for target in m.get("refs", {}).values():
             _, held_by, path = target.split("/", 2)
-            allowed.setdefault(held_by, set()).add(path)
+            allowed.setdefault(held_by, set()).update({path, f"held-by/{name}"})
     return allowed
 
 
@@ -126,12 +127,17 @@ def _check_bucket(s3, run: str) -> dict[str, dict]:  # noqa: F811
             continue
         folders = allowed.get(name, set())
         orphans = [
-            r for r in rest if r != MANIFEST and not r.startswith(tuple(f + "/" for f in folders))
+            r
+            for r in rest
+            if r != MANIFEST
+            and r not in folders
+            and not r.startswith(tuple(f + "/" for f in folders))
         ]
         assert not orphans, (name, orphans, sorted(folders))
     for name, folders in allowed.items():
-        for f in folders:  # every array a step holds or references is there (its zarr.json)
-            assert f"{f}/zarr.json" in stored.get(name, []), (name, f)
+        for f in folders:  # every array a step holds or references is there (its zarr.json),
+            want = f if f.startswith("held-by/") else f"{f}/zarr.json"  # and each marker
+            assert want in stored.get(name, []), (name, f)
     return manifests
 
 

@@ -122,12 +122,13 @@ def test_failed_save_leaves_no_checkpoint_and_a_retry_works(s3, prefix):
     url = f"s3://{BUCKET}/{prefix}"
     with pytest.raises(RuntimeError, match="injected failure writing w"):
         jaxckpt.save(url, state(), planner=FailingPlanner("w"))
-    left = keys(s3, prefix)
-    assert left and "manifest.json" not in left  # arrays were written, no commit
+    assert keys(s3, prefix) == []  # no commit, and the failed save removed its own data
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match=f"No checkpoint at {url}"):
         jaxckpt.restore(url)
     assert not _location.exists(_location.Location(url))
-    jaxckpt.save(url, state())  # its own leftovers do not block a plain retry
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/arrays/w/zarr.json", Body=b"{}")  # a crash's
+    jaxckpt.save(url, state())  # leftovers do not block a plain retry, and go at its commit
+    assert "arrays/w/zarr.json" not in keys(s3, prefix)
     assert jaxckpt.restore(url)["step"] == 1
 
 
@@ -165,11 +166,11 @@ def test_failed_overwrite_keeps_the_old_checkpoint(s3, prefix):
     manifest = s3.get_object(Bucket=BUCKET, Key=f"{prefix}/manifest.json")["Body"].read()
     with pytest.raises(RuntimeError, match="injected failure"):
         jaxckpt.save(url, state(2.0), overwrite=True, planner=FailingPlanner("w"))
-    assert set(before) < set(keys(s3, prefix))  # new arrays written beside, nothing deleted
+    assert set(keys(s3, prefix)) == set(before)  # the failed save removed its own data only
     assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/manifest.json")["Body"].read() == manifest
     assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state()))
     assert main(["verify", url]) == 0
-    jaxckpt.save(url, state(3.0), overwrite=True)  # the retry reuses and cleans the generation
+    jaxckpt.save(url, state(3.0), overwrite=True)  # the retry writes and keeps one generation
     assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state(3.0)))
     assert len({k.split("/")[0] for k in keys(s3, prefix)}) == 2  # manifest.json + one gen
 
@@ -180,6 +181,7 @@ def test_cli_on_s3(s3, prefix, capsys):
     jaxckpt.save(f"{run}/000002", state(2.0))
     with pytest.raises(RuntimeError):
         jaxckpt.save(f"{run}/000020", state(), planner=FailingPlanner("b"))
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/run/000020/arrays/b/zarr.json", Body=b"{}")
     capsys.readouterr()
     assert main(["ls", run]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
@@ -269,6 +271,9 @@ def test_memory_roundtrip_overwrite_list_delete():
     assert_tree_equal(jaxckpt.restore(f"{run}/000001"), jax_to_numpy(state()))
     with pytest.raises(RuntimeError):
         jaxckpt.save(f"{run}/000002", state(), planner=FailingPlanner("w"))
+    assert _catalog.children(_location.Location(run)) == [("000001", True)]  # removed its data
+    kv = _location.kvstore(_location.Location(run).kvstore)
+    kv.write("000002/arrays/w/zarr.json", b"{}").result()  # what a crash leaves
     assert _catalog.children(_location.Location(run)) == [("000001", True), ("000002", False)]
     _catalog.delete(_location.Location(f"{run}/000002"))
     assert _catalog.children(_location.Location(run)) == [("000001", True)]

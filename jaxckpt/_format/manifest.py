@@ -21,13 +21,12 @@ import numpy as np
 
 from jaxckpt._errors import ManifestError
 from jaxckpt._format.grid import grid_shape
-from jaxckpt._format.names import is_reference, is_storage_path
+from jaxckpt._format.names import MANIFEST, is_reference, is_storage_path
 
 FORMAT = "jaxckpt"
 VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
 REFS_VERSION = 3  # 3 adds references to another step's arrays (incremental, object stores)
 VERSIONS = (1, 2, 3)  # the versions this jaxckpt reads
-MANIFEST = "manifest.json"
 
 # zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
 _NATIVE = set(
@@ -176,6 +175,43 @@ class Manifest:
     probes: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # Arrays (by storage path) whose data lives in a sibling step: ``../STEP/arrays/NAME``.
     refs: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def relocated(self, prefix: str) -> Manifest:
+        """This manifest with every storage path it holds moved under ``prefix`` (an
+        object-store generation ``gXXXXXXXX/``): the entries' and packs' paths and the keys of
+        ``packs``, ``digests``, ``probes`` and ``refs``. A reference's target names another
+        step's array and stays as it is. The one place that knows which fields hold paths.
+
+        Example:
+          >>> m = Manifest(tree={"type": "leaf", "key": "w"}, entries={"w": ArrayEntry(
+          ...     "w", (2,), "float32", "float32", (2,), "arrays/w")}, digests={"arrays/w": {}})
+          >>> r = m.relocated("g0a1b2c3d/")
+          >>> r.entries["w"].path, list(r.digests)
+          ('g0a1b2c3d/arrays/w', ['g0a1b2c3d/arrays/w'])
+        """
+        if not prefix:
+            return self
+        packs = {
+            prefix + p: dataclasses.replace(e, path=prefix + e.path) for p, e in self.packs.items()
+        }
+
+        def move(e: Entry) -> Entry:
+            if not isinstance(e, ArrayEntry):
+                return e
+            pack = None if e.pack is None else packs[prefix + e.pack.path]
+            return dataclasses.replace(e, path=prefix + e.path, pack=pack)
+
+        def rekey(d: dict[str, Any]) -> dict[str, Any]:
+            return {prefix + path: v for path, v in d.items()}
+
+        return dataclasses.replace(
+            self,
+            entries={k: move(e) for k, e in self.entries.items()},
+            packs=packs,
+            digests=rekey(self.digests),
+            probes=rekey(self.probes),
+            refs=rekey(self.refs),
+        )
 
     def to_json(self) -> bytes:
         """``manifest.json``'s bytes: one line per top-level field and per entry."""

@@ -10,6 +10,13 @@ One rule per kind of name, used by every side that makes or checks one:
   process of a multi-host save, and the plan cache, compute the same names).
 * **staging names** ``.NAME.tmp-TAG``: the hidden sibling a local save writes into, and a
   delete renames into; long NAMEs are shortened and hashed so the name always fits.
+  :func:`parse_staging` recognises them (and their ``-old``/``-deleted`` forms).
+* **step names** ``00000100``: a ``CheckpointManager`` step, zero-padded to :data:`STEP_DIGITS`
+  digits so that ``ls`` lists them in order; :func:`step_name` makes one, :func:`parse_step`
+  accepts exactly those (a folder ``100`` is not step 100).
+* **what jaxckpt wrote** inside a checkpoint: :func:`is_own_key` (``manifest.json``,
+  ``arrays/``, an object-store generation's ``gXXXXXXXX/arrays/`` and ``gXXXXXXXX/writer.json``,
+  ``writer.json`` and ``held-by/NAME``). An overwrite or a delete removes nothing else.
 """
 
 from __future__ import annotations
@@ -20,12 +27,16 @@ import re
 import string
 
 ARRAYS = "arrays"
+MANIFEST = "manifest.json"  # the commit: a checkpoint is a folder or prefix holding one
 SEP = "/"  # joins the parts of a key path: "params/w"
 TMP = ".tmp-"  # marks a save's (or a delete's) hidden sibling: .NAME.tmp-XXXXXXXX
 MAX_NAME = 200  # bytes of a generated storage name, de-duplication suffix included
 FILE_NAME_BYTES = 255  # the usual limit on one file name (ext4, xfs, btrfs, APFS, NTFS)
 SUFFIX_ROOM = len("-deleted")  # what may be appended to a staging name (e.g. "-old")
 LOCK_SUFFIX = ".__lock"  # tensorstore's file driver reserves names ending in this
+STEP_DIGITS = 8  # step folders are zero-padded to this many digits
+WRITER = "writer.json"  # an object-store save in progress: who writes, and when it last said so
+HELD_BY = "held-by"  # HELD_BY/NAME: the arrays sibling step NAME references in this checkpoint
 
 _SAFE = frozenset(string.ascii_letters + string.digits + "_.-")
 _STEM = 180  # characters kept of a key before its hash: 180 + "-" + 8 + "-NNNNNNN" < MAX_NAME
@@ -120,3 +131,59 @@ def staging_name(name: str, tag: str) -> str:
     while len(os.fsencode(short)) > room:
         short = short[:-1]
     return f".{short}~{digest}{TMP}{tag}"
+
+
+_STEP_NAME_RE = re.compile(rf"[0-9]{{{STEP_DIGITS},20}}")
+_STAGING_RE = re.compile(r"\.(.+)" + re.escape(TMP) + r"([0-9a-f]{8})(-old|-deleted)?")
+_GENERATION = r"g[0-9a-f]{8}/"
+_OWN_KEY_RE = re.compile(
+    rf"({_GENERATION})?(arrays/.+|{re.escape(WRITER)})|{re.escape(HELD_BY)}/{_STEP_NAME}"
+)
+
+
+def step_name(step: int) -> str:
+    """The folder of ``step`` in a ``CheckpointManager`` directory.
+
+    Example:
+      >>> step_name(100), step_name(123456789)
+      ('00000100', '123456789')
+    """
+    return f"{step:0{STEP_DIGITS}d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step a folder ``name`` holds, or ``None`` if ``name`` is not exactly
+    ``step_name(step)`` (``"100"`` and ``"000000100"`` are no steps: one step, one name).
+
+    Example:
+      >>> parse_step("00000100"), parse_step("100"), parse_step(".00000100.tmp-0a1b2c3d")
+      (100, None, None)
+    """
+    if not _STEP_NAME_RE.fullmatch(name):
+        return None
+    step = int(name)
+    return step if step_name(step) == name else None
+
+
+def parse_staging(name: str) -> tuple[str, str, str] | None:
+    """``(NAME, TAG, suffix)`` of a hidden sibling ``.NAME.tmp-TAG`` (``suffix``: ``""``,
+    ``"-old"`` for a checkpoint an overwrite moved aside, ``"-deleted"`` for one being
+    deleted), or ``None`` for any other name. NAME is as written (shortened if it was long).
+
+    Example:
+      >>> parse_staging(".00000100.tmp-0a1b2c3d-old"), parse_staging("00000100")
+      (('00000100', '0a1b2c3d', '-old'), None)
+    """
+    m = _STAGING_RE.fullmatch(name)
+    return None if m is None else (m[1], m[2], m[3] or "")
+
+
+def is_own_key(key: str) -> bool:
+    """Whether ``key`` (relative to a checkpoint; ``/`` separated) is one jaxckpt writes there.
+
+    Example:
+      >>> [is_own_key(k) for k in ("manifest.json", "arrays/w/c/0", "g0a1b2c3d/writer.json",
+      ...                         "held-by/00000002", "notes.txt", "manifest.json\\n")]
+      [True, True, True, True, False, False]
+    """
+    return key == MANIFEST or bool(_OWN_KEY_RE.fullmatch(key))

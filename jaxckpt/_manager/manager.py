@@ -13,11 +13,17 @@ Step directories are zero-padded to 8 digits, so ``ls`` lists them in order.
 Crash safety, on top of the commit protocol of ``save`` (a step appears, whole, when its
 directory is renamed into place):
 
-* ``latest_step()``/``all_steps()`` list only directories with a manifest; temporaries are
-  hidden (``.NAME.tmp-XXXX``) and removed when a manager is created on the directory.
+* ``latest_step()``/``all_steps()`` list only directories with a manifest whose name is a step
+  name (``jaxckpt._format.names.step_name``); temporaries are hidden (``.NAME.tmp-XXXX``).
+* a manager created on the directory removes what dead saves left behind, never what a live
+  save is writing (another process's manager, a trainer beside an evaluator): a save holds a
+  lease on its temporary data until it commits (``jaxckpt._storage.lease``).
+  ``read_only=True`` makes a manager that never writes, cleans or deletes: the evaluator's.
 * retention deletes a step by renaming it to a hidden temporary first, so an interrupted
   delete leaves no half-deleted step, and it never deletes the newest committed step; it runs
-  after a save commits and before the next save starts, so it never races a save.
+  after this manager's save commits and before its next save starts. On object stores the
+  arrays other steps reference stay (``jaxckpt._storage.holds``): deleting a step, by
+  retention or ``delete``, never breaks another.
 * metrics are JSON, written after the step commits (a crash in between leaves the step
   without metrics, which best-N retention ranks last).
 """
@@ -38,8 +44,8 @@ from typing import Any, Literal
 
 from jaxckpt._api import SaveHandle, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from jaxckpt._format import names as _names
-from jaxckpt._format.manifest import MANIFEST
+from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.names import MANIFEST, parse_staging, parse_step, step_name
 from jaxckpt._manager.retention import (
     METRICS,
     MetricsFile,
@@ -54,12 +60,13 @@ from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
 from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import generations as _generations
+from jaxckpt._storage import holds as _holds
+from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
+from jaxckpt._storage.messages import FULL_HINT, is_full
 
 logger = logging.getLogger("jaxckpt")
-DIGITS = 8
-_STEP = re.compile(r"[0-9]+")
-_LEFTOVER = re.compile(r"\.([0-9]+)" + re.escape(_names.TMP) + r"[0-9a-f]+(-old|-[a-z]+)?")
 _METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
 
 
@@ -104,6 +111,10 @@ class CheckpointManager:
       local_save_interval_steps: how often the local tier saves (a multiple of it).
       local_max_to_keep: local steps each process keeps (its replicas of others' included).
       local_replicas: how many other processes keep a copy of each process's local part.
+      read_only: a manager that only reads: it lists and restores the steps another process
+        saves (each call lists them afresh), and never saves, cleans up or deletes anything,
+        so it can run beside the trainer's (an evaluator; docs/manager.md). The directory
+        need not exist yet.
 
     Raises:
       ValueError: an argument is out of range.
@@ -135,6 +146,7 @@ class CheckpointManager:
         local_save_interval_steps: int = 1,
         local_max_to_keep: int = 2,
         local_replicas: int = 1,
+        read_only: bool = False,
     ) -> None:
         _check_counts(
             max_to_keep=max_to_keep,
@@ -143,10 +155,7 @@ class CheckpointManager:
             local_save_interval_steps=local_save_interval_steps,
             local_max_to_keep=local_max_to_keep,
         )
-        if not isinstance(local_replicas, int) or local_replicas < 0:
-            raise ValueError(f"local_replicas must be a non-negative int, got {local_replicas!r}")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        _check_options(best_mode, local_replicas, read_only=read_only, local=local_directory)
         self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
@@ -165,9 +174,11 @@ class CheckpointManager:
         self._pending: Future | None = None  # the commit of the save in flight
         self._error: BaseException | None = None
         self._closed = False
-        _make_directory(self._loc)
-        if self._primary:
-            self._clean_up()
+        self.read_only = read_only
+        if not read_only:
+            _make_directory(self._loc)
+            if self._primary:
+                self._clean_up()
         self._watcher = PreemptionWatcher() if save_on_preemption else None
         self.incremental = incremental
         self.restored_from: RestoredFrom | None = None  # set by restore()
@@ -215,7 +226,7 @@ class CheckpointManager:
         if self.best_fn is not None and record is not None:
             float(self.best_fn(record))  # fail here, not in the background, if it cannot rank
         self._wait_persistent()
-        loc = self._loc.join(_name(step))
+        loc = self._loc.join(step_name(step))
         if _location.exists(loc):
             raise CheckpointExistsError(
                 f"Step {step} is already saved in {self.directory} ({loc}). A saved step is never "
@@ -240,7 +251,7 @@ class CheckpointManager:
     def _base(self) -> str | None:
         """An incremental save's base: the newest committed (persistent) step, if any."""
         latest = self.latest_step("persistent")
-        return None if latest is None else str(self._loc.join(_name(latest)))
+        return None if latest is None else str(self._loc.join(step_name(latest)))
 
     def _finish(self, step: int, handle: SaveHandle, record: dict[str, Any] | None) -> None:
         """After the commit: log, write metrics and apply retention (the primary process)."""
@@ -287,10 +298,7 @@ class CheckpointManager:
         if type(e) is CheckpointError:  # storage's own error already says what and why
             err = CheckpointError(f"Saving step {step} failed. {e} For this manager: {where}.")
         else:
-            full = any(w in str(e) for w in ("No space left", "File too large", "quota exceeded"))
-            hint = (
-                "The disk is full: free space or keep fewer steps (max_to_keep). " if full else ""
-            )
+            hint = FULL_HINT if is_full(e) else ""
             err = CheckpointError(
                 f"Saving step {step} to {handle.path} failed: {type(e).__name__}: {e}. {hint}"
                 f"Nothing of step {step} was committed; {where}. Fix the cause and call save() "
@@ -346,8 +354,12 @@ class CheckpointManager:
             raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
         if tier == "local":
             return [] if self._local is None else self._local.steps()
+        if self.read_only and self._loc.local is not None and not self._loc.local.exists():
+            return []  # an evaluator started before the trainer made the directory
         steps = sorted(
-            int(n) for n, ok in _catalog.children(self._loc) if ok and _STEP.fullmatch(n)
+            s
+            for s in (parse_step(n) for n, ok in _catalog.children(self._loc) if ok)
+            if s is not None
         )
         if tier is None and self._local is not None:
             agreed = self._local.agree(None, steps, None)["local_steps"]
@@ -403,14 +415,18 @@ class CheckpointManager:
                     f"fresh state (check latest_step() is None first), or point at the right "
                     f"directory."
                 )
-        elif not _location.exists(self._loc.join(_name(step))):
+        elif not _location.exists(self._loc.join(step_name(step))):
             raise CheckpointNotFoundError(
                 f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
                 f"Pick one of those (or None for the latest)."
             )
         with _location.deadline(self._loc.io_timeout):
             tree = restore(
-                str(self._loc.join(_name(step))), target, keys=keys, strict=strict, planner=planner
+                str(self._loc.join(step_name(step))),
+                target,
+                keys=keys,
+                strict=strict,
+                planner=planner,
             )
         self.restored_from = RestoredFrom("persistent", step)
         return tree
@@ -448,7 +464,7 @@ class CheckpointManager:
             "restored step %d from the persistent tier (%s)", choice["step"], choice.get("why")
         )
         return restore(
-            str(self._loc.join(_name(choice["step"]))),
+            str(self._loc.join(step_name(choice["step"]))),
             target,
             keys=keys,
             strict=strict,
@@ -491,6 +507,12 @@ class CheckpointManager:
             logger.error("while closing %s after an error", self.directory, exc_info=True)
 
     def _check_open(self) -> None:
+        if self.read_only:
+            raise CheckpointError(
+                f"This CheckpointManager of {self.directory} is read-only (read_only=True): it "
+                f"lists and restores steps, and never saves or deletes. Save from a manager "
+                f"made without read_only=True (the trainer's)."
+            )
         if self._closed:
             raise CheckpointError(
                 f"The CheckpointManager of {self.directory} is closed; create a new one to save."
@@ -517,8 +539,8 @@ class CheckpointManager:
         if gone or changed:
             self._metrics.write({k: v for k, v in metrics.items() if k not in gone})
         for step in doomed:
-            _catalog.delete(self._loc.join(_name(step)), keep=keep.get(_name(step), ()))
-            logger.info("deleted step %d from %s (retention)", step, self.directory)
+            if _catalog.delete(self._loc.join(step_name(step)), keep=keep.get(step_name(step), ())):
+                logger.info("deleted step %d from %s (retention)", step, self.directory)
         if doomed and self._loc.local is None and self.incremental:
             self._clean_up()  # arrays kept for a step deleted now may be referenced no more
 
@@ -526,7 +548,7 @@ class CheckpointManager:
         """What committed ``steps`` reference in other steps (object stores; see retention)."""
         if self._loc.local is not None:  # local incremental steps hold hard links, not refs
             return {}
-        return referenced(self._loc, [_name(s) for s in steps])
+        return referenced(self._loc, [step_name(s) for s in steps])
 
     def _score(self, record: Mapping[str, Any] | None) -> float | None:
         if record is None or self.best_fn is None:
@@ -538,34 +560,72 @@ class CheckpointManager:
         return None if math.isnan(value) else (-value if self.best_mode == "min" else value)
 
     def _clean_up(self) -> None:
-        """Remove what interrupted saves and deletes left behind."""
+        """Remove what dead saves and interrupted deletes left behind; never a live save's."""
         if self._loc.local is None:
-            children = _catalog.children(self._loc)
-            keep = self._referenced(int(n) for n, ok in children if ok and _STEP.fullmatch(n))
-            for name, committed in children:
-                if _STEP.fullmatch(name) and not committed:
-                    try:
-                        _catalog.delete(self._loc.join(name), keep=keep.get(name, ()))
-                    except CheckpointError as e:  # holds objects jaxckpt did not write: keep
-                        logger.warning("not cleaning up %s: %s", self._loc.join(name), e)
+            self._clean_up_objects()
             return
         root: Path = self._loc.local
         for p in root.iterdir():
-            m = _LEFTOVER.fullmatch(p.name)
-            if (
-                m
-                and m.group(2) == "-old"
-                and (p / MANIFEST).is_file()
-                and not (root / m[1]).exists()
-            ):
-                os.rename(p, root / m[1])  # a crash inside an overwrite: put the old step back
-            elif m:
-                shutil.rmtree(p, ignore_errors=True)
-            elif _METRICS_TMP.fullmatch(p.name):
+            staging = parse_staging(p.name)
+            if staging is not None and parse_step(staging[0]) is not None:
+                if not self._clean_up_staging(p, *staging):
+                    continue
+            elif _METRICS_TMP.fullmatch(p.name) and not _lease.local_is_live(p):
                 p.unlink(missing_ok=True)
             else:
                 continue
             logger.info("cleaned up %s (left by an interrupted save or delete)", p)
+
+    def _clean_up_staging(self, path: Path, name: str, tag: str, suffix: str) -> bool:
+        """One staging directory of a step: ``False`` (left alone) while its save is live."""
+        root = path.parent
+        save = root / f".{name}.tmp-{tag}"  # the staging directory of the save it belongs to
+        if _lease.local_is_live(save) or (suffix == "-old" and _lease.local_is_live(root / name)):
+            return False
+        if suffix == "-old" and (path / MANIFEST).is_file() and not (root / name).exists():
+            os.rename(path, root / name)  # a crash inside an overwrite: put the old step back
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        return True
+
+    def _clean_up_objects(self) -> None:
+        """Object stores: the prefixes of steps without a manifest whose save is not live
+        (arrays other steps reference stay), what a save that died right after its commit
+        left in its step, and markers of steps that no longer exist."""
+        listing = _catalog.listing(self._loc)
+        committed = {n for n, keys in listing.items() if MANIFEST in keys}
+        steps = [n for n in listing if parse_step(n) is not None]
+        keep = self._referenced(int(n) for n in steps if n in committed)
+        live = {n for n in steps if self._writing(n, listing[n])}
+        for name in steps:
+            loc = self._loc.join(name)
+            for referrer in _holds.referrers(listing[name]):
+                if referrer not in committed and referrer not in live:
+                    _holds.release(loc, referrer)
+            if name in live:
+                continue
+            if name in committed:
+                if any(_lease.is_lease(k) for k in listing[name]):  # its save died after
+                    self._tidy(loc)
+                continue
+            try:
+                if _catalog.delete(loc, keep=keep.get(name, ())):
+                    logger.info("cleaned up %s (left by an interrupted save or delete)", loc)
+            except CheckpointError as e:  # holds objects jaxckpt did not write: keep
+                logger.warning("not cleaning up %s: %s", loc, e)
+
+    def _tidy(self, loc: _location.Location) -> None:
+        try:
+            manifest = Manifest.from_json(_location.read_manifest(loc))
+        except CheckpointError:  # damaged, or gone since the listing: nothing to tidy
+            return
+        _generations.tidy(loc, manifest)
+        logger.info("cleaned up %s (left by a save interrupted after its commit)", loc)
+
+    def _writing(self, name: str, keys: list[str]) -> bool:
+        """Whether a live save writes into step ``name`` (a fresh ``writer.json`` there)."""
+        loc = self._loc.join(name)
+        return any(_lease.object_is_live(loc, k) for k in keys if _lease.is_lease(k))
 
 
 def _local_tier(
@@ -586,6 +646,15 @@ def _check_counts(**counts: int | None) -> None:
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+def _check_options(best_mode: str, local_replicas: int, *, read_only: bool, local: object) -> None:
+    if not isinstance(local_replicas, int) or local_replicas < 0:
+        raise ValueError(f"local_replicas must be a non-negative int, got {local_replicas!r}")
+    if best_mode not in ("min", "max"):
+        raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+    if read_only and local is not None:
+        raise ValueError("a read_only manager has no local tier: pass local_directory=None")
+
+
 def _make_directory(loc: _location.Location) -> None:
     if loc.local is None:
         return
@@ -596,7 +665,3 @@ def _make_directory(loc: _location.Location) -> None:
             f"Cannot create the checkpoint directory {loc.local}: {e}. Check that "
             f"its parents are directories and writable, or pass another directory."
         ) from e
-
-
-def _name(step: int) -> str:
-    return f"{step:0{DIGITS}d}"

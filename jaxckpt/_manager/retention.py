@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxckpt._errors import CheckpointNotFoundError, ManifestError, UnsupportedLeafError
 from jaxckpt._format.manifest import Manifest
+from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
@@ -125,8 +126,10 @@ class MetricsFile:
             )
             return
         tmp = self.loc.local / f".{METRICS}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.write_bytes(raw)
-        os.replace(tmp, self.loc.local / METRICS)
+        with _lease.locked_file(tmp) as f:  # a clean-up leaves it alone while it is written
+            f.write(raw)
+            f.flush()
+            os.replace(tmp, self.loc.local / METRICS)
 
 
 def referenced(run: _location.Location, steps: Iterable[str]) -> dict[str, set[str]]:

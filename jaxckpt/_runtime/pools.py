@@ -78,6 +78,32 @@ def in_background(fn: Any, *args: Any) -> Future | None:
         return None
 
 
+class Repeating:
+    """``fn()`` every ``seconds`` on a daemon thread of its own until :meth:`stop` (a live
+    save's heartbeat, ``jaxckpt._storage.lease``). An error of ``fn`` skips one beat."""
+
+    def __init__(self, seconds: float, fn: Any) -> None:
+        self._stopped = threading.Event()
+        threading.Thread(
+            target=self._run, args=(seconds, fn), name="jaxckpt-beat", daemon=True
+        ).start()
+
+    def _run(self, seconds: float, fn: Any) -> None:
+        while not self._stopped.wait(seconds):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the next beat tries again
+                pass
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def repeat(seconds: float, fn: Any) -> Repeating:
+    """Call ``fn()`` every ``seconds`` until the returned object's ``stop()``."""
+    return Repeating(seconds, fn)
+
+
 def abandonable(fn: Any, *args: Any) -> Future:
     """Run ``fn(*args)`` on a new daemon thread, for a call that may never return (a pull from a
     peer that died: ``jax.experimental.transfer`` ignores its timeout then). The caller waits on

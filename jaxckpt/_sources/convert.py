@@ -119,7 +119,7 @@ def convert_checkpoint(
 
         writer.write(arrays, blocks(), max_inflight_bytes=_INFLIGHT)
         writer.flush()
-        writer.commit(manifest.to_json())
+        writer.commit(manifest)
     except BaseException:
         writer.abort()
         raise

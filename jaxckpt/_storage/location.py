@@ -28,6 +28,9 @@ from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
 # the staging dir's file system once before writing the manifest.
 CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False})
 
+# The stamp generation of a missing key: a write conditional on it creates a key only if absent.
+ABSENT = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp.generation
+
 # Deadlines of object-store operations (docs/object_storage.md, "Deadlines").
 IO_TIMEOUT_ENV = "JAXCKPT_IO_TIMEOUT"
 DEFAULT_IO_TIMEOUT = 30.0  # seconds: a stalled or dead server fails a save in well under a minute
@@ -118,6 +121,13 @@ class Location:
 
     def __str__(self) -> str:
         return self.url
+
+    @property
+    def name(self) -> str:
+        """The last part of the path (a step's name in a run directory)."""
+        if self.local is not None:
+            return self.local.name
+        return self.url.rstrip("/").rpartition("/")[2]
 
     def child(self, name: str) -> dict:
         """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""

@@ -1,0 +1,254 @@
+"""The commit protocol of object stores (``memory://``, ``s3://``, ``gs://``): no rename.
+
+A checkpoint is a prefix whose ``manifest.json`` names its arrays; the manifest written last is
+the commit. The steps of one save:
+
+1. :func:`prepare` (coordinator; the others receive the generation by broadcast): list the
+   prefix (an object jaxckpt did not write refuses the save) and read the manifest (one there
+   refuses a save without ``overwrite``). An empty prefix is written as it is; a prefix holding
+   anything (the checkpoint being replaced, a failed save's leftovers, arrays kept for other
+   steps, another save in progress) gets a fresh **generation** ``gXXXXXXXX/`` that no key there
+   starts with: a save never writes over an object it did not make. Taking the empty prefix
+   is a conditional create of its ``writer.json``, the save's lease (``jaxckpt._storage.lease``),
+   so two saves never share one generation.
+2. The arrays are written under the generation (all processes).
+3. :func:`commit` (coordinator): the manifest's paths are moved into the generation
+   (``Manifest.relocated``) and parsed once more; the ``held-by`` markers of its references
+   are written (``jaxckpt._storage.holds``); then ``manifest.json`` is written only if it is
+   still the one step 1 saw (compare-and-swap on its generation), so a save that another
+   commit overtook fails and leaves the winner whole.
+4. :func:`clean_up` after the commit: every other object at the prefix goes (the replaced
+   generation, leftovers), except the markers and the arrays they hold. It never raises: the
+   checkpoint is committed whatever happens there, and what is left goes at the next save or
+   delete of the same prefix.
+
+Nothing is deleted before the commit, so a save that fails, or that a crash stops, leaves the
+last committed checkpoint and everything it references as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from jaxckpt._errors import CheckpointError, ManifestError
+from jaxckpt._format.manifest import Manifest, storage_entries
+from jaxckpt._format.names import HELD_BY, MANIFEST, WRITER, is_own_key
+from jaxckpt._storage import holds
+from jaxckpt._storage.catalog import (
+    array_of,
+    delete_keys,
+    exactly,
+    is_generation,
+    list_keys,
+    prefix_range,
+)
+from jaxckpt._storage.lease import Lease
+from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
+from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace
+
+logger = logging.getLogger("jaxckpt")
+
+
+class OutcomeUnknown(CheckpointError):
+    """The commit write failed in a way that may still have written it: nothing is deleted."""
+
+
+@dataclasses.dataclass
+class Target:
+    """What :func:`prepare` found at the prefix, for :func:`commit`."""
+
+    generation: str  # "" or "gXXXXXXXX/": where this save's arrays go
+    seen: Any = ABSENT  # the stamp generation of the manifest step 1 read (coordinator)
+    old_refs: dict[str, str] = dataclasses.field(default_factory=dict)  # the replaced one's
+    lease: Lease | None = None  # the coordinator's
+
+
+def prepare(
+    loc: Location,
+    overwrite: bool,
+    is_coordinator: bool,
+    broadcast: Callable[[str, str], str] | None,
+) -> Target:
+    """Step 1: check the prefix and choose the generation (see the module's docstring)."""
+    if not is_coordinator:
+        if broadcast is None:
+            raise ValueError("a non-coordinator Writer needs broadcast= to find the generation")
+        return Target(broadcast("generation", ""))
+    kv = kvstore(loc.kvstore, loc)
+    old = wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}")
+    committed = old.state == "value"
+    if committed and not overwrite:
+        raise exists_error(loc)
+    keys = list_keys(loc)
+    foreign = [k for k in keys if not is_own_key(k)]
+    if foreign:
+        raise not_ours_to_replace(loc, foreign[0], committed=committed)
+    target = Target("", old.stamp.generation if committed else ABSENT, _refs(old.value))
+    # The plain prefix if it is empty and no other save takes it first, else a generation.
+    target.lease = Lease.object_store(loc, "", only_if_absent=True) if not keys else None
+    if target.lease is None:
+        target.generation = _fresh_generation(keys)
+        target.lease = Lease.object_store(loc, target.generation)
+    if broadcast is not None:
+        try:
+            broadcast("generation", target.generation)
+        except BaseException:
+            target.lease.release()
+            raise
+    return target
+
+
+def _fresh_generation(keys: Iterable[str]) -> str:
+    tops = {k.split("/", 1)[0] for k in keys}
+    while True:
+        generation = f"g{uuid.uuid4().hex[:8]}"
+        if generation not in tops:
+            return generation + "/"
+
+
+def _refs(raw: bytes | None) -> dict[str, str]:
+    if not raw:
+        return {}
+    try:
+        return Manifest.from_json(raw).refs
+    except ManifestError:
+        return {}  # what it referenced is unknown: its markers stay (they only keep data)
+
+
+def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None:
+    """Steps 3 and 4: the markers, the manifest (compare-and-swap), then the clean-up.
+
+    Raises:
+      CheckpointExistsError: another save committed at the prefix meanwhile (this one's arrays
+        are deleted; the other checkpoint is untouched).
+      CheckpointError: the commit write failed, or its outcome is unknown (then nothing is
+        deleted, and the message says which checkpoint is committed where it could tell).
+    """
+    moved = manifest.relocated(target.generation)
+    data = moved.to_json()
+    Manifest.from_json(data, where=f"{loc}/{MANIFEST} (about to be committed)")
+    referenced = holds.by_holder(moved.refs)
+    for holder, paths in referenced.items():
+        holds.hold(loc.sibling(holder), name, paths)
+    kv = kvstore(loc.kvstore, loc)
+    what = f"writing {MANIFEST} (the commit)"
+    try:
+        done = wait(kv.write(MANIFEST, data, if_equal=target.seen), loc, what)
+    except CheckpointError as e:
+        if not _committed_after_all(loc, data, e):
+            raise
+    else:
+        if not done.generation:
+            drop(loc, target)
+            raise lost_error(loc, committed=True)
+    clean_up(loc, target, keep_markers_of=referenced, name=name)
+
+
+def _committed_after_all(loc: Location, data: bytes, error: CheckpointError) -> bool:
+    """After the commit write failed: read the manifest once more (within a fresh deadline).
+    ``True`` if it is this save's; otherwise raise what is known, deleting nothing."""
+    try:
+        now = read_once(loc)
+    except CheckpointError:
+        now = None
+        state = (
+            "It could not be read back either, so it is unknown whether this save or the "
+            "previous checkpoint is committed there"
+        )
+    else:
+        if now == data:
+            logger.warning("%s: the commit was slow (%s) but is in place", loc, error)
+            return True
+        state = (
+            "Read back now, the previous checkpoint is committed there"
+            if now
+            else "Read back now, no checkpoint is committed there"
+        ) + " (the write may still land later)"
+    raise OutcomeUnknown(
+        f"Save to {loc}: the outcome of its commit is unknown: writing {MANIFEST} failed "
+        f"({error}). {state}. Nothing was deleted, so both checkpoints' data is kept. Check "
+        f"with `jaxckpt inspect {loc}` once the store answers, then save again if needed."
+    ) from error
+
+
+def read_once(loc: Location) -> bytes | None:
+    """The manifest's bytes at ``loc`` (``None`` if absent), within a fresh deadline."""
+    fresh = Location(loc.url)
+    got = wait(kvstore(fresh.kvstore, fresh).read(MANIFEST), fresh, f"re-reading {MANIFEST}")
+    return got.value if got.state == "value" else None
+
+
+def clean_up(
+    loc: Location, target: Target, *, keep_markers_of: dict[str, set[str]], name: str
+) -> None:
+    """Step 4 (never raises): delete what the committed manifest does not use, release the
+    markers the replaced checkpoint needed and this one does not, and the lease."""
+    try:
+        kv = kvstore(loc.kvstore, loc)
+        keys = list_keys(loc)
+        kept = holds.held(loc, keys)
+        if kept is None:
+            logger.warning("%s: a held-by marker cannot be read; keeping all old arrays", loc)
+        else:
+            doomed = [k for k in keys if _replaced(k, target.generation, kept)]
+            delete_keys(kv, loc, doomed, keys)
+        old = holds.by_holder(target.old_refs)
+        for holder in old.keys() - keep_markers_of.keys():
+            holds.release(loc.sibling(holder), name)
+        for holder in old.keys() & keep_markers_of.keys():  # hold exactly what is used now
+            holds.hold(loc.sibling(holder), name, keep_markers_of[holder], merge=False)
+    except Exception as e:  # noqa: BLE001 - the checkpoint is committed
+        logger.warning(
+            "%s is committed, but cleaning up after it failed (%s); what is left goes at the "
+            "next save or delete of it",
+            loc,
+            e,
+        )
+    finally:
+        if target.lease is not None:
+            target.lease.release()
+
+
+def tidy(loc: Location, manifest: Manifest) -> None:
+    """Step 4 for a committed checkpoint whose save died after its commit (a clean-up found its
+    ``writer.json`` dead): delete what that save's step 4 would have; never raises."""
+    entries = storage_entries(manifest).values()
+    top = next(iter(entries)).path.split("/", 1)[0] if entries else ""
+    generation = top + "/" if is_generation(top) else ""
+    try:
+        kv = kvstore(loc.kvstore, loc)
+        wait(kv.delete_range(exactly(generation + WRITER)), loc, f"deleting {WRITER}")
+    except CheckpointError as e:
+        logger.warning("could not tidy %s: %s", loc, e)
+        return
+    clean_up(loc, Target(generation), keep_markers_of={}, name=loc.name)
+
+
+def _replaced(key: str, generation: str, kept: set[str]) -> bool:
+    """Whether the clean-up after a commit into ``generation`` deletes ``key``: it is in
+    another generation (the plain prefix counting as one) and neither the manifest, a marker
+    nor an array a marker keeps."""
+    top = key.split("/", 1)[0]
+    mine = key.startswith(generation) if generation else not (is_generation(top) and "/" in key)
+    if mine or key == MANIFEST or top == HELD_BY or not is_own_key(key):
+        return False
+    return array_of(key) not in kept
+
+
+def drop(loc: Location, target: Target) -> None:
+    """After a failed or lost save: delete this save's own objects (its generation's, and the
+    markers it wrote stay: they only keep data), nothing else; never raises."""
+    try:
+        kv = kvstore(loc.kvstore, loc)
+        if target.generation:
+            wait(kv.delete_range(prefix_range(target.generation)), loc, "deleting this save's data")
+            return
+        # The plain prefix was empty when this save took it: its arrays/ are this save's.
+        keys = list_keys(loc)
+        delete_keys(kv, loc, [k for k in keys if k.startswith("arrays/")], keys)
+    except Exception as e:  # noqa: BLE001 - leftovers go at a later save or clean-up
+        logger.warning("could not delete the data of a failed save at %s: %s", loc, e)

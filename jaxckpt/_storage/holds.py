@@ -1,0 +1,103 @@
+"""What a checkpoint keeps for its siblings: the ``held-by/`` markers of object stores.
+
+An incremental step B on an object store does not copy an array its base already holds: its
+manifest's ``refs`` point at the holder's copy (``"arrays/w": "../A/arrays/w"``). Before B
+commits, B's save writes a marker into the holder, ``A/held-by/B``::
+
+    {"format": 1, "paths": ["arrays/w"]}
+
+Whatever deletes objects in A (an overwrite's clean-up after its commit, retention, a manager's
+clean-up of leftovers, ``catalog.delete``) keeps every array a marker names, so no save, delete
+or overwrite of A can break B. A marker only ever keeps data: a marker that cannot be read keeps
+everything in A. It goes when B no longer needs it: B deleted by jaxckpt, B saved again without
+references into A, or B's save failed before its commit (a crash there leaves a marker that
+keeps A's arrays until a later save or delete of B replaces or removes it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+
+import tensorstore as ts
+
+from jaxckpt._format.names import HELD_BY, is_storage_path
+from jaxckpt._storage.location import Location, kvstore, wait
+
+_MARKER_BYTES = 1 << 24  # far above any real marker: a bigger one is damage, never read
+
+
+def by_holder(refs: Mapping[str, str]) -> dict[str, set[str]]:
+    """``{holder step: {its storage paths}}`` of a manifest's ``refs`` (``../A/arrays/w``).
+
+    Example:
+      >>> got = by_holder({"arrays/w": "../00000001/arrays/w", "arrays/b": "../00000001/arrays/b"})
+      >>> {holder: sorted(paths) for holder, paths in got.items()}
+      {'00000001': ['arrays/b', 'arrays/w']}
+    """
+    out: dict[str, set[str]] = {}
+    for target in refs.values():
+        _, holder, path = target.split("/", 2)
+        out.setdefault(holder, set()).add(path)
+    return out
+
+
+def marker(referrer: str) -> str:
+    """The key of ``referrer``'s marker in a holder."""
+    return f"{HELD_BY}/{referrer}"
+
+
+def hold(holder: Location, referrer: str, paths: Iterable[str], *, merge: bool = True) -> None:
+    """Write ``referrer``'s marker into ``holder``: it keeps ``paths`` (and, with ``merge``,
+    what the marker kept already: a save replacing ``referrer`` still needs the old ones until
+    it commits)."""
+    kv = kvstore(holder.kvstore, holder)
+    keep = set(paths)
+    if merge:
+        keep |= _read(kv, holder, marker(referrer)) or set()
+    record = json.dumps({"format": 1, "paths": sorted(keep)}).encode()
+    wait(kv.write(marker(referrer), record), holder, f"writing {marker(referrer)}")
+
+
+def release(holder: Location, referrer: str) -> None:
+    """Remove ``referrer``'s marker from ``holder`` (the arrays stay until a delete)."""
+    kv = kvstore(holder.kvstore, holder)
+    key = marker(referrer)
+    wait(kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")), holder, f"deleting {key}")
+
+
+def referrers(keys: Iterable[str]) -> list[str]:
+    """The steps whose markers a checkpoint's listing ``keys`` holds."""
+    return [k[len(HELD_BY) + 1 :] for k in keys if k.startswith(HELD_BY + "/")]
+
+
+def held(loc: Location, keys: Iterable[str]) -> set[str] | None:
+    """The storage paths of ``loc`` that its markers keep (``keys``: its listing), or ``None``
+    where a marker cannot be read: then everything is kept."""
+    kv = None
+    out: set[str] = set()
+    for key in keys:
+        if not key.startswith(HELD_BY + "/"):
+            continue
+        kv = kv or kvstore(loc.kvstore, loc)
+        paths = _read(kv, loc, key)
+        if paths is None:
+            return None
+        out |= paths
+    return out
+
+
+def _read(kv: ts.KvStore, loc: Location, key: str) -> set[str] | None:
+    """The paths a marker keeps; ``set()`` if there is none, ``None`` if it is damaged."""
+    got = wait(kv.read(key), loc, f"reading {key}")
+    if got.state != "value":
+        return set()
+    if len(got.value) > _MARKER_BYTES:
+        return None
+    try:
+        paths = json.loads(got.value)["paths"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(paths, list) or not all(is_storage_path(p) for p in paths):
+        return None
+    return set(paths)

@@ -1,0 +1,192 @@
+"""Who is writing a checkpoint now: the lease a save holds until it commits or gives up.
+
+A save in progress leaves data that is not yet a checkpoint (a hidden staging directory, or
+objects under a prefix without a manifest). A crash leaves the same data behind, and only the
+second kind may be cleaned up: a clean-up must tell a dead save's leftovers from another
+process's live save (a second ``CheckpointManager`` opened on the run while the trainer saves).
+
+* **Local files**: the save's coordinator holds an exclusive ``flock`` on its staging directory
+  from creating it until the commit's rename or the abort; the kernel drops the lock when the
+  process dies, however it dies. A clean-up takes the same lock without waiting: if it cannot,
+  the save is alive. Where the file system has no ``flock`` (some network file systems), the
+  writer touches the directory every :data:`BEAT_S` seconds instead, and a leftover counts as
+  dead once it is :data:`STALE_S` seconds old.
+* **Object stores** (no locks): the coordinator writes ``writer.json`` beside the save's arrays
+  (``{"host", "pid", "beat"}``) and rewrites it every :data:`BEAT_S` seconds; it goes at the
+  commit. A save is dead if its ``writer.json`` is missing, names a process of this same host
+  (hostname, boot and PID namespace) that no longer runs, or is older than :data:`STALE_S`
+  seconds by the clean-up's clock (hosts' clocks must agree to within a minute or so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import tensorstore as ts
+
+from jaxckpt._format.names import WRITER
+from jaxckpt._runtime import pools
+from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
+
+BEAT_S = 10.0  # how often a live save says so where it cannot hold a lock
+STALE_S = 300.0  # a save silent for this long is dead
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EBADF)
+
+
+class Lease:
+    """Held by one save while it writes; :meth:`release` once it committed or gave up."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._beat: pools.Repeating | None = None
+        self._object: tuple[Location, str] | None = None
+
+    @classmethod
+    def local(cls, staging: Path) -> Lease:
+        """Lock the staging directory ``staging`` (or beat on it where locks are missing)."""
+        lease = cls()
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in _NO_LOCKS:
+                raise
+            lease._beat = pools.repeat(BEAT_S, lambda: os.utime(staging))
+        else:
+            lease._fd = fd
+        return lease
+
+    @classmethod
+    def object_store(
+        cls, loc: Location, generation: str, *, only_if_absent: bool = False
+    ) -> Lease | None:
+        """Write ``writer.json`` under ``generation`` of ``loc`` and keep it fresh; with
+        ``only_if_absent``, ``None`` if one is there already (another save took it)."""
+        lease = cls()
+        lease._object = (loc, generation + WRITER)
+        if not lease._write(only_if_absent):
+            return None
+        lease._beat = pools.repeat(BEAT_S, lease._write)
+        return lease
+
+    def _write(self, only_if_absent: bool = False) -> bool:
+        assert self._object is not None
+        loc, key = self._object
+        record = {"format": 1, "host": host_id(), "pid": os.getpid()}
+        data = json.dumps({**record, "beat": time.time()}).encode()
+        fut = kvstore(loc.kvstore, loc).write(
+            key, data, if_equal=ABSENT if only_if_absent else None
+        )
+        return bool(wait(fut, loc, f"writing {key}").generation)
+
+    def release(self, *, delete: bool = True) -> None:
+        """Stop holding the lease (``delete``: remove ``writer.json`` too; never raises)."""
+        if self._beat is not None:
+            self._beat.stop()
+        if self._fd is not None:
+            os.close(self._fd)  # drops the lock
+            self._fd = None
+        if self._object is not None and delete:
+            loc, key = self._object
+            try:
+                kv = kvstore(loc.kvstore, loc)
+                wait(kv.delete_range(_exactly(key)), loc, f"deleting {key}")
+            except Exception:  # noqa: BLE001 - a stale writer.json only delays a clean-up
+                pass
+            self._object = None
+
+
+def local_is_live(path: Path) -> bool:
+    """Whether a save still writes into the staging directory (or temporary file) ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # gone, or a link: nothing of ours writes into it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        if e.errno not in _NO_LOCKS:
+            raise
+        return time.time() - os.fstat(fd).st_mtime < STALE_S
+    finally:
+        os.close(fd)  # drops the lock this took, if it took one
+    return False
+
+
+def is_lease(key: str) -> bool:
+    """Whether ``key`` (relative to a checkpoint) is an object-store save's ``writer.json``."""
+    top, _, rest = key.rpartition("/")
+    return rest == WRITER and (top == "" or (len(top) == 9 and top[0] == "g"))
+
+
+@contextlib.contextmanager
+def locked_file(path: Path) -> Iterator[BinaryIO]:
+    """A new file at ``path``, open for writing and locked (as a staging directory is) until
+    the block ends, so that a clean-up never removes it while it is written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
+        yield f
+
+
+def object_is_live(loc: Location, key: str, now: float | None = None) -> bool:
+    """Whether the ``writer.json`` at ``key`` of ``loc`` was refreshed within :data:`STALE_S`."""
+    got = wait(kvstore(loc.kvstore, loc).read(key), loc, f"reading {key}")
+    if got.state != "value":
+        return False
+    try:
+        record = json.loads(got.value)
+        age = (time.time() if now is None else now) - float(record["beat"])
+        here = record.get("host") == host_id()
+        pid = record.get("pid")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False  # not ours to trust: a leftover like any other
+    if here and type(pid) is int and pid > 0 and not _runs(pid):
+        return False
+    return age < STALE_S
+
+
+@functools.cache
+def host_id() -> str:
+    """This host as a writer's record names it: its name, boot and PID namespace (two
+    containers may share a hostname but not a PID namespace)."""
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append("?")  # no /proc: a PID cannot be checked, only the beat's age
+    return "/".join(parts)
+
+
+def _runs(pid: int) -> bool:
+    if host_id().endswith("/?"):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it runs
+        return True
+    return True
+
+
+def _exactly(key: str) -> ts.KvStore.KeyRange:
+    return ts.KvStore.KeyRange(key, key + "\0")

@@ -1,0 +1,212 @@
+"""The commit protocol of local files: a hidden staging directory renamed into place.
+
+Everything is written into a hidden sibling ``.NAME.tmp-XXXXXXXX`` (``jaxckpt._format.names``),
+``manifest.json`` last; one ``syncfs`` makes it durable; then it is renamed into place:
+
+* ``overwrite=False``: ``renameat2(RENAME_NOREPLACE)``, so a racing save never replaces
+  another's commit (a plain rename where the kernel lacks it, which POSIX never lets replace a
+  non-empty directory);
+* ``overwrite=True``: swapped atomically with the old checkpoint (``RENAME_EXCHANGE``) where the
+  kernel allows, else the old one is moved aside to ``.NAME.tmp-XXXXXXXX-old`` first (a crash
+  between the two renames leaves it there; a manager puts it back at start). The replaced
+  checkpoint is deleted after the rename, only what jaxckpt wrote in it.
+
+A crash leaves at most a staging directory, never a damaged checkpoint. While the save runs its
+coordinator holds the staging directory's lease (``jaxckpt._storage.lease``), so a clean-up
+never removes a live save's directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from jaxckpt._errors import CheckpointError, CheckpointExistsError
+from jaxckpt._format.names import ARRAYS, MANIFEST, parse_staging, staging_name
+from jaxckpt._storage.catalog import fsync_dir
+from jaxckpt._storage.lease import Lease
+from jaxckpt._storage.libc import libc
+from jaxckpt._storage.location import Location
+from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
+
+
+def make_staging(loc: Location, overwrite: bool) -> tuple[Path, Lease]:
+    """Check the target (see :func:`check_target_dir`), then make and lease the staging dir."""
+    assert loc.local is not None
+    check_target_dir(loc.local, overwrite)
+    staging = loc.local.parent / staging_name(loc.local.name, uuid.uuid4().hex[:8])
+    try:
+        staging.mkdir(parents=True)
+        return staging, Lease.local(staging)
+    except OSError as e:  # a parent that is a file, a read-only file system, ...
+        shutil.rmtree(staging, ignore_errors=True)
+        raise write_error(loc, f"creating {staging}", e) from e
+
+
+def commit(loc: Location, staging: Path, manifest: bytes, overwrite: bool) -> None:
+    """Write ``manifest.json`` into ``staging``, make it durable, rename it into place.
+
+    Raises:
+      CheckpointExistsError: ``overwrite=False`` and another save committed meanwhile (only
+        this save's staging directory goes, in the caller's abort).
+      CheckpointError: the manifest or the rename failed.
+    """
+    target = loc.local
+    assert target is not None
+    try:
+        with open(staging / MANIFEST, "wb") as f:
+            f.write(manifest)
+    except OSError as e:
+        raise write_error(loc, f"writing {MANIFEST}", e) from e
+    try:
+        syncfs(staging)
+    except OSError as e:
+        raise write_error(loc, "making it durable (syncfs)", e) from e
+    try:
+        if not overwrite:
+            _commit_noreplace(loc, staging, target)
+        elif target.exists() or target.is_symlink():
+            check_target_dir(target, True)  # again: files may have appeared during the save
+            if not exchange(staging, target):  # no atomic swap: move the old one aside
+                old = staging.with_name(staging.name + "-old")
+                os.rename(target, old)
+                os.rename(staging, target)
+                remove_own(old)
+            else:
+                remove_own(staging)  # now holds the old checkpoint
+        else:
+            os.rename(staging, target)
+    except CheckpointError:  # CheckpointExistsError is an OSError too: it passes as it is
+        raise
+    except OSError as e:
+        raise write_error(loc, f"renaming {staging.name} into place", e) from e
+    fsync_dir(target.parent)
+
+
+def _commit_noreplace(loc: Location, staging: Path, target: Path) -> None:
+    for _ in range(3):
+        if rename_noreplace(staging, target):
+            return
+        try:  # an empty directory (the start check allows one) is no checkpoint: it goes
+            os.rmdir(target)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            break
+    raise lost_error(loc, committed=(target / MANIFEST).exists())
+
+
+def check_target_dir(path: Path, overwrite: bool) -> None:
+    """Refuse a target holding anything jaxckpt did not write, with or without ``overwrite``.
+
+    Overwrite swaps the whole directory and deletes the old one, so it may replace only what
+    jaxckpt wrote there: ``manifest.json``, ``arrays/`` and its own temporaries.
+    """
+    if path.is_symlink():  # an overwrite would swap the link for a directory, deleting through it
+        raise CheckpointExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); jaxckpt never saves through or "
+            f"replaces a link. Save to the link's target ({os.path.realpath(path)}) instead, or "
+            f"remove the link first."
+        )
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise CheckpointExistsError(f"{path} exists and is not a directory; choose another path.")
+    names = sorted(p.name for p in path.iterdir())
+    foreign = [n for n in names if n not in (MANIFEST, ARRAYS) and parse_staging(n) is None]
+    if foreign:
+        raise not_ours_to_replace(Location(path), foreign[0], committed=MANIFEST in names)
+    if names and not overwrite:
+        if MANIFEST in names:
+            raise exists_error(Location(path))
+        raise CheckpointExistsError(
+            f"{path} holds the arrays of an unfinished save (no {MANIFEST}). Pass "
+            f"overwrite=True to replace them, or choose an empty or new path."
+        )
+
+
+def remove_own(old: Path) -> None:
+    """Delete a replaced checkpoint: only what jaxckpt wrote there (see check_target_dir).
+
+    A file that appeared between the last check and the swap stays, in the hidden old folder.
+    """
+    if old.is_symlink():  # a link swapped in after the last check: never delete through it
+        return
+    shutil.rmtree(old / ARRAYS, ignore_errors=True)
+    (old / MANIFEST).unlink(missing_ok=True)
+    try:
+        os.rmdir(old)
+    except OSError:
+        pass  # not empty: what is left is not ours to delete
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE) where Linux allows."""
+    at_fdcwd, rename_exchange = -100, 2
+    try:
+        return (
+            libc().renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+            == 0
+        )
+    except (OSError, AttributeError):
+        return False
+
+
+def rename_noreplace(src: Path, dst: Path) -> bool:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists; ``False`` if it does.
+
+    Linux: renameat2(RENAME_NOREPLACE). Where the libc, kernel or file system lacks it, a plain
+    rename, which POSIX never lets replace a non-empty directory (a committed checkpoint always
+    holds manifest.json), only an empty one.
+    """
+    at_fdcwd, rename_noreplace_flag = -100, 1
+    try:
+        rc = libc().renameat2(
+            at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace_flag
+        )
+        err = ctypes.get_errno() if rc else 0
+    except AttributeError:
+        rc, err = -1, errno.ENOSYS
+    if rc == 0:
+        return True
+    if err == errno.EEXIST:
+        return False
+    if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    try:
+        os.rename(src, dst)
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            return False
+        raise
+
+
+def syncfs(path: Path) -> None:
+    """Flush the file system holding ``path`` (Linux ``syncfs``; ``os.sync`` elsewhere).
+
+    Raises:
+      OSError: the flush reported an error (``EIO``: the data may not be on disk).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        os.sync()
+        return
+    try:
+        lib = libc()
+        rc = lib.syncfs(fd)
+        err = ctypes.get_errno() if rc else 0
+    except AttributeError:
+        os.sync()
+        return
+    finally:
+        os.close(fd)
+    if rc != 0 and err not in (errno.ENOSYS, errno.EINVAL):
+        raise OSError(err, os.strerror(err), str(path))
+    if rc != 0:
+        os.sync()
