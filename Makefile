@@ -1,6 +1,7 @@
 # make demo: train a sharded model, checkpoint it, restore onto other meshes.
 # make test: the whole test suite (what CI runs).
 # make test-floors: the suite again on the oldest supported versions (.ci/floors.txt).
+# make soak: the model-based test of run directories, searching far longer than CI does.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,7 +22,7 @@ $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
 	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[test]'
 	touch $@
 
-.PHONY: demo test test-floors lint bench
+.PHONY: demo test test-floors lint bench soak
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py $(ARGS)
 
@@ -37,3 +38,9 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/compare.py $(ARGS)
+
+SOAK_EXAMPLES ?= 500
+SOAK_STEPS ?= 25
+soak: $(VENV)/.installed
+	JAXCKPT_MODEL_EXAMPLES=$(SOAK_EXAMPLES) JAXCKPT_MODEL_STEPS=$(SOAK_STEPS) \
+		$(PY) -m pytest tests/test_model.py -p no:cacheprovider -o addopts= -q -s

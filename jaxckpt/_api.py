@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import SavePlan, WriteItem
 from jaxckpt._incremental import Increment
@@ -188,7 +189,7 @@ def _start_save(
     """Plan on every process, stage (if ``stage``), then write and commit: in the background
     when staged, else here."""
     t0 = time.perf_counter()
-    loc = _location.Location(path)
+    loc = _location.Location(path, one_operation=True)
     planner = planner if planner is not None else DefaultSavePlanner()
     handle = SaveHandle(str(loc))
     # Made first, so that a failure on any process from here on reaches all of them.
@@ -331,10 +332,22 @@ def _write_and_commit(
             {k: round(v, 3) for k, v in handle.timings.items()},
         )
     except BaseException as e:  # re-raised by wait()
-        handle._error = sync.failed(e)  # first: returns once the others stopped writing
+        handle._error = sync.failed(_typed(e, loc))  # first: returns once the others stopped
         writer.abort()
     finally:
         handle._finished.set()
+
+
+def _typed(e: BaseException, loc: _location.Location) -> BaseException:
+    """An OS error (e.g. ``EIO`` from a flush) as the ``CheckpointError`` a caller catches."""
+    if not isinstance(e, OSError) or isinstance(e, CheckpointError):
+        return e
+    err = CheckpointError(
+        f"Save to {loc} failed: {type(e).__name__}: {e}. Check the storage (disk errors, "
+        f"permissions, free space), then save again."
+    )
+    err.__cause__ = e
+    return err
 
 
 def restore(
@@ -409,7 +422,7 @@ def metadata(path: PathLike) -> Manifest:
 
 def _open(path: PathLike) -> tuple[Manifest, Any]:
     """The manifest (checked where it takes jax to check it) and the reader at ``path``."""
-    loc = _location.Location(path)
+    loc = _location.Location(path, one_operation=True)
     manifest, reader = _sources.open_source(loc)  # jaxckpt, Orbax, safetensors
     check_prng_keys(manifest, f"{loc}/manifest.json")
     return manifest, reader

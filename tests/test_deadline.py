@@ -19,6 +19,7 @@ from pathlib import Path
 import boto3
 import numpy as np
 import pytest
+from helpers import assert_tree_equal
 
 import jaxckpt
 from jaxckpt._cli.main import main
@@ -183,3 +184,30 @@ def test_local_paths_and_memory_have_no_deadline(tmp_path, monkeypatch):
     jaxckpt.save(tmp_path / "c", {"w": np.ones(4)})
     jaxckpt.save("memory://deadline-test", {"w": np.ones(4)})
     assert jaxckpt.restore("memory://deadline-test")["w"].shape == (4,)
+
+
+@pytest.mark.parametrize("how", ["stalled", "dead"])
+def test_one_deadline_bounds_a_whole_save_and_restore_of_many_arrays(server, monkeypatch, how):
+    """80 arrays in flight when the server stalls or dies: the save fails within about one
+    deadline (the first miss cancels the rest), not one deadline per array (issue 41.8)."""
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+    state = {f"a{i:02d}": np.full(1 << 18, i, np.float32) for i in range(80)}  # 80 x 1 MiB
+    jaxckpt.save(url, state)
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", str(DEADLINE))
+    t = time.monotonic()
+    handle = jaxckpt.save_async(url, {k: v + 1 for k, v in state.items()}, overwrite=True)
+    time.sleep(0.2)
+    (os.kill(server.pid, signal.SIGSTOP) if how == "stalled" else server.kill())
+    try:
+        with pytest.raises(jaxckpt.CheckpointError, match="did not finish within|not waited for"):
+            handle.wait(timeout=300)  # a TimeoutError here would mean it never gave up
+        assert time.monotonic() - t < 10 * DEADLINE  # one deadline per array: 80 x 3 s
+        t = time.monotonic()
+        with pytest.raises(jaxckpt.CheckpointError, match="did not finish within|not waited for"):
+            jaxckpt.restore(url)
+        assert time.monotonic() - t < 10 * DEADLINE
+    finally:
+        if how == "stalled":
+            os.kill(server.pid, signal.SIGCONT)
+    if how == "stalled":  # the last committed checkpoint is whole
+        assert_tree_equal(jaxckpt.restore(url), state)

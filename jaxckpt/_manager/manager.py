@@ -227,14 +227,10 @@ class CheckpointManager:
             float(self.best_fn(record))  # fail here, not in the background, if it cannot rank
         self._wait_persistent()
         loc = self._loc.join(step_name(step))
-        if _location.exists(loc):
-            raise CheckpointExistsError(
-                f"Step {step} is already saved in {self.directory} ({loc}). A saved step is never "
-                f"replaced, force=True included (force only skips save_interval_steps). Save a "
-                f"later step, or restore it (CheckpointManager.restore({step})) and go on from "
-                f"there."
-            )
-        base = self._base() if self.incremental else None
+        _refuse_existing(step, loc, self.directory)
+        steps = self.all_steps("persistent") if self.max_to_keep or self.incremental else []
+        self._refuse_doomed(step, record, steps)
+        base = self._base(steps) if self.incremental else None
         with _location.deadline(self._loc.io_timeout):
             handle = save_async(str(loc), tree, base=base, digests=self.incremental)
         self.last_save = handle
@@ -248,10 +244,33 @@ class CheckpointManager:
             self.wait()
         return True
 
-    def _base(self) -> str | None:
+    def _refuse_doomed(self, step: int, record: dict[str, Any] | None, steps: list[int]) -> None:
+        """Refuse to save a step that retention would delete as soon as it is committed: one
+        older than the steps it keeps (a rollback that forgot the newer steps). ``steps``:
+        the committed steps, listed now (another process may have added some)."""
+        if self.max_to_keep is None or not steps or step > max(steps):
+            return  # a step newer than every other one is always kept
+        metrics = self._metrics.read() if self.best_fn is not None else {}
+        if record is not None:
+            metrics[str(step)] = record
+        doomed = steps_to_delete(
+            sorted([*steps, step]),
+            max_to_keep=self.max_to_keep,
+            keep_every_n_steps=self.keep_every_n_steps,
+            score=None if self.best_fn is None else lambda s: self._score(metrics.get(str(s))),
+        )
+        if step in doomed:
+            raise CheckpointError(
+                f"Step {step} is older than the steps kept in {self.directory} ({steps}): with "
+                f"max_to_keep={self.max_to_keep} retention would delete it as soon as it is "
+                f"committed, so it is not saved. To go on from an older step (a rollback), "
+                f"delete the newer steps first (CheckpointManager.delete(step)); or save a "
+                f"later step."
+            )
+
+    def _base(self, steps: list[int]) -> str | None:
         """An incremental save's base: the newest committed (persistent) step, if any."""
-        latest = self.latest_step("persistent")
-        return None if latest is None else str(self._loc.join(step_name(latest)))
+        return str(self._loc.join(step_name(max(steps)))) if steps else None
 
     def _finish(self, step: int, handle: SaveHandle, record: dict[str, Any] | None) -> None:
         """After the commit: log, write metrics and apply retention (the primary process)."""
@@ -318,6 +337,35 @@ class CheckpointManager:
         finally:
             if self._local is not None:
                 self._local.wait()
+
+    def delete(self, step: int) -> None:
+        """Delete the committed ``step`` and its metrics (e.g. the steps after the one a run
+        rolls back to). The primary process deletes; every process may call it.
+
+        A deleted step stops being one at once (renamed away, or its manifest deleted first);
+        on object stores the arrays other steps reference stay until they go too.
+
+        Raises:
+          CheckpointNotFoundError: ``step`` is not a committed step of the directory.
+          CheckpointError: the manager is read-only or closed.
+        """
+        self._check_open()
+        self._wait_persistent()
+        loc = self._loc.join(step_name(step))
+        if not _location.exists(loc):
+            raise CheckpointNotFoundError(
+                f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
+                f"Nothing was deleted."
+            )
+        if not self._primary:
+            return
+        steps = self.all_steps("persistent")
+        keep = self._referenced(s for s in steps if s != step)
+        metrics = self._metrics.read()
+        if str(step) in metrics:
+            self._metrics.write({k: v for k, v in metrics.items() if k != str(step)})
+        _catalog.delete(loc, keep=keep.get(step_name(step), ()))
+        logger.info("deleted step %d from %s", step, self.directory)
 
     def _wait_persistent(self) -> None:
         pending, self._pending = self._pending, None
@@ -644,6 +692,16 @@ def _check_counts(**counts: int | None) -> None:
     for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _refuse_existing(step: int, loc: _location.Location, directory: str) -> None:
+    if _location.exists(loc):
+        raise CheckpointExistsError(
+            f"Step {step} is already saved in {directory} ({loc}). A saved step is never "
+            f"replaced, force=True included (force only skips save_interval_steps). Save a "
+            f"later step, or restore it (CheckpointManager.restore({step})) and go on from there "
+            f"(docs/manager.md, *Going back to an older step*)."
+        )
 
 
 def _check_options(best_mode: str, local_replicas: int, *, read_only: bool, local: object) -> None:

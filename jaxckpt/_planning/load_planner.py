@@ -470,7 +470,7 @@ def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where
     """
     # Each process's devices side by side: its share is one run along that dimension, which is
     # whole chunks when the save cut the array into a chunk per process
-    # (jaxckpt._global_plan.chunk_limit).
+    # (jaxckpt._planning.global_plan.chunk_limit).
     devices = sorted(where.device_set, key=lambda d: (d.process_index, d.id))
     dim = shared_read_dim(shape, chunks, len(devices))
     if dim is None:

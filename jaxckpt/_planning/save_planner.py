@@ -3,7 +3,7 @@
 Adapted from PyTorch DCP's ``DefaultSavePlanner``, with one change that matters at scale:
 every process can compute every shard's index from the sharding itself, so the global plan is
 computed **on every process without gathering local plans**; processes only compare a short
-digest of it (see ``jaxckpt._distributed``).
+digest of it (see ``jaxckpt._runtime.distributed``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class SavePlanner(abc.ABC):
     some items there (returning how to read each later); the others ``save_async`` copies into
     host staging before it returns, so the caller may donate or overwrite its arrays.
 
-    Invariants the global plan must keep (``jaxckpt._plan.validate_plan`` checks them): the
+    Invariants the global plan must keep (``jaxckpt._format.plan.validate_plan`` checks them): the
     items of each array tile it exactly once, along its chunk grid, in its dtype.
     """
 

@@ -43,7 +43,8 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
                 return found
         raise _run_directory_error(loc) or missing from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
-    return manifest, _reader.CheckpointReader(loc, stamp, manifest.refs)
+    marked = manifest.created.get("held_by") is True
+    return manifest, _reader.CheckpointReader(loc, stamp, manifest.refs, marked=marked)
 
 
 def _run_directory_error(loc: _location.Location) -> CheckpointNotFoundError | None:

@@ -1,10 +1,14 @@
 """Plan items <-> bytes: where checkpoints live and how their arrays are written and read.
 
-Owns locations (``location``: path/URL -> tensorstore kvstore, the manifest's bytes), the
-writer and its commit protocol (``writer``), the reader (``reader``) and in-place chunk reads
+Owns locations (``location``: path/URL -> tensorstore kvstore, the manifest's bytes, deadlines),
+the writer (``writer``) and the two commit protocols (``local_commit``: a staging directory
+renamed into place; ``generations``: object stores, the manifest written last), the lease of a
+live save (``lease``), the ``held-by`` markers of incremental references (``holds``), hard
+links of unchanged boxes (``links``), the reader (``reader``) and in-place chunk reads
 (``chunkfile``), packed arrays on read (``packs``), early write-back (``writeback``),
-listing/deleting checkpoints (``catalog``) and the libc calls Python lacks (``libc``). The
-writer's call order and the ``Reader`` protocol are written down in ``writer`` and ``reader``.
+listing/deleting checkpoints (``catalog``), the errors about a save's target (``messages``)
+and the libc calls Python lacks (``libc``). The writer's call order and the ``Reader``
+protocol are written down in ``writer`` and ``reader``.
 
 May import: tensorstore, numpy, ``jaxckpt._format``, ``jaxckpt._errors``,
 ``jaxckpt._runtime.pools``. Never jax, never ``jaxckpt._planning``.

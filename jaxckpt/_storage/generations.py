@@ -48,7 +48,7 @@ from jaxckpt._storage.catalog import (
 )
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
-from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace
+from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
 
 logger = logging.getLogger("jaxckpt")
 
@@ -129,16 +129,21 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
         deleted, and the message says which checkpoint is committed where it could tell).
     """
     moved = manifest.relocated(target.generation)
+    if moved.refs:  # its reader checks the markers written below (jaxckpt._storage.holds)
+        moved = dataclasses.replace(moved, created={**moved.created, "held_by": True})
     data = moved.to_json()
     Manifest.from_json(data, where=f"{loc}/{MANIFEST} (about to be committed)")
     referenced = holds.by_holder(moved.refs)
-    for holder, paths in referenced.items():
-        holds.hold(loc.sibling(holder), name, paths)
-    kv = kvstore(loc.kvstore, loc)
+    try:
+        for holder, paths in referenced.items():
+            holds.hold(loc.sibling(holder), name, paths)
+        kv = kvstore(loc.kvstore, loc)
+    except ValueError as e:  # the store refused: nothing is committed
+        raise write_error(loc, "writing the held-by markers of its references", e) from e
     what = f"writing {MANIFEST} (the commit)"
     try:
         done = wait(kv.write(MANIFEST, data, if_equal=target.seen), loc, what)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:  # past the deadline, or the store's error
         if not _committed_after_all(loc, data, e):
             raise
     else:
@@ -148,12 +153,12 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
     clean_up(loc, target, keep_markers_of=referenced, name=name)
 
 
-def _committed_after_all(loc: Location, data: bytes, error: CheckpointError) -> bool:
+def _committed_after_all(loc: Location, data: bytes, error: Exception) -> bool:
     """After the commit write failed: read the manifest once more (within a fresh deadline).
     ``True`` if it is this save's; otherwise raise what is known, deleting nothing."""
     try:
         now = read_once(loc)
-    except CheckpointError:
+    except (CheckpointError, ValueError):
         now = None
         state = (
             "It could not be read back either, so it is unknown whether this save or the "
@@ -161,7 +166,7 @@ def _committed_after_all(loc: Location, data: bytes, error: CheckpointError) -> 
         )
     else:
         if now == data:
-            logger.warning("%s: the commit was slow (%s) but is in place", loc, error)
+            logger.warning("%s: the commit write failed (%s), but it is in place", loc, error)
             return True
         state = (
             "Read back now, the previous checkpoint is committed there"

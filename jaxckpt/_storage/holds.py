@@ -12,6 +12,11 @@ or overwrite of A can break B. A marker only ever keeps data: a marker that cann
 everything in A. It goes when B no longer needs it: B deleted by jaxckpt, B saved again without
 references into A, or B's save failed before its commit (a crash there leaves a marker that
 keeps A's arrays until a later save or delete of B replaces or removes it).
+
+A manifest whose references have markers says so (``"held_by": true`` in ``created``), and its
+reader checks the marker before it reads a referenced array: were the holder deleted by hand
+and saved again, its new arrays at the same path are not the referenced ones, and the read
+fails instead of returning them.
 """
 
 from __future__ import annotations
@@ -69,6 +74,11 @@ def release(holder: Location, referrer: str) -> None:
 def referrers(keys: Iterable[str]) -> list[str]:
     """The steps whose markers a checkpoint's listing ``keys`` holds."""
     return [k[len(HELD_BY) + 1 :] for k in keys if k.startswith(HELD_BY + "/")]
+
+
+def held_for(holder: Location, referrer: str) -> set[str]:
+    """The paths ``holder`` keeps for ``referrer`` (none if its marker is gone or damaged)."""
+    return _read(kvstore(holder.kvstore, holder), holder, marker(referrer)) or set()
 
 
 def held(loc: Location, keys: Iterable[str]) -> set[str] | None:

@@ -84,7 +84,14 @@ def commit(loc: Location, staging: Path, manifest: bytes, overwrite: bool) -> No
         raise
     except OSError as e:
         raise write_error(loc, f"renaming {staging.name} into place", e) from e
-    fsync_dir(target.parent)
+    try:
+        fsync_dir(target.parent)
+    except OSError as e:
+        raise CheckpointError(
+            f"Save to {loc} is in place (renamed), but flushing its folder {target.parent} "
+            f"failed: {e}. It may not survive a crash of the machine: check the disk, then save "
+            f"again to be sure."
+        ) from e
 
 
 def _commit_noreplace(loc: Location, staging: Path, target: Path) -> None:

@@ -100,7 +100,8 @@ def deadline(seconds: float | None) -> Iterator[None]:
 class Location:
     """Where a checkpoint lives: a local directory or a tensorstore kvstore URL."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, one_operation: bool = False) -> None:
+        """``one_operation``: the location of one save or restore (see :func:`wait`)."""
         text = os.fspath(path)
         if "://" not in text:  # "~/ck" is the home directory's, as in a shell (not ./~/ck)
             text = os.path.expanduser(text)
@@ -110,11 +111,14 @@ class Location:
             _check_file_url(self.url, text)
         # Object stores get a deadline per operation (see wait); local files and memory:// none.
         self.io_timeout: float | None = None
+        self.one_operation = one_operation
+        self.stalled: str | None = None  # why, once a wait missed its deadline: see wait
         if "://" in text:
             self.local: Path | None = None
             self.kvstore = _kvstore_for_url(text)
             if self.kvstore["driver"] != "memory":
                 self.io_timeout = io_timeout()
+                self.kvstore["context"] = _retries(self.kvstore["driver"], self.io_timeout)
         else:
             self.local = _local_path(self.url, text)
             self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
@@ -151,24 +155,36 @@ def wait(fut: Any, loc: Location, what: str, nbytes: int = 0) -> Any:
     """``fut.result()``, within ``loc``'s deadline on object stores (plus a second per 8 MiB
     that ``fut`` transfers); past it the operation is cancelled.
 
+    On the location of one save or restore (``Location(..., one_operation=True)``) the first
+    miss marks it stalled: every later wait on it (the rest of the save's writes, its abort)
+    cancels its operation at once instead of waiting a deadline of its own, so a stalled or
+    dead server fails a whole save or restore within about one deadline, however many
+    operations it has in flight.
+
     Raises:
       CheckpointError: the deadline passed; names the URL, the operation and what to check.
     """
     if loc.io_timeout is None:
         return fut.result()
+    if loc.stalled is not None and not fut.done():
+        fut.cancel()
+        raise CheckpointError(f"{what} at {loc} was not waited for: {loc.stalled}")
     limit = loc.io_timeout + nbytes / _MIN_RATE
     try:
         return fut.result(timeout=limit)
     except TimeoutError:
         fut.cancel()
     server = loc.kvstore.get("endpoint") or f"the {loc.kvstore['driver']} service"
-    raise CheckpointError(
+    message = (
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
         f"{loc.io_timeout:g} s): {server} is not answering, or too slowly. Check that it is up "
         f"and reachable (endpoint, network, credentials), or raise {IO_TIMEOUT_ENV} (or "
         f"CheckpointManager(io_timeout=...)) for a slow link. A save that fails so has not "
         f"committed; the last committed checkpoint is intact."
     )
+    if loc.one_operation:
+        loc.stalled = message
+    raise CheckpointError(message)
 
 
 def _path_error(url: str, what: str, fix: str) -> CheckpointError:
@@ -245,6 +261,23 @@ def _kvstore_for_url(url: str) -> dict:
         f"Unsupported path scheme {scheme!r} in {url!r}: use a local path, file://, memory://, "
         f"gs:// or s3://."
     )
+
+
+def _retries(driver: str, seconds: float) -> dict:
+    """The store's retry policy, bounded by the deadline: tensorstore's default (32 retries,
+    up to 32 s apart) would go on retrying an operation against a dead server for a quarter of
+    an hour after jaxckpt gave it up, holding one of the process's request slots all along.
+
+    Example:
+      >>> _retries("s3", 30.0)["s3_request_retries"]
+      {'max_retries': 8, 'initial_delay': '0.25s', 'max_delay': '7.5s'}
+    """
+    policy = {
+        "max_retries": 8,
+        "initial_delay": "0.25s",
+        "max_delay": f"{max(0.5, seconds / 4):g}s",
+    }
+    return {f"{driver}_request_retries": policy}
 
 
 def _s3_options() -> dict:

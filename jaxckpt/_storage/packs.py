@@ -79,7 +79,9 @@ def _slices(
 def _corrupt(reader: Any, pack: PackEntry, keys: list[str], e: Exception) -> CorruptChunkError:
     msg = str(e)
     gone = "NOT_FOUND" in msg or "is missing" in msg  # a read, or the listing before it
-    bad = "igest" in msg or "checksum" in msg  # tensorstore's words, or jaxckpt._chunkfile's
+    bad = (
+        "igest" in msg or "checksum" in msg
+    )  # tensorstore's words, or jaxckpt._storage.chunkfile's
     what = "is missing" if gone else "fails its checksum" if bad else "cannot be read"
     others = sorted(set(keys) - {keys[0]})
     also = f" (and {len(others)} more keys packed with it: {others[:3]!r})" if others else ""

@@ -24,6 +24,7 @@ from jaxckpt._format.grid import ALIGN, chunk_key, grid_indices, grid_shape, is_
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
+from jaxckpt._storage import holds
 from jaxckpt._storage import packs as _pack
 from jaxckpt._storage.catalog import list_keys
 from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed, wait
@@ -74,12 +75,20 @@ class CheckpointReader:
     kind = "jaxckpt"
 
     def __init__(
-        self, loc: Location, stamp: Stamp | None = None, refs: dict[str, str] | None = None
+        self,
+        loc: Location,
+        stamp: Stamp | None = None,
+        refs: dict[str, str] | None = None,
+        *,
+        marked: bool = False,
     ) -> None:
         self.loc = loc
         self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
-        # Arrays held by a sibling step (incremental steps on object stores): path -> target.
+        # Arrays held by a sibling step (incremental steps on object stores): path -> target;
+        # ``marked``: the holders keep held-by markers for them (jaxckpt._storage.holds).
         self.refs = refs or {}
+        self._marked = marked
+        self._held: dict[str, set[str]] = {}  # by holder: what it keeps for this step
         if self.refs and loc.local is not None:
             raise ManifestError(
                 f"{loc} is an incremental step saved on an object store: {len(self.refs)} of its "
@@ -162,6 +171,7 @@ class CheckpointReader:
         """
         if entry.path in self._chunks_ok:
             return
+        self._check_held(entry)
         found = self._chunk_keys(entry)
         grid = grid_shape(entry.shape, entry.chunks)
         if (
@@ -218,6 +228,23 @@ class CheckpointReader:
                     elif is_chunk_key(name):
                         found[name] = e
         return found
+
+    def _check_held(self, entry: ArrayEntry) -> None:
+        """A referenced array is read only while its holder keeps it for this step (its
+        held-by marker names it): never another save's array at the same path."""
+        if not self._marked or entry.path not in self.refs:
+            return
+        loc, path = self.holder(entry.path)
+        held = self._held.get(str(loc))
+        if held is None:
+            held = self._held[str(loc)] = holds.held_for(loc, self.loc.name)
+        if path not in held:
+            raise CorruptChunkError(
+                f"Key {entry.key!r}: this incremental step references {path} in {loc}, which no "
+                f"longer keeps it for this step (its held-by marker is gone: that step was "
+                f"deleted or replaced by hand). The checkpoint is damaged: restore an earlier "
+                f"one; `jaxckpt verify PATH` reports every damaged array."
+            )
 
     def _held_by(self, path: str) -> str:
         if path not in self.refs:
@@ -355,7 +382,7 @@ def pipelined(
     ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader
     (jaxckpt's, Orbax's, safetensors') reads ahead through this one loop. An item holds its
     box's bytes in flight (a partial chunk read in place adds a block per read thread, not per
-    item: ``jaxckpt._chunkfile``).
+    item: ``jaxckpt._storage.chunkfile``).
     """
     pending: collections.deque = collections.deque()
     inflight = 0
@@ -384,7 +411,7 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def file_bytes_read() -> int:
     """Bytes of local chunk files this process has read: tensorstore's own counter plus the
-    chunks read in place (``jaxckpt._chunkfile``). Tests and benchmarks use it to check that a
+    chunks read in place (``jaxckpt._storage.chunkfile``). Tests and benchmarks use it to check that a
     restore reads each region once."""
     found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
     return sum(v.get("value", 0) for m in found for v in m["values"]) + _chunkfile.bytes_read()

@@ -10,6 +10,7 @@ last). Boxes an incremental save takes from its base are hard links (``jaxckpt._
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import shutil
@@ -106,7 +107,10 @@ class Writer:
                     raise
             self.root = {"driver": "file", "path": str(loc.local.parent / name) + "/"}
         else:  # object store: no rename, the manifest written last is the commit
-            self._target = generations.prepare(loc, overwrite, is_coordinator, broadcast)
+            try:
+                self._target = generations.prepare(loc, overwrite, is_coordinator, broadcast)
+            except ValueError as e:  # the store refused a read, a listing or the lease
+                raise write_error(loc, "preparing its target", e) from e
             self.root = {**loc.kvstore, "path": loc.kvstore["path"] + self._target.generation}
 
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
@@ -190,8 +194,13 @@ class Writer:
                 fut, n, e = pending.popleft()
                 self._finish(fut, e, n)
         finally:
-            for fut, _, _ in pending:  # after an error: stop what is still queued
-                fut.cancel()
+            for fut, _, _ in pending:  # after an error: stop what is still queued, and let
+                fut.cancel()  # what could not stop land before abort() deletes this save's data
+            for fut, n, e in pending:
+                try:
+                    self._finish(fut, e, n)
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - failed already
+                    pass
             hints.wait()
         return total
 
