@@ -21,7 +21,8 @@ from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import SavePlan, WriteItem
 from jaxckpt._incremental import Increment
 from jaxckpt._planning.global_plan import GlobalSavePlan
-from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner, check_prng_keys
+from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
+from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
 from jaxckpt._runtime import collector, pools
 from jaxckpt._runtime import distributed as _distributed

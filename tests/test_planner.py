@@ -265,7 +265,7 @@ def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chu
 
     from jaxckpt._planning import global_plan as _global_plan
     from jaxckpt._planning import layout as _layout
-    from jaxckpt._planning import load_planner as _load_planner
+    from jaxckpt._planning import shared_read as _shared_read
 
     shape = tuple(shape)
     ids = np.arange(procs * per).reshape(procs, per)
@@ -275,7 +275,7 @@ def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chu
     assert limit == min(max_chunk, max(total // procs, _global_plan.SHARED_CHUNK_MIN_BYTES))
     chunks = _plan.chunk_shape(lay.box, 4, limit)
     assert math.prod(chunks) * 4 <= limit or all(c % 2 for c in chunks)  # halved to the limit
-    dim = _load_planner.shared_read_dim(shape, chunks, procs * per)
+    dim = _shared_read.shared_read_dim(shape, chunks, procs * per)
     if dim is None:  # not shared: each process reads what it needs (the table test below)
         return
     across = total // shape[dim]  # bytes of one index along dim (the slab spans the others)
@@ -303,9 +303,9 @@ def test_shared_reads_fall_on_the_chunks_the_save_cut(shape, procs, per, max_chu
     ],
 )
 def test_shared_reads_split_a_dimension_of_several_chunks(shape, chunks, n, dim):
-    from jaxckpt._planning import load_planner as _load_planner
+    from jaxckpt._planning import shared_read as _shared_read
 
-    assert _load_planner.shared_read_dim(shape, chunks, n) == dim
+    assert _shared_read.shared_read_dim(shape, chunks, n) == dim
 
 
 def test_the_simulated_job_benchmark_still_plans():

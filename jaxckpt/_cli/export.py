@@ -19,7 +19,7 @@ from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import ArrayEntry, ValueEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._planning import tree as _tree
-from jaxckpt._planning.load_planner import check_prng_keys
+from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._sources import convert as _convert_mod
 from jaxckpt._sources import detect as _sources
 from jaxckpt._sources import safetensors as _safetensors

@@ -17,7 +17,7 @@ from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.grid import chunk_key, grid_indices
 from jaxckpt._format.manifest import ArrayEntry, storage_entries
 from jaxckpt._format.plan import ReadItem
-from jaxckpt._planning.load_planner import check_prng_keys
+from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage

@@ -264,7 +264,7 @@ def chunk_limit(
 
     A box that ``h`` processes hold (a replicated array, a data-parallel axis across hosts) is
     restored by ``h`` processes that share its reads, each reading ``1/h`` of it
-    (``jaxckpt._planning.load_planner``). A chunk is the unit of a read (it is checksummed whole), so
+    (``jaxckpt._planning.shared_read``). A chunk is the unit of a read (it is checksummed whole), so
     such a box is cut into chunks of at most ``1/h`` of it, though not below
     ``SHARED_CHUNK_MIN_BYTES``: then a restore on as many processes reads each byte once.
     """

@@ -3,6 +3,10 @@
 Adapted from PyTorch DCP's ``DefaultLoadPlanner`` (its ``_narrow`` becomes a box read): for each
 *distinct* target shard on this host the planner asks storage for exactly that box of the saved
 array, and tensorstore reads only the chunks the box overlaps.
+
+The checks that refuse a target which does not fit the checkpoint, with their messages, live in
+``jaxckpt._planning.mismatch``; the sharding under which several processes share the read of a
+box, in ``jaxckpt._planning.shared_read``.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt._errors import DtypeMismatchError, KeyMismatchError, ManifestError, ShapeMismatchError
+from jaxckpt._errors import KeyMismatchError
 from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.plan import LoadPlan, ReadItem, index_to_box
+from jaxckpt._planning import mismatch as _mismatch
+from jaxckpt._planning import shared_read as _shared_read
 from jaxckpt._planning import tree as _tree
 from jaxckpt._runtime import placement as _placement
 
@@ -155,13 +161,13 @@ class DefaultLoadPlanner(LoadPlanner):
             missing = sorted(in_target - set(saved))
             unexpected = sorted(set(wanted) - set(tkeys))
             if missing or unexpected:  # None against an empty node is no mismatch
-                missing, unexpected = _empty_alike(
+                missing, unexpected = _mismatch.empty_alike(
                     missing, unexpected, manifest, target, self.targets
                 )
             if strict and (missing or unexpected):
-                raise KeyMismatchError(_key_message(missing, unexpected))
+                raise KeyMismatchError(_mismatch.key_message(missing, unexpected))
             if missing:  # strict=False: they come back as the target holds them; say so
-                logger.warning(_kept_message(missing, unexpected, self.targets))
+                logger.warning(_mismatch.kept_message(missing, unexpected, self.targets))
             self.selected = in_target & set(saved)
         self.wants = {}  # key -> (dtype to return, sharding | _HOST)
         order = {k: i for i, k in enumerate(saved)}
@@ -170,12 +176,8 @@ class DefaultLoadPlanner(LoadPlanner):
         self._via = {}  # key -> the sharding it is read under, when reads are shared
         if self.share_reads and jax.process_count() > 1:
             for key, (_, where) in self.wants.items():
-                entry = manifest.entries[key]
                 if isinstance(where, jax.sharding.Sharding):
-                    # The unit of a read: a chunk (a packed array's is its whole self, so it is
-                    # never split), or where parts are read alone (safetensors) a row.
-                    unit = (1, *entry.shape[1:]) if entry.partial_reads else tuple(entry.chunks)
-                    via = _shared_read_sharding(tuple(entry.shape), unit, where)
+                    via = _shared_read.read_sharding(manifest.entries[key], where)
                     if via is not None:
                         self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
@@ -188,39 +190,28 @@ class DefaultLoadPlanner(LoadPlanner):
         if leaf is None or isinstance(leaf, (int, float, bool, str)):
             return dtype, _HOST
         if isinstance(leaf, jax.sharding.Sharding):
-            return _device_dtype(key, dtype, f"on disk: {entry.dtype}", self.allow_dtype_cast), leaf
+            found = f"on disk: {entry.dtype}"
+            return _mismatch.device_dtype(key, dtype, found, self.allow_dtype_cast), leaf
         shape, tdtype = tuple(leaf.shape), leaf.dtype
         sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, np.ndarray) else None
         if isinstance(leaf, jax.Array) and not leaf.committed:  # e.g. optax's jnp.zeros count
             sharding = _UNCOMMITTED
         if isinstance(leaf, jax.ShapeDtypeStruct) and sharding is None:  # plain jax.eval_shape
             sharding = _UNCOMMITTED  # a jax.Array on the default device, as jnp would make it
-        if not entry.prng_impl and jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
-            raise DtypeMismatchError(
-                f"Key {key!r}: in `target` a PRNG key array, on disk plain {entry.dtype}"
-                f"{list(entry.shape)} data with no key implementation recorded (key data saved "
-                f"as an array, or an Orbax checkpoint without array metadata). Restore it with "
-                f"None at this key and wrap it: jax.random.wrap_key_data(x, impl=...)."
-            )
+        _mismatch.check_prng_target(key, entry, shape, tdtype)
         if entry.prng_impl:
-            if not jax.dtypes.issubdtype(tdtype, jax.dtypes.prng_key):
-                raise DtypeMismatchError(
-                    f"Key {key!r}: on disk a PRNG key array ({entry.prng_impl}), in `target` "
-                    f"dtype {tdtype}. Use a key array (jax.random.key) or None as the target."
-                )
-            if shape != entry.shape[: len(shape)] or len(entry.shape) != len(shape) + 1:
-                raise _shape_error(key, shape, entry.shape[:-1])
             return dtype, sharding or _HOST
         if shape != entry.shape:
-            raise _shape_error(key, shape, entry.shape)
+            raise _mismatch.shape_error(key, shape, entry.shape)
         if np.dtype(tdtype) != dtype:
             if not self.allow_dtype_cast:
-                raise _dtype_error(key, np.dtype(tdtype), dtype)
+                raise _mismatch.dtype_error(key, np.dtype(tdtype), dtype)
             dtype = np.dtype(tdtype)
         if sharding is None:  # a numpy target: the host keeps every dtype
             return dtype, _HOST
         # Without a cast ``dtype`` is the saved one here (a mismatch raised above).
-        return _device_dtype(key, dtype, f"on disk: {entry.dtype}", self.allow_dtype_cast), sharding
+        found = f"on disk: {entry.dtype}"
+        return _mismatch.device_dtype(key, dtype, found, self.allow_dtype_cast), sharding
 
     def _value_want(self, key: str, entry: Any, leaf: Any) -> tuple[Any, Any]:
         """A saved Python value: returned as it is, or into a scalar array target (e.g. the
@@ -231,27 +222,14 @@ class DefaultLoadPlanner(LoadPlanner):
         value, dtype = entry.value, np.dtype(leaf.dtype)
         asked = dtype
         if tuple(leaf.shape) != () or value is None or isinstance(value, str):
-            raise ShapeMismatchError(
-                f"Key {key!r}: the target holds an array of shape {tuple(leaf.shape)} but the "
-                f"checkpoint a Python value ({value!r}). Use a Python value or None at this key "
-                f"in `target` (a number also restores into a scalar array target, shape ())."
-            )
+            raise _mismatch.value_shape_error(key, tuple(leaf.shape), value)
         sharding = None if isinstance(leaf, np.ndarray) else getattr(leaf, "sharding", None)
         if sharding is None or (isinstance(leaf, jax.Array) and not leaf.committed):
             sharding = _HOST if isinstance(leaf, np.ndarray) else _UNCOMMITTED
         if sharding is not _HOST:
             found = f"in `target`: {dtype.name} (a scalar array, for the Python {value!r})"
-            dtype = _device_dtype(key, dtype, found, self.allow_dtype_cast)
-        problem = _scalar_problem(value, dtype, self.allow_dtype_cast)
-        if problem and dtype != asked:  # cast to what jax places (jax_enable_x64 off)
-            problem += f" (jax places {asked.name} as {dtype.name} while jax_enable_x64 is off)"
-        if problem:
-            cast = "pass planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast, or "
-            raise DtypeMismatchError(
-                f"Key {key!r}: on disk the Python {type(value).__name__} {value!r}, in `target` a "
-                f"scalar array of dtype {asked.name}: {problem}. Use a target dtype of the value's kind, "
-                f"{'' if self.allow_dtype_cast else cast}a Python value or None at this key."
-            )
+            dtype = _mismatch.device_dtype(key, dtype, found, self.allow_dtype_cast)
+        _mismatch.check_scalar(key, value, asked, dtype, self.allow_dtype_cast)
         return dtype, sharding
 
     # 2.
@@ -281,7 +259,7 @@ class DefaultLoadPlanner(LoadPlanner):
                 items.append(ReadItem(key, offsets, sizes, tuple(devs)))
             if len(by_box) == 1 and next(iter(by_box))[1] == entry.shape:
                 self._whole.add(key)  # replicated on this host: placed by one batched put too
-            elif _even(where, entry.shape, by_box) and _default_memory(where):
+            elif _even(where, entry.shape, by_box) and _shared_read.default_memory(where):
                 nbytes = sum(math.prod(sizes) for _, sizes in by_box) * self.wants[key][0].itemsize
                 self.placement.expect_array(key, entry.shape, where, len(by_box), nbytes)
         self.plan = LoadPlan(tuple(items))
@@ -353,64 +331,6 @@ class DefaultLoadPlanner(LoadPlanner):
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def _device_dtype(key: str, dtype: np.dtype, found: str, cast: bool) -> np.dtype:
-    """The dtype an array of ``dtype`` has on a device: jax's canonical one (``int64`` becomes
-    ``int32``, ``float64`` ``float32``, ... while ``jax_enable_x64`` is off), where ``cast`` is
-    asked for; else ``dtype`` itself, which jax must place as it is.
-
-    Raises:
-      DtypeMismatchError: jax would place ``dtype`` as another (the values would change
-        silently: wrap around, overflow to inf, lose precision), and ``cast`` is false.
-    """
-    placed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-    if placed == dtype or cast:
-        return placed
-    raise DtypeMismatchError(
-        f"Key {key!r}: dtype {found}, but jax would place it on the device as {placed.name} "
-        f"(jax_enable_x64 is off, so jax has no {dtype.name} arrays): the values would change "
-        f"silently. Enable it with jax.config.update('jax_enable_x64', True) before creating "
-        f"arrays to restore {dtype.name} exactly, or pass "
-        f"planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast to {placed.name} "
-        f"deliberately (None at this key restores it on the host, unchanged)."
-    )
-
-
-def _dtype_error(key: str, target: np.dtype, saved: np.dtype) -> DtypeMismatchError:
-    """The target asks for ``target``, the checkpoint holds ``saved``; where the target is
-    what jax made of ``saved`` with ``jax_enable_x64`` off, say so."""
-    x64 = ""
-    if target == jax.dtypes.canonicalize_dtype(saved) != saved:
-        x64 = (
-            f" A {target.name} target for {saved.name} data is what jax makes while "
-            f"jax_enable_x64 is off: enable it with jax.config.update('jax_enable_x64', True) "
-            f"before creating the target to restore {saved.name} exactly."
-        )
-    return DtypeMismatchError(
-        f"Key {key!r}: dtype in `target`: {target.name}, on disk: {saved.name}. Pass "
-        f"planner=jaxckpt.DefaultLoadPlanner(allow_dtype_cast=True) to cast, or fix the "
-        f"target's dtype.{x64}"
-    )
-
-
-def _scalar_problem(value: Any, dtype: np.dtype, cast: bool) -> str | None:
-    """Why a saved Python scalar cannot become a 0-d array of ``dtype`` (``None``: it can).
-
-    Of the value's kind it always can (bool -> bool, int -> any integer dtype that holds it,
-    float -> any float or complex dtype); across kinds only with ``cast``.
-    """
-    if dtype.kind not in "biufc":
-        return "not a numeric dtype"
-    if isinstance(value, bool):
-        ok, kind = dtype.kind == "b", "bool"
-    elif isinstance(value, int):
-        if dtype.kind in "iu" and not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
-            return f"{value} does not fit in {dtype.name}"
-        ok, kind = dtype.kind in "iu", "an integer dtype"
-    else:
-        ok, kind = dtype.kind in "fc", "a float or complex dtype"
-    return None if ok or cast else f"{dtype.name} is not {kind}"
-
-
 def _scalar(value: Any, dtype: np.dtype, where: Any, weak: bool) -> Any:
     """A saved Python scalar as a 0-d array of ``dtype`` where the target wants it; weakly typed
     when the target is (``jax.eval_shape`` of a Python int) and JAX gives the value ``dtype``."""
@@ -439,184 +359,6 @@ def _even(sharding: Any, shape: tuple[int, ...], boxes: Any) -> bool:
     return all(tuple(sizes) == want for _, sizes in boxes)
 
 
-def _default_memory(sharding: Any) -> bool:
-    """Whether ``sharding`` is in its devices' default memory (host memory kinds keep the
-    per-box placement, which names the kind for each device)."""
-    kind = sharding.memory_kind
-    return kind is None or kind == next(iter(sharding.device_set)).default_memory().kind
-
-
-def shared_read_dim(shape: tuple[int, ...], chunks: tuple[int, ...], n: int) -> int | None:
-    """The dimension a shared read splits over ``n`` devices: the first that the chunk grid
-    ``chunks`` (the unit of a read) splits and ``n`` divides, or ``None``.
-
-    Only a dimension of several chunks: a chunk is read whole, so splitting one chunk between
-    processes would not save a byte, only add the all-gather.
-    """
-    if math.prod(shape) == 0:
-        return None
-    dims = [d for d in range(len(shape)) if chunks[d] < shape[d] and shape[d] % n == 0]
-    return dims[0] if dims else None
-
-
-@functools.lru_cache(maxsize=1024)  # O(devices) per call: once per distinct layout
-def _shared_read_sharding(shape: tuple[int, ...], chunks: tuple[int, ...], where: Any) -> Any:
-    """A sharding that splits one dimension over all of ``where``'s devices, if ``where`` puts
-    one box on devices of several processes (else ``None``): read under it, each byte is read
-    once.
-
-    The dimension is one the saved chunk grid splits (:func:`shared_read_dim`): a chunk is the
-    unit of a read, and the save cuts a shared box into a chunk per process along it.
-    """
-    # Each process's devices side by side: its share is one run along that dimension, which is
-    # whole chunks when the save cut the array into a chunk per process
-    # (jaxckpt._planning.global_plan.chunk_limit).
-    devices = sorted(where.device_set, key=lambda d: (d.process_index, d.id))
-    dim = shared_read_dim(shape, chunks, len(devices))
-    if dim is None:
-        return None
-    if not _default_memory(where):
-        return None  # the reshard runs a computation: keep host memory kinds out of it
-    holders = collections.defaultdict(set)
-    for d, index in where.devices_indices_map(shape).items():
-        holders[index_to_box(index, shape)].add(d.process_index)
-    if all(len(p) == 1 for p in holders.values()):
-        return None
-    mesh = jax.sharding.Mesh(np.array(devices), ("jaxckpt_read",))
-    spec = (None,) * dim + ("jaxckpt_read",)
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-
-
 @functools.cache
 def _devices() -> dict[int, Any]:
     return {d.id: d for d in jax.devices()}
-
-
-def _shape_error(key: str, target: tuple, saved: tuple) -> ShapeMismatchError:
-    return ShapeMismatchError(
-        f"Key {key!r}: shape in `target`: {target}, on disk: {tuple(saved)}. Restore with a "
-        f"target of the saved shape (or a bare Sharding, which takes shape from the checkpoint)."
-    )
-
-
-def _empty_alike(
-    missing: list[str], unexpected: list[str], manifest: Manifest, target: Any, leaves: dict
-) -> tuple[list[str], list[str]]:
-    """``missing`` and ``unexpected`` less the keys where one side holds ``None`` and the
-    other an empty node (optax's ``EmptyState()``, ``{}``, ``()``).
-
-    Both hold no data, and JAX itself treats ``None`` as an empty subtree; Orbax records every
-    empty node as a ``None`` placeholder and restores it into whichever the target holds.
-    """
-    saved = manifest.entries
-    unexpected = [
-        k
-        for k in unexpected
-        if isinstance(saved[k], ArrayEntry)
-        or saved[k].value is not None
-        or not _tree.is_empty_at(target, k)
-    ]
-    if missing:
-        empty = _tree.empty_paths(manifest.tree)
-        missing = [k for k in missing if not (leaves[k] is None and k in empty)]
-    return missing, unexpected
-
-
-def _key_message(missing: list[str], unexpected: list[str]) -> str:
-    parts = []
-    if missing:
-        parts.append(
-            f"{len(missing)} key(s) in `target` missing from the checkpoint: {missing[:5]!r}"
-        )
-    if unexpected:
-        parts.append(
-            f"{len(unexpected)} key(s) in the checkpoint not in `target`: {unexpected[:5]!r}"
-        )
-    fix = _wrapper_hint(missing, unexpected) or (
-        "Pass strict=False to restore the keys both have (others keep the target's leaf), "
-        "or keys=[...] to pick a subset."
-    )
-    return "; ".join(parts) + ". " + fix
-
-
-def _kept_message(missing: list[str], unexpected: list[str], targets: dict[str, Any]) -> str:
-    kinds = (jax.ShapeDtypeStruct, jax.sharding.Sharding)
-    abstract = [k for k in missing if isinstance(targets[k], kinds)]
-    msg = (
-        f"restore(strict=False): {len(missing)} key(s) in `target` are not in the checkpoint and "
-        f"come back as the target holds them: {missing[:5]!r}."
-    )
-    if abstract:
-        msg += (
-            f" {len(abstract)} of them are abstract (ShapeDtypeStruct or Sharding), not arrays: "
-            f"{abstract[:5]!r}; initialise them before use."
-        )
-    hint = _wrapper_hint(missing, unexpected)
-    return f"{msg} {hint}" if hint else msg
-
-
-def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
-    """'Did you mean' when every mismatched key differs by one wrapper suffix ('' otherwise)."""
-    found = _tree.wrapper_suffix(missing, unexpected)
-    if found is None:
-        return ""
-    suffix, saved_wrapped = found
-    more = f", and {len(missing) - 1} more alike" if len(missing) > 1 else ""
-    m = missing[0]
-    pair = f"{m!r} -> {m + suffix!r}" if saved_wrapped else f"{m!r} -> {m[: -len(suffix)]!r}"
-    boxes = (
-        "flax's nn.Partitioned and nnx Variables keep the array at '.../value'"
-        if suffix.endswith("value")
-        else f"a wrapper node keeps the array at '...{suffix}'"
-    )
-    if saved_wrapped:
-        return (
-            f"Did you mean (target -> checkpoint) {pair}{more}? The keys differ only by the "
-            f"suffix {suffix!r}: the checkpoint holds wrapped leaves ({boxes}), the target plain "
-            f"ones. Restore into a target wrapped the same way (e.g. jax.eval_shape(model.init, "
-            f"...) before nn.unbox, or nnx.state(nnx.eval_shape(...))), then unwrap the result "
-            f"(nn.unbox, nnx.to_pure_dict); strict=False would restore none of these keys."
-        )
-    return (
-        f"Did you mean (target -> checkpoint) {pair}{more}? The keys differ only by the suffix "
-        f"{suffix!r}: the target holds wrapped leaves ({boxes}), the checkpoint plain ones. "
-        f"Restore into the plain form (nn.unbox(target), or nnx.to_pure_dict(state)), then put "
-        f"the result back (nnx.replace_by_pure_dict(state, restored)); strict=False would "
-        f"restore none of these keys."
-    )
-
-
-def check_prng_keys(manifest: Manifest, where: str) -> None:
-    """Refuse PRNG key entries whose ``prng_impl`` jax does not know, or whose key data does not
-    fit it (``jaxckpt._format`` checks the impls jax ships without importing jax).
-
-    Raises:
-      ManifestError: naming the key and the impl.
-    """
-    for key, e in manifest.entries.items():
-        impl = getattr(e, "prng_impl", None)
-        if not impl:
-            continue
-        key_shape = _prng_key_shape(impl)
-        problem = (
-            f"names prng_impl {impl!r}, which this jax does not know (registered: "
-            f"{sorted(_manifest.PRNG_KEY_SHAPES)} and any made with "
-            f"jax.extend.random.define_prng_impl)"
-            if key_shape is None
-            else _manifest.prng_problem(impl, e.shape, e.dtype, key_shape)
-        )
-        if problem:
-            raise ManifestError(
-                f"{where}: entry {key!r} {problem}. The manifest is damaged, or was written with "
-                f"a PRNG implementation this program has not registered; nothing was read."
-            )
-
-
-@functools.cache
-def _prng_key_shape(impl: str) -> tuple[int, ...] | None:
-    """The key data shape of jax's PRNG ``impl`` (traced, nothing runs); ``None`` if unknown."""
-    try:
-        out = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
-    except (ValueError, TypeError, KeyError):
-        return None
-    return tuple(out.shape)
