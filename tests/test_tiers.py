@@ -33,7 +33,7 @@ from groups import run_group
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxckpt
-from jaxckpt._manager import local_part, tiers
+from jaxckpt._manager import local_part, tier_choice, tiers
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
 GROUP_TIMEOUT_S = 240
@@ -244,25 +244,25 @@ def _posted(parts, target="L", persistent=(0,)):
 
 def test_choose_newest_complete_local_step():
     both = [[5, 0, "a", "L"], [5, 1, "a", "L"]]
-    c = tiers.choose(2, _posted([[both[0]], [both[1]]]))
+    c = tier_choice.choose(2, _posted([[both[0]], [both[1]]]))
     assert (c["tier"], c["step"], c["fetch"]) == ("local", 5, {})
     # Part 1 only on process 0: process 1 fetches it from there.
-    c = tiers.choose(2, _posted([both, []]))
+    c = tier_choice.choose(2, _posted([both, []]))
     assert (c["tier"], c["step"], c["fetch"]) == ("local", 5, {"1": 0})
     # Newer but incomplete: the older whole step.
     newer = [[6, 0, "a", "L"]]
-    c = tiers.choose(2, _posted([[*both, *newer], []]))
+    c = tier_choice.choose(2, _posted([[*both, *newer], []]))
     assert (c["tier"], c["step"]) == ("local", 5)
 
 
 def test_choose_never_mixes_saves_or_layouts():
     mixed = [[[5, 0, "a", "L"]], [[5, 1, "b", "L"]]]  # step 5 saved twice (a restart between)
-    c = tiers.choose(2, _posted(mixed, persistent=[0]))
+    c = tier_choice.choose(2, _posted(mixed, persistent=[0]))
     assert (c["tier"], c["step"]) == ("persistent", 0)
     other = [[[5, 0, "a", "M"]], [[5, 1, "a", "M"]]]
-    c = tiers.choose(2, _posted(other))
+    c = tier_choice.choose(2, _posted(other))
     assert (c["tier"], c["step"], c["local_steps"]) == ("persistent", 0, [5])
-    c = tiers.choose(2, _posted(other, target=None, persistent=[]))
+    c = tier_choice.choose(2, _posted(other, target=None, persistent=[]))
     assert c["tier"] is None and "target has no shardings" in c["why"]
 
 
@@ -270,31 +270,31 @@ def test_choose_counts_only_the_newest_save_of_a_step():
     old = [[5, 0, "a", "L"], [5, 1, "a", "L"]]  # step 5, saved whole by save "a"
     # Saved again by "b" (later), part 1 lost: step 5 is not whole, "a" is never used.
     parts = [[*old, [5, 0, "b", "L"]], [old[1]]]
-    c = tiers.choose(2, _posted(parts, persistent=[0]))
+    c = tier_choice.choose(2, _posted(parts, persistent=[0]))
     assert (c["tier"], c["step"], c["local_steps"]) == ("persistent", 0, [])
-    c = tiers.choose(2, _posted([[*parts[0], [4, 0, "a", "L"]], [*parts[1], [4, 1, "a", "L"]]]))
+    c = tier_choice.choose(2, _posted([[*parts[0], [4, 0, "a", "L"]], [*parts[1], [4, 1, "a", "L"]]]))
     assert (c["tier"], c["step"], c["save"], c["local_steps"]) == ("local", 4, "a", [4])
-    c = tiers.choose(2, _posted(parts, persistent=[]), step=5)
+    c = tier_choice.choose(2, _posted(parts, persistent=[]), step=5)
     assert c["tier"] is None and c["why"] == "no complete local step"
     # "b" whole too: it wins, and only its holders send.
     parts = [[*old, [5, 0, "b", "L"]], [[5, 1, "b", "L"]]]
-    c = tiers.choose(2, _posted(parts))
+    c = tier_choice.choose(2, _posted(parts))
     assert (c["tier"], c["step"], c["save"], c["fetch"]) == ("local", 5, "b", {})
-    c = tiers.choose(2, _posted([[*old, [5, 0, "b", "L"], [5, 1, "b", "L"]], []]))
+    c = tier_choice.choose(2, _posted([[*old, [5, 0, "b", "L"], [5, 1, "b", "L"]], []]))
     assert (c["save"], c["fetch"]) == ("b", {"1": 0})
 
 
 def test_choose_prefers_newer_persistent_and_spreads_senders():
     parts = [[[4, q, "a", "L"] for q in range(4)], [], [], []]
-    c = tiers.choose(4, _posted(parts, persistent=[0, 5]))
+    c = tier_choice.choose(4, _posted(parts, persistent=[0, 5]))
     assert (c["tier"], c["step"]) == ("persistent", 5)
-    c = tiers.choose(4, _posted(parts, persistent=[0, 4]))  # as new: local is faster
+    c = tier_choice.choose(4, _posted(parts, persistent=[0, 4]))  # as new: local is faster
     assert (c["tier"], c["step"]) == ("local", 4)
     two_holders = [[[4, 1, "a", "L"], [4, 2, "a", "L"]], [[4, 3, "a", "L"]], [], []]
     two_holders[1] += [[4, 0, "a", "L"], [4, 2, "a", "L"]]
-    c = tiers.choose(4, _posted(two_holders))
+    c = tier_choice.choose(4, _posted(two_holders))
     assert c["fetch"] == {"0": 1, "1": 0, "2": 0, "3": 1}  # part 2 to the less busy holder
-    assert tiers.choose(4, _posted(parts, persistent=[9]), step=4)["step"] == 4
+    assert tier_choice.choose(4, _posted(parts, persistent=[9]), step=4)["step"] == 4
 
 
 def test_manager_local_tier_single_process(tmp_path, caplog):
@@ -308,11 +308,11 @@ def test_manager_local_tier_single_process(tmp_path, caplog):
         assert mgr.all_steps() == [0, 5, 6, 7] and mgr.latest_step() == 7
         with caplog.at_level(logging.INFO, logger="jaxckpt"):
             _same(mgr.restore(target=_abstract(_state(0))), _state(7))
-        assert mgr.restored_from == tiers.RestoredFrom("local", 7)
+        assert mgr.restored_from == tier_choice.RestoredFrom("local", 7)
         assert "restored step 7 from the local tier" in caplog.text
         # Without shardings the local part cannot be rebuilt: the persistent tier, logged.
         assert mgr.restore()["step"] == 5
-        assert mgr.restored_from == tiers.RestoredFrom("persistent", 5)
+        assert mgr.restored_from == tier_choice.RestoredFrom("persistent", 5)
         assert mgr.restore(6, target=_abstract(_state(0)))["step"] == 6
     run = json.loads((tmp_path / "ckpt" / tiers.RUN_FILE).read_text())["run"]
     marker = json.loads((tmp_path / "local" / f"jaxckpt-{run}" / tiers.MARKER).read_text())
@@ -359,4 +359,4 @@ def test_a_step_saved_again_after_a_rollback_replaces_its_local_part(tmp_path):
         mgr.save(3, state(1003.0), force=True)
         mgr.wait()
         assert float(mgr.restore(target=target)["w"][0, 0]) == 1003.0
-        assert mgr.restored_from == tiers.RestoredFrom("local", 3)
+        assert mgr.restored_from == tier_choice.RestoredFrom("local", 3)

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,22 @@ class Snapshot:
 
 
 def part_name(process: int, count: int) -> str:
+    """The folder of process ``process``'s part (of ``count``) in a local step."""
     return f"part-{process}-of-{count}"
+
+
+_PART = re.compile(r"part-([0-9]+)-of-([0-9]+)")
+
+
+def parse_part(name: str) -> tuple[int, int] | None:
+    """``(process, count)`` of a part's folder ``name``; ``None`` for any other name.
+
+    Example:
+      >>> parse_part("part-1-of-4"), parse_part(".part-1-of-4.tmp-0a1b2c3d")
+      ((1, 4), None)
+    """
+    m = _PART.fullmatch(name)
+    return None if m is None else (int(m[1]), int(m[2]))
 
 
 # -- layouts ------------------------------------------------------------------------------------

@@ -31,43 +31,31 @@ directory is renamed into place):
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import os
-import re
-import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 from jaxckpt._api import SaveHandle, restore, save_async
 from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from jaxckpt._format.manifest import Manifest
-from jaxckpt._format.names import MANIFEST, parse_staging, parse_step, step_name
-from jaxckpt._manager.retention import (
-    METRICS,
-    MetricsFile,
-    json_metrics,
-    referenced,
-    steps_to_delete,
-)
-from jaxckpt._manager.tiers import LocalTier, RestoredFrom
+from jaxckpt._format.names import parse_step, step_name
+from jaxckpt._manager import cleanup as _cleanup
+from jaxckpt._manager import retention as _retention
+from jaxckpt._manager.retention import MetricsFile, Policy, json_metrics, referenced
+from jaxckpt._manager.tier_choice import RestoredFrom
+from jaxckpt._manager.tiers import LocalTier
 from jaxckpt._planning.load_planner import LoadPlanner
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
 from jaxckpt._storage import catalog as _catalog
-from jaxckpt._storage import generations as _generations
-from jaxckpt._storage import holds as _holds
-from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
 from jaxckpt._storage.messages import FULL_HINT, is_full
 
 logger = logging.getLogger("jaxckpt")
-_METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
 
 
 class CheckpointManager:
@@ -157,12 +145,9 @@ class CheckpointManager:
         )
         _check_options(best_mode, local_replicas, read_only=read_only, local=local_directory)
         self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
-        self.max_to_keep = max_to_keep
-        self.keep_every_n_steps = keep_every_n_steps
+        self.policy = Policy(max_to_keep, keep_every_n_steps, best_fn, best_mode)
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
-        self.best_fn = best_fn
-        self.best_mode = best_mode
         self.last_save: SaveHandle | None = None
         if io_timeout is not None:
             io_timeout = _location.positive_seconds(io_timeout, "io_timeout")
@@ -223,13 +208,11 @@ class CheckpointManager:
         if not (force or preempted or step % self.save_interval_steps == 0):
             return local
         record = json_metrics(step, metrics)
-        if self.best_fn is not None and record is not None:
-            float(self.best_fn(record))  # fail here, not in the background, if it cannot rank
+        if self.policy.best_fn is not None and record is not None:
+            float(self.policy.best_fn(record))  # fail here, not in the background
         self._wait_persistent()
         loc = self._loc.join(step_name(step))
-        _refuse_existing(step, loc, self.directory)
-        steps = self.all_steps("persistent") if self.max_to_keep or self.incremental else []
-        self._refuse_doomed(step, record, steps)
+        steps = self._check_new(step, loc, record)
         base = self._base(steps) if self.incremental else None
         with _location.deadline(self._loc.io_timeout):
             handle = save_async(str(loc), tree, base=base, digests=self.incremental)
@@ -244,29 +227,24 @@ class CheckpointManager:
             self.wait()
         return True
 
-    def _refuse_doomed(self, step: int, record: dict[str, Any] | None, steps: list[int]) -> None:
-        """Refuse to save a step that retention would delete as soon as it is committed: one
-        older than the steps it keeps (a rollback that forgot the newer steps). ``steps``:
-        the committed steps, listed now (another process may have added some)."""
-        if self.max_to_keep is None or not steps or step > max(steps):
-            return  # a step newer than every other one is always kept
-        metrics = self._metrics.read() if self.best_fn is not None else {}
-        if record is not None:
-            metrics[str(step)] = record
-        doomed = steps_to_delete(
-            sorted([*steps, step]),
-            max_to_keep=self.max_to_keep,
-            keep_every_n_steps=self.keep_every_n_steps,
-            score=None if self.best_fn is None else lambda s: self._score(metrics.get(str(s))),
-        )
-        if step in doomed:
-            raise CheckpointError(
-                f"Step {step} is older than the steps kept in {self.directory} ({steps}): with "
-                f"max_to_keep={self.max_to_keep} retention would delete it as soon as it is "
-                f"committed, so it is not saved. To go on from an older step (a rollback), "
-                f"delete the newer steps first (CheckpointManager.delete(step)); or save a "
-                f"later step."
+    def _check_new(
+        self, step: int, loc: _location.Location, record: dict[str, Any] | None
+    ) -> list[int]:
+        """Refuse a step saved already, or one retention would delete as soon as it commits;
+        returns the committed steps where saving needs them (retention, incremental)."""
+        if _location.exists(loc):
+            raise CheckpointExistsError(
+                f"Step {step} is already saved in {self.directory} ({loc}). A saved step is "
+                f"never replaced, force=True included (force only skips save_interval_steps). "
+                f"Save a later step, or restore it (CheckpointManager.restore({step})) and go on "
+                f"from there (docs/manager.md, *Going back to an older step*)."
             )
+        policy = self.policy
+        steps = self.all_steps("persistent") if policy.max_to_keep or self.incremental else []
+        if steps and policy.max_to_keep is not None:
+            metrics = self._metrics.read() if policy.best_fn is not None else {}
+            policy.refuse_doomed(step, steps, {**metrics, str(step): record}, self.directory)
+        return steps
 
     def _base(self, steps: list[int]) -> str | None:
         """An incremental save's base: the newest committed (persistent) step, if any."""
@@ -297,7 +275,12 @@ class CheckpointManager:
             metrics = self._metrics.read()
             if record is not None:
                 metrics[str(step)] = record
-            self._apply_retention(metrics, changed=record is not None)
+            steps = self.all_steps("persistent")
+            deleted = _retention.apply(
+                self._loc, self.policy, self._metrics, metrics, steps, changed=record is not None
+            )
+            if deleted and self._loc.local is None and self.incremental:
+                self._clean_up()  # arrays kept for a step deleted now may be referenced no more
         except Exception:  # the step is committed; a failed cleanup must not stop training
             logger.warning(
                 "retention after step %d in %s failed", step, self.directory, exc_info=True
@@ -360,7 +343,7 @@ class CheckpointManager:
         if not self._primary:
             return
         steps = self.all_steps("persistent")
-        keep = self._referenced(s for s in steps if s != step)
+        keep = referenced(self._loc, [step_name(s) for s in steps if s != step])
         metrics = self._metrics.read()
         if str(step) in metrics:
             self._metrics.write({k: v for k, v in metrics.items() if k != str(step)})
@@ -454,7 +437,11 @@ class CheckpointManager:
             self._pending.result()  # its error, if any, is raised by the next save() or wait()
         if self._local is not None:
             self._local.settle()
-            return self._restore_tiered(step, target, keys=keys, strict=strict, planner=planner)
+            persistent = self.all_steps("persistent")
+            tree, self.restored_from = self._local.restore_newest(
+                step, target, persistent, keys=keys, strict=strict, planner=planner
+            )
+            return tree
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -478,46 +465,6 @@ class CheckpointManager:
             )
         self.restored_from = RestoredFrom("persistent", step)
         return tree
-
-    def _restore_tiered(
-        self, step: int | None, target: Any, *, keys: Any, strict: bool, planner: Any
-    ) -> Any:
-        """The newest step (or ``step``) that some tier holds whole; the local tier when it
-        is as new as the persistent one (it is the faster copy). Every process calls it."""
-        assert self._local is not None
-        persistent = self.all_steps("persistent")
-        usable = keys is None and planner is None  # the local tier rebuilds whole targets only
-        choice = self._local.agree(target if usable else None, persistent, step)
-        if choice["tier"] == "local":
-            tree = self._local.restore(choice, target)
-            if tree is not None:
-                peers = tuple(sorted(int(q) for q in choice["fetch"]))
-                self.restored_from = RestoredFrom("local", choice["step"], peers)
-                logger.info(
-                    "restored step %d from the local tier%s",
-                    choice["step"],
-                    f" (parts of processes {list(peers)} from their replicas)" if peers else "",
-                )
-                return tree
-            choice = {"tier": "persistent", "step": choice["fallback"], "why": "see above"}
-        if choice["tier"] is None or choice["step"] is None:
-            raise CheckpointNotFoundError(
-                f"No committed step{'' if step is None else f' {step}'} in {self.directory} "
-                f"or its local tier ({choice.get('why')}): nothing to restore. Start from a "
-                f"fresh state (check latest_step() is None first), or point at the right "
-                f"directory."
-            )
-        self.restored_from = RestoredFrom("persistent", choice["step"])
-        logger.info(
-            "restored step %d from the persistent tier (%s)", choice["step"], choice.get("why")
-        )
-        return restore(
-            str(self._loc.join(step_name(choice["step"]))),
-            target,
-            keys=keys,
-            strict=strict,
-            planner=planner,
-        )
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -554,6 +501,9 @@ class CheckpointManager:
         except Exception:  # do not hide the error already on its way out
             logger.error("while closing %s after an error", self.directory, exc_info=True)
 
+    def _clean_up(self) -> None:
+        _cleanup.clean_up(self._loc, lambda names: referenced(self._loc, names))
+
     def _check_open(self) -> None:
         if self.read_only:
             raise CheckpointError(
@@ -565,115 +515,6 @@ class CheckpointManager:
             raise CheckpointError(
                 f"The CheckpointManager of {self.directory} is closed; create a new one to save."
             )
-
-    # -- housekeeping (primary process only) ----------------------------------------------------
-
-    def _apply_retention(self, metrics: dict[str, Any], *, changed: bool) -> None:
-        """Write ``metrics`` (without the steps about to go) once, then delete those steps.
-
-        Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
-        rank last and go at the next save; never a kept step without its metrics. What the kept
-        steps reference is read before either: if it cannot be, nothing changes.
-        """
-        steps = self.all_steps("persistent")
-        doomed = steps_to_delete(
-            steps,
-            max_to_keep=self.max_to_keep,
-            keep_every_n_steps=self.keep_every_n_steps,
-            score=None if self.best_fn is None else lambda s: self._score(metrics.get(str(s))),
-        )
-        keep = self._referenced(s for s in steps if s not in doomed) if doomed else {}
-        gone = {str(s) for s in doomed} & set(metrics)
-        if gone or changed:
-            self._metrics.write({k: v for k, v in metrics.items() if k not in gone})
-        for step in doomed:
-            if _catalog.delete(self._loc.join(step_name(step)), keep=keep.get(step_name(step), ())):
-                logger.info("deleted step %d from %s (retention)", step, self.directory)
-        if doomed and self._loc.local is None and self.incremental:
-            self._clean_up()  # arrays kept for a step deleted now may be referenced no more
-
-    def _referenced(self, steps: Iterable[int]) -> dict[str, set[str]]:
-        """What committed ``steps`` reference in other steps (object stores; see retention)."""
-        if self._loc.local is not None:  # local incremental steps hold hard links, not refs
-            return {}
-        return referenced(self._loc, [step_name(s) for s in steps])
-
-    def _score(self, record: Mapping[str, Any] | None) -> float | None:
-        if record is None or self.best_fn is None:
-            return None
-        try:
-            value = float(self.best_fn(record))
-        except Exception:
-            return None
-        return None if math.isnan(value) else (-value if self.best_mode == "min" else value)
-
-    def _clean_up(self) -> None:
-        """Remove what dead saves and interrupted deletes left behind; never a live save's."""
-        if self._loc.local is None:
-            self._clean_up_objects()
-            return
-        root: Path = self._loc.local
-        for p in root.iterdir():
-            staging = parse_staging(p.name)
-            if staging is not None and parse_step(staging[0]) is not None:
-                if not self._clean_up_staging(p, *staging):
-                    continue
-            elif _METRICS_TMP.fullmatch(p.name) and not _lease.local_is_live(p):
-                p.unlink(missing_ok=True)
-            else:
-                continue
-            logger.info("cleaned up %s (left by an interrupted save or delete)", p)
-
-    def _clean_up_staging(self, path: Path, name: str, tag: str, suffix: str) -> bool:
-        """One staging directory of a step: ``False`` (left alone) while its save is live."""
-        root = path.parent
-        save = root / f".{name}.tmp-{tag}"  # the staging directory of the save it belongs to
-        if _lease.local_is_live(save) or (suffix == "-old" and _lease.local_is_live(root / name)):
-            return False
-        if suffix == "-old" and (path / MANIFEST).is_file() and not (root / name).exists():
-            os.rename(path, root / name)  # a crash inside an overwrite: put the old step back
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-        return True
-
-    def _clean_up_objects(self) -> None:
-        """Object stores: the prefixes of steps without a manifest whose save is not live
-        (arrays other steps reference stay), what a save that died right after its commit
-        left in its step, and markers of steps that no longer exist."""
-        listing = _catalog.listing(self._loc)
-        committed = {n for n, keys in listing.items() if MANIFEST in keys}
-        steps = [n for n in listing if parse_step(n) is not None]
-        keep = self._referenced(int(n) for n in steps if n in committed)
-        live = {n for n in steps if self._writing(n, listing[n])}
-        for name in steps:
-            loc = self._loc.join(name)
-            for referrer in _holds.referrers(listing[name]):
-                if referrer not in committed and referrer not in live:
-                    _holds.release(loc, referrer)
-            if name in live:
-                continue
-            if name in committed:
-                if any(_lease.is_lease(k) for k in listing[name]):  # its save died after
-                    self._tidy(loc)
-                continue
-            try:
-                if _catalog.delete(loc, keep=keep.get(name, ())):
-                    logger.info("cleaned up %s (left by an interrupted save or delete)", loc)
-            except CheckpointError as e:  # holds objects jaxckpt did not write: keep
-                logger.warning("not cleaning up %s: %s", loc, e)
-
-    def _tidy(self, loc: _location.Location) -> None:
-        try:
-            manifest = Manifest.from_json(_location.read_manifest(loc))
-        except CheckpointError:  # damaged, or gone since the listing: nothing to tidy
-            return
-        _generations.tidy(loc, manifest)
-        logger.info("cleaned up %s (left by a save interrupted after its commit)", loc)
-
-    def _writing(self, name: str, keys: list[str]) -> bool:
-        """Whether a live save writes into step ``name`` (a fresh ``writer.json`` there)."""
-        loc = self._loc.join(name)
-        return any(_lease.object_is_live(loc, k) for k in keys if _lease.is_lease(k))
 
 
 def _local_tier(
@@ -692,16 +533,6 @@ def _check_counts(**counts: int | None) -> None:
     for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-
-
-def _refuse_existing(step: int, loc: _location.Location, directory: str) -> None:
-    if _location.exists(loc):
-        raise CheckpointExistsError(
-            f"Step {step} is already saved in {directory} ({loc}). A saved step is never "
-            f"replaced, force=True included (force only skips save_interval_steps). Save a "
-            f"later step, or restore it (CheckpointManager.restore({step})) and go on from there "
-            f"(docs/manager.md, *Going back to an older step*)."
-        )
 
 
 def _check_options(best_mode: str, local_replicas: int, *, read_only: bool, local: object) -> None:

@@ -1,6 +1,7 @@
 """Which steps a CheckpointManager keeps, and the metrics it ranks them by (JSON, never pickle).
 
-The policy is a free function, :func:`steps_to_delete`, so it can be read and tested alone.
+The policy is a free function, :func:`steps_to_delete`, so it can be read and tested alone;
+:class:`Policy` binds a manager's arguments to it and :func:`apply` carries it out.
 Metrics live in one small file, ``DIR/metrics.json``::
 
     {"format": 1, "steps": {"100": {"loss": 0.31}, "200": {"loss": 0.27}}}
@@ -10,17 +11,26 @@ written whole (a temporary file renamed over it) by the primary process after ea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from jaxckpt._errors import CheckpointNotFoundError, ManifestError, UnsupportedLeafError
+from jaxckpt._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ManifestError,
+    UnsupportedLeafError,
+)
 from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.names import step_name
+from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
 
@@ -60,6 +70,89 @@ def steps_to_delete(
         candidates.sort(key=lambda s: (scores[s] is not None, scores[s] or 0.0, s))
     keep = set(candidates[-max_to_keep:]) | {max(steps)}
     return sorted(s for s in candidates if s not in keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A manager's retention arguments (see ``CheckpointManager``), bound to
+    :func:`steps_to_delete`."""
+
+    max_to_keep: int | None = None
+    keep_every_n_steps: int | None = None
+    best_fn: Callable[[Mapping[str, Any]], float] | None = None
+    best_mode: Literal["min", "max"] = "min"
+
+    def score(self, record: Mapping[str, Any] | None) -> float | None:
+        """Higher is better; ``None`` (ranked last) without metrics or a usable value."""
+        if record is None or self.best_fn is None:
+            return None
+        try:
+            value = float(self.best_fn(record))
+        except Exception:
+            return None
+        return None if math.isnan(value) else (-value if self.best_mode == "min" else value)
+
+    def doomed(self, steps: list[int], metrics: Mapping[str, Any]) -> list[int]:
+        """The steps of ``steps`` retention deletes, given every step's ``metrics``."""
+        score = None if self.best_fn is None else lambda s: self.score(metrics.get(str(s)))
+        return steps_to_delete(
+            sorted(steps),
+            max_to_keep=self.max_to_keep,
+            keep_every_n_steps=self.keep_every_n_steps,
+            score=score,
+        )
+
+    def refuse_doomed(
+        self, step: int, steps: list[int], metrics: dict[str, Any], directory: str
+    ) -> None:
+        """Refuse to save ``step`` if retention would delete it as soon as it is committed:
+        a step older than the ones kept (a rollback that forgot the newer steps).
+
+        Raises:
+          CheckpointError: naming the kept steps and how to roll back.
+        """
+        if self.max_to_keep is None or not steps or step > max(steps):
+            return  # a step newer than every other one is always kept
+        if step in self.doomed([*steps, step], metrics):
+            raise CheckpointError(
+                f"Step {step} is older than the steps kept in {directory} ({steps}): with "
+                f"max_to_keep={self.max_to_keep} retention would delete it as soon as it is "
+                f"committed, so it is not saved. To go on from an older step (a rollback), "
+                f"delete the newer steps first (CheckpointManager.delete(step)); or save a "
+                f"later step."
+            )
+
+
+def apply(
+    run: _location.Location,
+    policy: Policy,
+    metrics_file: MetricsFile,
+    metrics: dict[str, Any],
+    steps: list[int],
+    *,
+    changed: bool,
+) -> list[int]:
+    """Delete the steps ``policy`` dooms among the committed ``steps`` of ``run``, after
+    writing ``metrics`` without them (``changed``: write them even if none goes).
+
+    Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
+    rank last and go at the next save; never a kept step without its metrics. What the kept
+    steps reference (object stores) is read before either: if it cannot be, nothing changes.
+
+    Returns:
+      The steps deleted.
+    """
+    doomed = policy.doomed(steps, metrics)
+    keep = referenced(run, [step_name(s) for s in steps if s not in doomed]) if doomed else {}
+    gone = {str(s) for s in doomed} & set(metrics)
+    if gone or changed:
+        metrics_file.write({k: v for k, v in metrics.items() if k not in gone})
+    deleted = []
+    for step in doomed:
+        if _catalog.delete(run.join(step_name(step)), keep=keep.get(step_name(step), ())):
+            logger.info("deleted step %d from %s (retention)", step, run)
+            deleted.append(step)
+    return deleted
 
 
 def json_metrics(step: int, metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -134,7 +227,9 @@ class MetricsFile:
 
 def referenced(run: _location.Location, steps: Iterable[str]) -> dict[str, set[str]]:
     """The arrays of each step (by name) that the committed ``steps`` of ``run`` reference:
-    ``{held_by: {storage path in it}}`` (incremental steps on object stores; empty elsewhere).
+    ``{held_by: {storage path in it}}`` (incremental steps on object stores; empty elsewhere:
+    local incremental steps hold hard links, not references). The ``held-by`` markers say
+    the same for steps saved since they exist; this also covers older ones.
 
     One manifest read per step. A step whose manifest is damaged (or gone since the listing)
     references nothing here: what it referenced is not kept for it.
@@ -144,6 +239,8 @@ def referenced(run: _location.Location, steps: Iterable[str]) -> dict[str, set[s
         references is unknown, so the caller must delete nothing.
     """
     out: dict[str, set[str]] = {}
+    if run.local is not None:
+        return out
     for name in steps:
         try:
             m = Manifest.from_json(_location.read_manifest(run.join(name)))

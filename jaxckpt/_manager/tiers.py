@@ -29,7 +29,6 @@ replicas included.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -43,120 +42,22 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from jaxckpt._errors import CheckpointError
-from jaxckpt._format.names import staging_name
+from jaxckpt._api import restore
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._format.names import parse_staging, parse_step, staging_name, step_name
 from jaxckpt._manager import local_part as _part
+from jaxckpt._manager.tier_choice import RestoredFrom, choose
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import replication as _replication
 from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
 RUN_FILE = "local-tier.json"  # in the persistent directory
 MARKER = "run.json"
-_STEP = re.compile(r"[0-9]{8}")
-_PART = re.compile(r"part-([0-9]+)-of-([0-9]+)")
-_TMP = re.compile(r"\.part-[0-9]+-of-[0-9]+\.tmp-[0-9a-f]+(-[a-z]+)?")
 _RUN = re.compile(r"[0-9a-f]{16}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoredFrom:
-    """Where ``CheckpointManager.restore()`` found the step it returned.
-
-    Attributes:
-      tier: ``"local"`` (the processes' local parts) or ``"persistent"``.
-      step: the step restored.
-      from_peers: the processes whose local part came from a peer's replica.
-    """
-
-    tier: str
-    step: int
-    from_peers: tuple[int, ...] = ()
-
-
-def choose(
-    count: int, posted: Mapping[int, Mapping[str, Any]], *, step: int | None = None
-) -> dict[str, Any]:
-    """The restore every process makes: which tier and step, and who sends which part to whom.
-
-    Args:
-      count: the number of processes.
-      posted: per process ``{"parts": [[step, part, save, layout], ...], "target": layout or
-        None, "persistent": [steps]}`` (the persistent steps as process 0 sees them count).
-      step: only this step (``None``: the newest).
-
-    Returns:
-      ``{"tier": "local" | "persistent" | None, "step", "save", "fetch": {part: holder},
-      "fallback": persistent step or None, "local_steps": [complete local steps], "why"}``.
-      A local step counts with its newest save only (the greatest save id any process posts
-      for it): if that save is not complete, neither is the step, whole older saves of it
-      or not. A local step wins when it is at least as new as the newest persistent step: it
-      is the faster copy.
-
-    Example:
-      >>> posted = {0: {"parts": [[5, 0, "a", "L"], [5, 1, "a", "L"]], "target": "L",
-      ...               "persistent": [0]},
-      ...           1: {"parts": [], "target": "L", "persistent": [0]}}
-      >>> c = choose(2, posted); c["tier"], c["step"], c["fetch"]
-      ('local', 5, {'1': 0})
-    """
-    holders = _holders(count, posted)
-    targets = {posted[p]["target"] for p in posted}
-    target = targets.pop() if len(targets) == 1 else None
-    complete = sorted(k for k, parts in holders.items() if len(parts) == count)
-    usable = [k for k in complete if k[2] == target and step in (None, k[0])]
-    persistent = [s for s in posted[0]["persistent"] if step in (None, s)]
-    newest = max(persistent, default=None)
-    out: dict[str, Any] = {
-        "tier": None,
-        "fetch": {},
-        "fallback": newest,
-        "local_steps": sorted({k[0] for k in complete}),
-    }
-    if not usable:
-        why = "no complete local step" if not complete else "no complete local step fits"
-        if complete and target is None:
-            why += " (the target has no shardings, or keys=/planner= were given)"
-        out["why"] = why
-    elif newest is not None and newest > usable[-1][0]:
-        out["why"] = f"persistent step {newest} is newer than local step {usable[-1][0]}"
-    else:
-        s, save, layout = usable[-1]
-        out.update(tier="local", step=s, save=save, fetch=_senders(holders[usable[-1]]))
-        return out
-    if newest is not None:
-        out.update(tier="persistent", step=newest)
-    return out
-
-
-def _holders(count: int, posted: Mapping[int, Mapping[str, Any]]) -> dict[tuple, dict]:
-    """``{(step, save, layout): {part: [holders]}}`` of each step's newest save only."""
-    newest: dict[int, str] = {}
-    for p in posted:
-        for s, q, save, _ in posted[p]["parts"]:
-            if 0 <= q < count:
-                newest[s] = max(save, newest.get(s, save))  # later saves' ids sort later
-    holders: dict[tuple, dict[int, list[int]]] = {}
-    for p in sorted(posted):
-        for s, q, save, layout in posted[p]["parts"]:
-            if 0 <= q < count and save == newest[s]:
-                holders.setdefault((s, save, layout), {}).setdefault(q, []).append(p)
-    return holders
-
-
-def _senders(parts: dict[int, list[int]]) -> dict[str, int]:
-    """For each part its owner lacks, the holder that sends it (the least busy one)."""
-    busy: dict[int, int] = {}
-    fetch = {}
-    for q in sorted(parts):
-        if q in parts[q]:
-            continue
-        h = min(parts[q], key=lambda p: (busy.get(p, 0), p))
-        busy[h] = busy.get(h, 0) + 1
-        fetch[str(q)] = h
-    return fetch
 
 
 class LocalTier:
@@ -176,6 +77,7 @@ class LocalTier:
     ) -> None:
         self.process = _distributed.process_index()
         self.count = _distributed.process_count()
+        self.persistent = persistent
         self.interval, self.max_to_keep = interval, max_to_keep
         self.replicas = min(replicas, self.count - 1)
         primary = ""
@@ -234,7 +136,7 @@ class LocalTier:
     def _write_own(self, step: int, snap: _part.Snapshot) -> Path:
         """Write the own part of ``step``; a part of an earlier save of it goes first, so a
         save that fails leaves no part of the step rather than an older one."""
-        path = self.mine / _name(step) / _part.part_name(self.process, self.count)
+        path = self.mine / step_name(step) / _part.part_name(self.process, self.count)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             _catalog.delete(_location.Location(path))  # refuses what jaxckpt did not write
@@ -267,7 +169,7 @@ class LocalTier:
     def _receive(self, step: int, src: int, prefix: str) -> None:
         """Receive process ``src``'s part of ``step`` and commit it here (rename into place);
         a copy of an earlier save of it goes first, received or not."""
-        final = self.mine / _name(step) / _part.part_name(src, self.count)
+        final = self.mine / step_name(step) / _part.part_name(src, self.count)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / staging_name(final.name, uuid.uuid4().hex[:8])
         try:
@@ -311,16 +213,17 @@ class LocalTier:
         """``[step, part, save, layout]`` of every committed part (own or replica) here."""
         out = []
         for sd in sorted(self.mine.iterdir()) if self.mine.is_dir() else []:
-            if not (_STEP.fullmatch(sd.name) and sd.is_dir()):
+            step = parse_step(sd.name)
+            if step is None or not sd.is_dir():
                 continue
             for pd in sorted(sd.iterdir()):
-                m = _PART.fullmatch(pd.name)
-                if not m or int(m[2]) != self.count:
+                part = _part.parse_part(pd.name)
+                if part is None or part[1] != self.count:
                     continue
                 info = _part.read_info(pd)
                 if info is not None and (info.step, info.process, info.process_count) == (
-                    int(sd.name),
-                    int(m[1]),
+                    step,
+                    part[0],
                     self.count,
                 ):
                     out.append([info.step, info.process, info.save, info.layout])
@@ -344,6 +247,50 @@ class LocalTier:
 
         return json.loads(_replication.decide("holdings", json.dumps(mine), decide))
 
+    def restore_newest(
+        self,
+        step: int | None,
+        target: Any,
+        persistent: list[int],
+        *,
+        keys: Any = None,
+        strict: bool = True,
+        planner: Any = None,
+    ) -> tuple[Any, RestoredFrom]:
+        """The newest step (or ``step``) that some tier holds whole: the local tier when it is
+        as new as the persistent one (the faster copy), else ``persistent`` (the committed
+        steps of the persistent directory). Every process calls it.
+
+        Raises:
+          CheckpointNotFoundError: no tier holds a whole step (or ``step``).
+        """
+        usable = keys is None and planner is None  # the local tier rebuilds whole targets only
+        choice = self.agree(target if usable else None, persistent, step)
+        if choice["tier"] == "local":
+            tree = self.restore(choice, target)
+            if tree is not None:
+                peers = tuple(sorted(int(q) for q in choice["fetch"]))
+                logger.info(
+                    "restored step %d from the local tier%s",
+                    choice["step"],
+                    f" (parts of processes {list(peers)} from their replicas)" if peers else "",
+                )
+                return tree, RestoredFrom("local", choice["step"], peers)
+            choice = {"tier": "persistent", "step": choice["fallback"], "why": "see above"}
+        if choice["tier"] is None or choice["step"] is None:
+            raise CheckpointNotFoundError(
+                f"No committed step{'' if step is None else f' {step}'} in {self.persistent} "
+                f"or its local tier ({choice.get('why')}): nothing to restore. Start from a "
+                f"fresh state (check latest_step() is None first), or point at the right "
+                f"directory."
+            )
+        logger.info(
+            "restored step %d from the persistent tier (%s)", choice["step"], choice.get("why")
+        )
+        path = str(self.persistent.join(step_name(choice["step"])))
+        tree = restore(path, target, keys=keys, strict=strict, planner=planner)
+        return tree, RestoredFrom("persistent", choice["step"])
+
     def restore(self, choice: Mapping[str, Any], target: Any) -> Any | None:
         """Fetch the missing parts of the chosen local step and rebuild ``target`` from this
         process's part; ``None`` on every process if any process could not (then the caller
@@ -354,7 +301,7 @@ class LocalTier:
         tree, error = None, ""
         try:
             self._fetch(step, fetch, prefix)
-            path = self.mine / _name(step) / _part.part_name(self.process, self.count)
+            path = self.mine / step_name(step) / _part.part_name(self.process, self.count)
             info = _part.read_info(path)
             if info is None or info.save != choice["save"]:
                 raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
@@ -377,7 +324,7 @@ class LocalTier:
         jobs = []
         for q, h in fetch.items():
             if h == self.process:
-                part = self.mine / _name(step) / _part.part_name(q, self.count)
+                part = self.mine / step_name(step) / _part.part_name(q, self.count)
                 jobs.append(pools.save_pool().submit(_replication.send_dir, f"{prefix}/{q}/", part))
         try:
             if self.process in fetch:
@@ -392,14 +339,14 @@ class LocalTier:
         """Keep the newest ``max_to_keep`` step directories here; delete only jaxckpt's parts
         and temporaries in the older ones (anything else, and its directory, stays)."""
         held = sorted({step for step, *_ in self._holdings()})  # a foreign dir is no step
-        for sd in (self.mine / _name(step) for step in held[: -self.max_to_keep]):
+        for sd in (self.mine / step_name(step) for step in held[: -self.max_to_keep]):
             for child in sd.iterdir():
-                if _PART.fullmatch(child.name) and child.is_dir():
+                if _part.parse_part(child.name) is not None and child.is_dir():
                     try:
                         _catalog.delete(_location.Location(child))
                     except CheckpointError as e:
                         logger.warning("local retention: not deleting %s: %s", child, e)
-                elif _TMP.fullmatch(child.name):
+                elif _is_dead_temporary(child):
                     shutil.rmtree(child, ignore_errors=True)
             try:
                 sd.rmdir()
@@ -410,15 +357,19 @@ class LocalTier:
     def _clean_up(self) -> None:
         """Remove what interrupted saves and transfers left (our temporaries only)."""
         for sd in self.mine.iterdir():
-            if _STEP.fullmatch(sd.name) and sd.is_dir():
+            if parse_step(sd.name) is not None and sd.is_dir():
                 for child in sd.iterdir():
-                    if _TMP.fullmatch(child.name):
+                    if _is_dead_temporary(child):
                         shutil.rmtree(child, ignore_errors=True)
                         logger.info("cleaned up %s (left by an interrupted local save)", child)
 
 
-def _name(step: int) -> str:
-    return f"{step:08d}"
+def _is_dead_temporary(path: Path) -> bool:
+    """A part's staging directory (a save's or a transfer's) that nothing writes into now."""
+    staging = parse_staging(path.name)
+    if staging is None or _part.parse_part(staging[0]) is None:
+        return False
+    return not _lease.local_is_live(path)
 
 
 def _run_id(persistent: _location.Location) -> str:

@@ -1,0 +1,106 @@
+"""What a manager removes when it opens a run directory: the leftovers of dead saves.
+
+A save leaves temporary data until it commits: a hidden staging directory
+``.00000100.tmp-XXXXXXXX`` (local), or objects under a step's prefix without a manifest (object
+stores). A crash leaves the same behind, and an interrupted delete or overwrite leaves
+``-deleted`` and ``-old`` siblings. :func:`clean_up` removes what dead saves left and never a
+live save's data: a save holds a lease until it commits (``jaxckpt._storage.lease``), so a
+second manager opened on a run while another process saves (an evaluator) changes nothing.
+On object stores the arrays other steps reference stay (``jaxckpt._storage.holds``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from jaxckpt._errors import CheckpointError
+from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.names import MANIFEST, parse_staging, parse_step
+from jaxckpt._manager.retention import METRICS
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import generations as _generations
+from jaxckpt._storage import holds as _holds
+from jaxckpt._storage import lease as _lease
+from jaxckpt._storage import location as _location
+
+logger = logging.getLogger("jaxckpt")
+METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
+
+# What committed steps (by name) reference in other steps: {holder: {storage paths}}.
+Referenced = Callable[[Iterable[str]], dict[str, set[str]]]
+
+
+def clean_up(run: _location.Location, referenced: Referenced) -> None:
+    """Remove what dead saves and interrupted deletes left in the run directory ``run``."""
+    if run.local is None:
+        _clean_up_objects(run, referenced)
+        return
+    for p in run.local.iterdir():
+        staging = parse_staging(p.name)
+        if staging is not None and parse_step(staging[0]) is not None:
+            if not _clean_up_staging(p, *staging):
+                continue
+        elif METRICS_TMP.fullmatch(p.name) and not _lease.local_is_live(p):
+            p.unlink(missing_ok=True)
+        else:
+            continue
+        logger.info("cleaned up %s (left by an interrupted save or delete)", p)
+
+
+def _clean_up_staging(path: Path, name: str, tag: str, suffix: str) -> bool:
+    """One staging directory of a step: ``False`` (left alone) while its save is live."""
+    root = path.parent
+    save = root / f".{name}.tmp-{tag}"  # the staging directory of the save it belongs to
+    if _lease.local_is_live(save) or (suffix == "-old" and _lease.local_is_live(root / name)):
+        return False
+    if suffix == "-old" and (path / MANIFEST).is_file() and not (root / name).exists():
+        os.rename(path, root / name)  # a crash inside an overwrite: put the old step back
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _clean_up_objects(run: _location.Location, referenced: Referenced) -> None:
+    """Object stores: the prefixes of steps without a manifest whose save is not live (arrays
+    other steps reference stay), what a save that died right after its commit left in its
+    step, and the markers of steps that no longer exist."""
+    listing = _catalog.listing(run)
+    committed = {n for n, keys in listing.items() if MANIFEST in keys}
+    steps = [n for n in listing if parse_step(n) is not None]
+    keep = referenced(n for n in steps if n in committed)
+    live = {n for n in steps if _writing(run.join(n), listing[n])}
+    for name in steps:
+        loc = run.join(name)
+        for referrer in _holds.referrers(listing[name]):
+            if referrer not in committed and referrer not in live:
+                _holds.release(loc, referrer)
+        if name in live:
+            continue
+        if name in committed:
+            if any(_lease.is_lease(k) for k in listing[name]):  # its save died after
+                _tidy(loc)
+            continue
+        try:
+            if _catalog.delete(loc, keep=keep.get(name, ())):
+                logger.info("cleaned up %s (left by an interrupted save or delete)", loc)
+        except CheckpointError as e:  # holds objects jaxckpt did not write: keep
+            logger.warning("not cleaning up %s: %s", loc, e)
+
+
+def _tidy(loc: _location.Location) -> None:
+    try:
+        manifest = Manifest.from_json(_location.read_manifest(loc))
+    except CheckpointError:  # damaged, or gone since the listing: nothing to tidy
+        return
+    _generations.tidy(loc, manifest)
+    logger.info("cleaned up %s (left by a save interrupted after its commit)", loc)
+
+
+def _writing(loc: _location.Location, keys: list[str]) -> bool:
+    """Whether a live save writes into the step at ``loc`` (a fresh ``writer.json`` there)."""
+    return any(_lease.object_is_live(loc, k) for k in keys if _lease.is_lease(k))
