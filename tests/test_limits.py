@@ -1,6 +1,6 @@
 """What save accepts, restore reads (issue 29.8): one depth limit and one int digit limit,
-shared by both sides (``jaxckpt._format.manifest``); save refuses beyond them, before anything
-is written, with an ``UnsupportedLeafError`` naming where."""
+shared by both sides (``jaxckpt._format.manifest_check``); save refuses beyond them, before
+anything is written, with an ``UnsupportedLeafError`` naming where."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt._format.manifest import MAX_DEPTH, MAX_INT_DIGITS
+from jaxckpt._format.manifest_check import MAX_DEPTH, MAX_INT_DIGITS
 
 
 def _nest(depth: int, leaf, kind: str):

@@ -15,7 +15,8 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxckpt._format.manifest import ArrayEntry, Manifest, PackEntry, ValueEntry, box_key
+from jaxckpt._format.manifest import ArrayEntry, Manifest, PackEntry, ValueEntry
+from jaxckpt._format.manifest_check import box_key
 from jaxckpt._format.names import is_storage_path
 
 PATHS = {"entries", "packs", "digests", "probes", "refs"}  # fields holding storage paths

@@ -1,8 +1,11 @@
 """The manifest: what a checkpoint holds, as frozen dataclasses and versioned JSON.
 
 ``manifest.json`` is written last and is the commit point of a checkpoint; its exact layout is
-specified in ``docs/format.md``. Reading one never runs code: it is parsed as JSON, every field
-is type-checked, and storage paths are confined to the checkpoint's own ``arrays/`` folder.
+specified in ``docs/format.md``. This module owns the ``Manifest``, the format's versions and
+its JSON: ``Manifest.to_json`` writes it, ``Manifest.from_json`` checks its header (format,
+version) and ``manifest_check`` every other field, so that reading one never runs code or
+escapes the checkpoint. The entries are ``entries``' dataclasses and their dtypes are named by
+``dtypes``; the names of both that other layers use are importable from here.
 """
 
 from __future__ import annotations
@@ -10,152 +13,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-import re
-import sys
-from collections.abc import Sequence
-from typing import Any, ClassVar
-
-import ml_dtypes
-import numpy as np
+from typing import Any
 
 from jaxckpt._errors import ManifestError
-from jaxckpt._format.grid import grid_shape
-from jaxckpt._format.names import MANIFEST, is_reference, is_storage_path
+from jaxckpt._format import manifest_check
+from jaxckpt._format.dtypes import dtype_from_name as dtype_from_name
+from jaxckpt._format.dtypes import is_supported_dtype as is_supported_dtype
+from jaxckpt._format.dtypes import storage_dtype_name as storage_dtype_name
+from jaxckpt._format.entries import ArrayEntry as ArrayEntry
+from jaxckpt._format.entries import Entry
+from jaxckpt._format.entries import PackEntry as PackEntry
+from jaxckpt._format.entries import ValueEntry as ValueEntry
+from jaxckpt._format.manifest_check import PRNG_KEY_SHAPES as PRNG_KEY_SHAPES
+from jaxckpt._format.manifest_check import int_digits_over as int_digits_over
+from jaxckpt._format.manifest_check import pack_problems as pack_problems
+from jaxckpt._format.manifest_check import prng_problem as prng_problem
+from jaxckpt._format.names import MANIFEST
 
 FORMAT = "jaxckpt"
 VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
 REFS_VERSION = 3  # 3 adds references to another step's arrays (incremental, object stores)
 VERSIONS = (1, 2, 3)  # the versions this jaxckpt reads
-
-# zarr v3 data types tensorstore writes natively; everything else goes under a carrier.
-_NATIVE = set(
-    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 "
-    "complex128 bfloat16 int4 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e4m3b11fnuz "
-    "float8_e5m2fnuz".split()
-)
-# Logical dtypes stored bit-exactly as an unsigned integer view of the same width.
-_CARRIED = {
-    "uint4",
-    "uint2",
-    "int2",
-    "float4_e2m1fn",
-    "float8_e8m0fnu",
-    "float8_e3m4",
-    "float8_e4m3",
-}
-_MAX_NDIM = 64
-_MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
-
-
-@functools.cache
-def dtype_from_name(name: str) -> np.dtype:
-    """The numpy dtype for a manifest dtype name, refusing anything not on the list."""
-    if name not in _NATIVE and name not in _CARRIED:
-        raise ManifestError(f"dtype {name!r} is not one jaxckpt reads")
-    return np.dtype(getattr(ml_dtypes, name, None) or name)
-
-
-def storage_dtype_name(dtype: np.dtype) -> str:
-    """The dtype the bytes are stored as: the dtype itself, or an unsigned carrier."""
-    name = np.dtype(dtype).name
-    if name in _NATIVE:
-        return name
-    if name in _CARRIED:
-        return f"uint{8 * np.dtype(dtype).itemsize}"
-    raise ValueError(name)
-
-
-def is_supported_dtype(dtype: Any) -> bool:
-    try:
-        return np.dtype(dtype).name in _NATIVE | _CARRIED
-    except TypeError:
-        return False
-
-
-@dataclasses.dataclass(frozen=True)
-class ArrayEntry:
-    """One saved array: a zarr v3 array under ``path`` with a regular chunk grid.
-
-    ``dtype`` is the logical dtype; ``storage_dtype`` what the zarr array holds (they differ
-    only for carried dtypes). ``prng_impl`` is set for PRNG key arrays, whose key data is
-    stored (its trailing dimensions are part of ``shape``). ``sharding`` describes the source
-    layout for humans; restores never depend on it.
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    storage_dtype: str
-    chunks: tuple[int, ...]
-    path: str
-    checksum: str = "crc32c"
-    prng_impl: str | None = None
-    sharding: str | None = None
-    # Packed (version 2): the array's elements are pack[offset : offset + size] of a shared 1-D
-    # pack array at ``path``, in C order; ``chunks`` is then the array's shape (one "chunk").
-    pack: PackEntry | None = None
-    offset: int = 0
-    # Not stored: True for sources whose reads of part of a chunk fetch only that part
-    # (safetensors' entries, a subclass), so a shared restore may split any dimension.
-    partial_reads: ClassVar[bool] = False
-
-    @property
-    def size(self) -> int:
-        """Elements of the array."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole array in its logical dtype."""
-        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
-
-    @property
-    def grid(self) -> tuple[int, ...]:
-        """Chunks along each dimension."""
-        return grid_shape(self.shape, self.chunks)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackEntry:
-    """A 1-D zarr v3 array holding the flattened bytes of several small arrays (version 2).
-
-    Its members are the ``ArrayEntry``s whose ``pack`` is this entry; it is one chunk, or a few.
-    """
-
-    path: str
-    size: int
-    storage_dtype: str
-    chunks: int
-    checksum: str = "crc32c"
-
-    @property
-    def key(self) -> str:
-        """The name storage knows this pack by (never a key path of the tree)."""
-        return f"<pack {self.path}>"
-
-    def as_array(self) -> ArrayEntry:
-        """The pack as a plain 1-D array entry, which storage writes and reads like any other."""
-        return ArrayEntry(
-            key=self.key,
-            shape=(self.size,),
-            dtype=self.storage_dtype,
-            storage_dtype=self.storage_dtype,
-            chunks=(self.chunks,),
-            path=self.path,
-            checksum=self.checksum,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueEntry:
-    """A Python scalar, string or ``None`` stored inline in the manifest."""
-
-    key: str
-    value: int | float | bool | str | None
-
-
-Entry = ArrayEntry | ValueEntry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +45,8 @@ class Manifest:
     created: dict = dataclasses.field(default_factory=dict)
     version: int = VERSION
     packs: dict[str, PackEntry] = dataclasses.field(default_factory=dict)  # by path
-    # Content digests of the stored boxes, by storage path then box (``box_key``): what an
-    # incremental save compares its bytes with. Optional; readers never need them.
+    # Content digests of the stored boxes, by storage path then box (``manifest_check.box_key``):
+    # what an incremental save compares its bytes with. Optional; readers never need them.
     digests: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # Digests of a fixed sample of each large box, same layout: a box whose probe differs from
     # the base's changed, and is written without computing its full digest.
@@ -240,7 +118,11 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str = MANIFEST) -> Manifest:
-        """Parse and validate ``manifest.json``; nothing in it can run code or escape."""
+        """Parse and validate ``manifest.json``; nothing in it can run code or escape.
+
+        The header (format, version) is checked here, every other field by
+        ``manifest_check.fields_from_json``.
+        """
         try:
             doc = json.loads(data)
         except RecursionError:  # nested deeper than the decoder allows: never a real tree
@@ -261,34 +143,18 @@ class Manifest:
                 f"{where} has format version {version!r}; this jaxckpt reads version "
                 f"{' or '.join(map(str, VERSIONS))}. Upgrade jaxckpt to read newer checkpoints."
             )
-        raw = doc.get("entries")
-        if not isinstance(raw, dict):
-            raise ManifestError(f'{where}: "entries" must be an object.')
-        packs = _packs_from_json(doc.get("packs", {}) if version >= 2 else {}, where)
-        entries = {k: _entry_from_json(k, v, where, packs) for k, v in raw.items()}
-        paths = [e.path for e in entries.values() if isinstance(e, ArrayEntry) and not e.pack]
-        paths += packs
-        if len(set(paths)) != len(paths):
-            raise ManifestError(f"{where}: two keys share one storage path.")
-        tree = doc.get("tree")
-        _check_tree(tree, entries, where)
-        created = doc.get("created") if isinstance(doc.get("created"), dict) else {}
-        raise_if_bad_packs(entries, packs, where)
-        stored = set(paths)
-        refs = _refs_from_json(
-            doc.get("refs", {}) if version >= REFS_VERSION else {}, stored, where
+        fields = manifest_check.fields_from_json(
+            doc, where, with_packs=version >= 2, with_refs=version >= REFS_VERSION
         )
-        digests = _digests_from_json(doc.get("digests", {}), stored, where)
-        probes = _digests_from_json(doc.get("probes", {}), stored, where, "probes")
         return cls(
-            tree=tree,
-            entries=entries,
-            created=created,
+            tree=fields.tree,
+            entries=fields.entries,
+            created=fields.created,
             version=version,
-            packs=packs,
-            digests=digests,
-            probes=probes,
-            refs=refs,
+            packs=fields.packs,
+            digests=fields.digests,
+            probes=fields.probes,
+            refs=fields.refs,
         )
 
 
@@ -299,50 +165,6 @@ def storage_entries(manifest: Manifest) -> dict[str, ArrayEntry]:
     }
     out.update((p.key, p.as_array()) for p in manifest.packs.values())
     return out
-
-
-def box_key(offsets: Sequence[int], sizes: Sequence[int]) -> str:
-    """How a box is named in ``Manifest.digests``: ``"0,8+4,8"`` (offsets, then sizes).
-
-    >>> box_key((0, 8), (4, 8)), box_key((), ())
-    ('0,8+4,8', '+')
-    """
-    return ",".join(map(str, offsets)) + "+" + ",".join(map(str, sizes))
-
-
-_BOX = re.compile(r"[0-9,]{0,1300}\+[0-9,]{0,1300}")
-_HEX = re.compile(r"[0-9a-f]{32}")
-
-
-def _digests_from_json(
-    raw: Any, stored: set[str], where: str, field: str = "digests"
-) -> dict[str, dict[str, str]]:
-    if not isinstance(raw, dict):
-        raise ManifestError(f'{where}: "{field}" must be an object.')
-    for path, boxes in raw.items():
-        ok = path in stored and isinstance(boxes, dict)
-        if not ok or not all(
-            isinstance(b, str) and _BOX.fullmatch(b) and isinstance(h, str) and _HEX.fullmatch(h)
-            for b, h in boxes.items()
-        ):
-            raise ManifestError(
-                f"{where}: the {field} of {path!r} are malformed or name no stored array. The "
-                f"manifest is damaged or was not written by jaxckpt; nothing was read."
-            )
-    return raw
-
-
-def _refs_from_json(raw: Any, stored: set[str], where: str) -> dict[str, str]:
-    if not isinstance(raw, dict):
-        raise ManifestError(f'{where}: "refs" must be an object.')
-    for path, target in raw.items():
-        if path not in stored or not is_reference(target):
-            raise ManifestError(
-                f"{where}: reference {path!r} -> {target!r} is not a sibling step's array "
-                f"(../STEP/arrays/NAME). The manifest is damaged or was not written by jaxckpt; "
-                f"nothing was read."
-            )
-    return raw
 
 
 def _entry_to_json(e: Entry) -> dict:
@@ -370,143 +192,6 @@ def _entry_to_json(e: Entry) -> dict:
     return d
 
 
-def _bad(where: str, key: str, what: str) -> ManifestError:
-    return ManifestError(
-        f"{where}: entry {key!r} {what}. The manifest is damaged or was not written by "
-        f"jaxckpt; nothing was read."
-    )
-
-
-def _ints(x: Any) -> bool:
-    return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
-
-
-def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) -> Entry:
-    if not isinstance(d, dict):
-        raise _bad(where, key, "is not an object")
-    if d.get("kind") == "value":
-        return ValueEntry(key, _value_from_json(key, d, where))
-    if d.get("kind") != "array":
-        raise _bad(where, key, f"has unknown kind {d.get('kind')!r}")
-    shape, chunks, path = d.get("shape"), d.get("chunks"), d.get("path")
-    _check_grid(key, shape, chunks, where)
-    if not (type(path) is str and _storage_path_ok(path)):
-        raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
-    dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
-    logical = _dtype_pair(dtype, sdtype) if type(dtype) is str and type(sdtype) is str else None
-    if logical is None:
-        raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}")
-    if isinstance(logical, str):
-        raise _bad(where, key, logical)
-    if math.prod(shape) * logical.itemsize > _MAX_BYTES:
-        raise _bad(where, key, f"claims an absurd size {shape!r}")
-    if math.prod(chunks) * logical.itemsize > _MAX_BYTES:  # a zero-size array's chunks too
-        raise _bad(where, key, f"claims an absurd chunk size {chunks!r}")
-    if d.get("checksum", "crc32c") not in ("crc32c", "none"):
-        raise _bad(where, key, f"has unknown checksum {d.get('checksum')!r}")
-    impl = d.get("prng_impl")
-    if impl is not None and not (isinstance(impl, str) and re.fullmatch(r"[a-z0-9_]+", impl)):
-        raise _bad(where, key, f"has an invalid prng_impl {impl!r}")
-    if impl is not None:
-        problem = prng_problem(impl, tuple(shape), dtype)
-        if problem:
-            raise _bad(where, key, problem)
-    sharding = d.get("sharding")
-    offset = d.get("offset")
-    pack = None if offset is None else _pack_of(key, path, offset, sdtype, shape, packs, where)
-    return ArrayEntry(
-        key=key,
-        shape=tuple(shape),
-        dtype=dtype,
-        storage_dtype=sdtype,
-        chunks=tuple(chunks),
-        path=path,
-        checksum=d.get("checksum", "crc32c"),
-        prng_impl=impl,
-        sharding=sharding if isinstance(sharding, str) else None,
-        pack=pack,
-        offset=offset or 0,
-    )
-
-
-@functools.lru_cache(maxsize=4096)  # bounded: the paths come from a manifest on disk
-def _storage_path_ok(path: str) -> bool:  # cached: the members of a pack share one path
-    return is_storage_path(path)
-
-
-@functools.lru_cache(maxsize=256)  # bounded: a hostile manifest may name any string
-def _dtype_pair(dtype: str, sdtype: str) -> np.dtype | str | None:
-    """The logical dtype of an entry; ``None`` for an unknown name, or why the pair is wrong.
-    Cached: a manifest names a handful of dtypes over thousands of entries."""
-    try:
-        logical = dtype_from_name(dtype)
-        dtype_from_name(sdtype)
-    except ManifestError:
-        return None
-    if sdtype != storage_dtype_name(logical):
-        return f"stores {dtype} as {sdtype}, expected {storage_dtype_name(logical)}"
-    return logical
-
-
-def _check_grid(key: str, shape: Any, chunks: Any, where: str) -> None:
-    if not _ints(shape) or len(shape) > _MAX_NDIM:
-        raise _bad(where, key, f"has an invalid shape {shape!r}")
-    if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
-        raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
-    if any(c > max(s, 1) for s, c in zip(shape, chunks)):  # tensorstore allocates whole chunks
-        raise _bad(where, key, f"has a chunk shape {chunks!r} larger than its shape {shape!r}")
-
-
-def _pack_of(
-    key: str,
-    path: str,
-    offset: Any,
-    sdtype: str,
-    shape: list[int],
-    packs: dict[str, PackEntry],
-    where: str,
-) -> PackEntry:
-    """A packed entry's pack: ``path`` names it, and it holds [offset, offset + size)."""
-    pack = packs.get(path)
-    if type(offset) is not int or offset < 0 or pack is None:
-        raise _bad(where, key, f"has offset {offset!r} into {path!r}, which is not a pack")
-    if pack.storage_dtype != sdtype:
-        raise _bad(where, key, f"is {sdtype} but its pack {path} holds {pack.storage_dtype}")
-    if offset + math.prod(shape) > pack.size:
-        raise _bad(
-            where,
-            key,
-            f"lies at [{offset}, {offset + math.prod(shape)}) outside its "
-            f"pack {path} of {pack.size} elements",
-        )
-    return pack
-
-
-# Key data of the PRNG implementations jax ships: uint32 words per key. Others (registered with
-# jax.extend.random.define_prng_impl) are checked against jax by the load planner.
-PRNG_KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
-
-
-def prng_problem(
-    impl: str, shape: tuple[int, ...], dtype: str, key_shape: tuple[int, ...] | None = None
-) -> str | None:
-    """Why key data of ``shape``/``dtype`` cannot be keys of ``impl`` (``None`` if it can).
-
-    ``key_shape``: the impl's key data shape if known (else :data:`PRNG_KEY_SHAPES`'s).
-    """
-    key_shape = key_shape or PRNG_KEY_SHAPES.get(impl)
-    if dtype != "uint32":
-        return f"is a PRNG key array ({impl}) stored as {dtype}; key data is uint32"
-    if key_shape is not None and (len(shape) < 1 or shape[-len(key_shape) :] != key_shape):
-        return (
-            f"is a PRNG key array ({impl}) of key data shape {list(shape)}, which must end "
-            f"in {list(key_shape)} for {impl}"
-        )
-    if len(shape) < 1:
-        return f"is a PRNG key array ({impl}) with scalar key data; it needs a trailing dimension"
-    return None
-
-
 def _pack_to_json(p: PackEntry) -> dict:
     return {
         "shape": [p.size],
@@ -514,121 +199,3 @@ def _pack_to_json(p: PackEntry) -> dict:
         "chunks": [p.chunks],
         "checksum": p.checksum,
     }
-
-
-def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
-    if not isinstance(raw, dict):
-        raise ManifestError(f'{where}: "packs" must be an object.')
-    packs = {}
-    for path, d in raw.items():
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: pack {path!r} is not an object.")
-        shape, chunks, sdtype = d.get("shape"), d.get("chunks"), d.get("storage_dtype")
-        what = None
-        if not is_storage_path(path):
-            what = "has a storage path outside the checkpoint's arrays/"
-        elif not _ints(shape) or len(shape) != 1 or not _ints(chunks) or len(chunks) != 1:
-            what = f"has an invalid shape {shape!r} or chunk shape {chunks!r} (1-D expected)"
-        elif chunks[0] < 1 or not isinstance(sdtype, str) or sdtype not in _NATIVE:
-            what = f"has an invalid chunk size {chunks!r} or data type {sdtype!r}"
-        elif chunks[0] > max(shape[0], 1):  # tensorstore allocates whole chunks
-            what = f"has a chunk size {chunks!r} larger than its shape {shape!r}"
-        elif shape[0] * dtype_from_name(sdtype).itemsize > _MAX_BYTES:
-            what = f"claims an absurd size {shape!r}"
-        elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
-            what = f"has unknown checksum {d.get('checksum')!r}"
-        if what:
-            raise ManifestError(
-                f"{where}: pack {path!r} {what}. The manifest is damaged or was not written by "
-                f"jaxckpt; nothing was read."
-            )
-        packs[path] = PackEntry(path, shape[0], sdtype, chunks[0], d.get("checksum", "crc32c"))
-    return packs
-
-
-def pack_problems(entries: dict[str, Entry], packs: dict[str, PackEntry]) -> list[str]:
-    """Members outside their pack or overlapping another member, in O(n log n)."""
-    members: dict[str, list[tuple[int, int, str]]] = {}
-    for e in entries.values():
-        if isinstance(e, ArrayEntry) and e.pack is not None and e.size:
-            members.setdefault(e.path, []).append((e.offset, e.offset + e.size, e.key))
-    errors = []
-    for path, spans in members.items():
-        pack = packs.get(path)
-        if pack is None or pack != entries[spans[0][2]].pack:
-            errors.append(f"key {spans[0][2]!r} names pack {path!r}, which the manifest lacks")
-            continue
-        spans.sort()
-        if max(s[1] for s in spans) > pack.size:
-            errors.append(f"a member of pack {path!r} lies outside its {pack.size} elements")
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-            if start < end:
-                errors.append(f"keys {a!r} and {b!r} overlap in pack {path!r}")
-                break
-    return errors
-
-
-def raise_if_bad_packs(entries: dict[str, Entry], packs: dict[str, PackEntry], where: str) -> None:
-    errors = pack_problems(entries, packs)
-    if errors:
-        raise ManifestError(
-            f"{where}: {'; '.join(errors[:5])}. The manifest is damaged or was not written by "
-            f"jaxckpt; nothing was read."
-        )
-
-
-def _value_from_json(key: str, d: dict, where: str) -> Any:
-    kind, v = d.get("type"), d.get("value")
-    if kind == "none":
-        return None
-    if kind == "float" and isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            pass
-    if kind in ("int", "bool", "str") and type(v).__name__ == kind:
-        return v
-    raise _bad(where, key, f"has an invalid value of type {kind!r}")
-
-
-# The deepest tree nesting (a leaf at depth MAX_DEPTH, the root at 0) and the longest int value
-# (decimal digits) a manifest holds. Save refuses more (UnsupportedLeafError) and restore reads
-# up to them: _check_tree and unflatten recurse once per level, well inside Python's recursion
-# limit, and Python's int <-> str conversion (json) refuses longer ints by default.
-MAX_DEPTH = 400
-MAX_INT_DIGITS = 4300  # sys.int_info.default_max_str_digits
-
-
-def int_digits_over(value: int) -> int | None:
-    """The digit limit ``value`` exceeds (``MAX_INT_DIGITS``, or this interpreter's lower
-    ``sys.get_int_max_str_digits()``), or ``None`` if it fits. No str conversion: O(1) mostly."""
-    limit = min(MAX_INT_DIGITS, sys.get_int_max_str_digits() or MAX_INT_DIGITS)
-    return limit if abs(value) >= _power_of_ten(limit) else None
-
-
-@functools.cache
-def _power_of_ten(n: int) -> int:
-    return 10**n
-
-
-def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
-    if depth > MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
-        raise ManifestError(f"{where}: the tree structure is malformed.")
-    kind = node.get("type")
-    if kind == "leaf":
-        if not isinstance(node.get("key"), str) or node.get("key") not in entries:
-            raise ManifestError(f"{where}: the tree names key {node.get('key')!r} with no entry.")
-        return
-    if kind not in ("dict", "list", "tuple", "namedtuple", "node"):
-        raise ManifestError(f"{where}: unknown tree node type {kind!r}.")
-    kids = node.get("children")
-    keys = node.get("keys", [])
-    if not isinstance(kids, list) or not isinstance(keys, list):
-        raise ManifestError(f"{where}: the tree structure is malformed.")
-    if not all(type(k) in (str, int) for k in keys):  # dict keys: what JSON and a tree allow
-        bad = next(k for k in keys if type(k) not in (str, int))
-        raise ManifestError(f"{where}: a {kind} node has key {bad!r}; keys must be str or int.")
-    if kind != "list" and kind != "tuple" and len(keys) != len(kids):
-        raise ManifestError(f"{where}: a {kind} node has {len(keys)} keys, {len(kids)} children.")
-    for child in kids:
-        _check_tree(child, entries, where, depth + 1)

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from jaxckpt._errors import PlanValidationError
+from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import ceil_div
-from jaxckpt._format.manifest import dtype_from_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

@@ -36,13 +36,8 @@ from concurrent.futures import Future
 import numpy as np
 import xxhash
 
-from jaxckpt._format.manifest import (
-    REFS_VERSION,
-    ArrayEntry,
-    Manifest,
-    box_key,
-    storage_entries,
-)
+from jaxckpt._format.manifest import REFS_VERSION, ArrayEntry, Manifest, storage_entries
+from jaxckpt._format.manifest_check import box_key
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
 

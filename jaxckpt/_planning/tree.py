@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxckpt._errors import KeyMismatchError, UnsupportedLeafError
-from jaxckpt._format.manifest import MAX_DEPTH, int_digits_over
+from jaxckpt._format.manifest_check import MAX_DEPTH, int_digits_over
 from jaxckpt._format.names import SEP
 
 
