@@ -10,22 +10,10 @@ Layout (every step is a plain checkpoint: ``jaxckpt.restore(DIR + "/00000100")``
 
 Step directories are zero-padded to 8 digits, so ``ls`` lists them in order.
 
-Crash safety, on top of the commit protocol of ``save`` (a step appears, whole, when its
-directory is renamed into place):
-
-* ``latest_step()``/``all_steps()`` list only directories with a manifest whose name is a step
-  name (``jaxckpt._format.names.step_name``); temporaries are hidden (``.NAME.tmp-XXXX``).
-* a manager created on the directory removes what dead saves left behind, never what a live
-  save is writing (another process's manager, a trainer beside an evaluator): a save holds a
-  lease on its temporary data until it commits (``jaxckpt._storage.lease``).
-  ``read_only=True`` makes a manager that never writes, cleans or deletes: the evaluator's.
-* retention deletes a step by renaming it to a hidden temporary first, so an interrupted
-  delete leaves no half-deleted step, and it never deletes the newest committed step; it runs
-  after this manager's save commits and before its next save starts. On object stores the
-  arrays other steps reference stay (``jaxckpt._storage.holds``): deleting a step, by
-  retention or ``delete``, never breaks another.
-* metrics are JSON, written after the step commits (a crash in between leaves the step
-  without metrics, which best-N retention ranks last).
+Crash safety comes from the commit protocol of ``save`` (a step appears, whole, when it
+commits) and from the other modules here: ``run`` lists only committed steps, ``cleanup``
+removes what dead saves left (never a live save's), ``retention`` deletes a step by making
+it stop being one first and writes metrics after the commit (docs/manager.md, *Crash safety*).
 """
 
 from __future__ import annotations
@@ -38,12 +26,12 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Literal
 
-from jaxckpt._api import SaveHandle, restore, save_async
-from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from jaxckpt._format.names import parse_step, step_name
+from jaxckpt._api import SaveHandle, save_async
+from jaxckpt._errors import CheckpointError
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
-from jaxckpt._manager.retention import MetricsFile, Policy, json_metrics, referenced
+from jaxckpt._manager.retention import Policy, json_metrics, referenced
+from jaxckpt._manager.run import Run
 from jaxckpt._manager.tier_choice import RestoredFrom
 from jaxckpt._manager.tiers import LocalTier
 from jaxckpt._planning.load_planner import LoadPlanner
@@ -51,9 +39,7 @@ from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
-from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
-from jaxckpt._storage.messages import FULL_HINT, is_full
 
 logger = logging.getLogger("jaxckpt")
 
@@ -154,14 +140,15 @@ class CheckpointManager:
         self.io_timeout = io_timeout
         with _location.deadline(io_timeout):
             self._loc = _location.Location(self.directory)
-        self._metrics = MetricsFile(self._loc)
+        self._run = Run(self._loc, self.directory)
+        self._metrics = self._run.metrics
         self._primary = _distributed.process_index() == 0
         self._pending: Future | None = None  # the commit of the save in flight
         self._error: BaseException | None = None
         self._closed = False
         self.read_only = read_only
         if not read_only:
-            _make_directory(self._loc)
+            self._run.make()
             if self._primary:
                 self._clean_up()
         self._watcher = PreemptionWatcher() if save_on_preemption else None
@@ -211,9 +198,11 @@ class CheckpointManager:
         if self.policy.best_fn is not None and record is not None:
             float(self.policy.best_fn(record))  # fail here, not in the background
         self._wait_persistent()
-        loc = self._loc.join(step_name(step))
-        steps = self._check_new(step, loc, record)
-        base = self._base(steps) if self.incremental else None
+        loc = self._run.path(step)
+        listed = self.policy.max_to_keep is not None or self.incremental
+        steps = self._run.steps() if listed else []
+        self._run.check_new(step, self.policy, record, steps)
+        base = str(self._run.path(max(steps))) if self.incremental and steps else None
         with _location.deadline(self._loc.io_timeout):
             handle = save_async(str(loc), tree, base=base, digests=self.incremental)
         self.last_save = handle
@@ -227,35 +216,12 @@ class CheckpointManager:
             self.wait()
         return True
 
-    def _check_new(
-        self, step: int, loc: _location.Location, record: dict[str, Any] | None
-    ) -> list[int]:
-        """Refuse a step saved already, or one retention would delete as soon as it commits;
-        returns the committed steps where saving needs them (retention, incremental)."""
-        if _location.exists(loc):
-            raise CheckpointExistsError(
-                f"Step {step} is already saved in {self.directory} ({loc}). A saved step is "
-                f"never replaced, force=True included (force only skips save_interval_steps). "
-                f"Save a later step, or restore it (CheckpointManager.restore({step})) and go on "
-                f"from there (docs/manager.md, *Going back to an older step*)."
-            )
-        policy = self.policy
-        steps = self.all_steps("persistent") if policy.max_to_keep or self.incremental else []
-        if steps and policy.max_to_keep is not None:
-            metrics = self._metrics.read() if policy.best_fn is not None else {}
-            policy.refuse_doomed(step, steps, {**metrics, str(step): record}, self.directory)
-        return steps
-
-    def _base(self, steps: list[int]) -> str | None:
-        """An incremental save's base: the newest committed (persistent) step, if any."""
-        return str(self._loc.join(step_name(max(steps)))) if steps else None
-
     def _finish(self, step: int, handle: SaveHandle, record: dict[str, Any] | None) -> None:
         """After the commit: log, write metrics and apply retention (the primary process)."""
         try:
             handle.wait()
         except BaseException as e:  # re-raised by the next save() or wait()
-            self._error = self._explain(step, handle, e)
+            self._error = self._run.explain(step, handle.path, e)
             return
         t = handle.timings
         logger.info(
@@ -275,7 +241,7 @@ class CheckpointManager:
             metrics = self._metrics.read()
             if record is not None:
                 metrics[str(step)] = record
-            steps = self.all_steps("persistent")
+            steps = self._run.steps()
             deleted = _retention.apply(
                 self._loc, self.policy, self._metrics, metrics, steps, changed=record is not None
             )
@@ -285,29 +251,6 @@ class CheckpointManager:
             logger.warning(
                 "retention after step %d in %s failed", step, self.directory, exc_info=True
             )
-
-    def _explain(self, step: int, handle: SaveHandle, e: BaseException) -> BaseException:
-        # Specific errors (exists, distributed, ...) pass as they are; plain failures get the
-        # step and the state of the directory.
-        specific = isinstance(e, CheckpointError) and type(e) is not CheckpointError
-        if specific or not isinstance(e, Exception):
-            return e
-        try:
-            latest: int | str | None = self.latest_step("persistent")
-        except Exception:  # the directory itself may be what failed
-            latest = "unknown"
-        where = f"the steps already in {self.directory} are intact (latest: {latest})"
-        if type(e) is CheckpointError:  # storage's own error already says what and why
-            err = CheckpointError(f"Saving step {step} failed. {e} For this manager: {where}.")
-        else:
-            hint = FULL_HINT if is_full(e) else ""
-            err = CheckpointError(
-                f"Saving step {step} to {handle.path} failed: {type(e).__name__}: {e}. {hint}"
-                f"Nothing of step {step} was committed; {where}. Fix the cause and call save() "
-                f"again."
-            )
-        err.__cause__ = e
-        return err
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed and old steps are deleted.
@@ -334,21 +277,10 @@ class CheckpointManager:
         """
         self._check_open()
         self._wait_persistent()
-        loc = self._loc.join(step_name(step))
-        if not _location.exists(loc):
-            raise CheckpointNotFoundError(
-                f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
-                f"Nothing was deleted."
-            )
-        if not self._primary:
-            return
-        steps = self.all_steps("persistent")
-        keep = referenced(self._loc, [step_name(s) for s in steps if s != step])
-        metrics = self._metrics.read()
-        if str(step) in metrics:
-            self._metrics.write({k: v for k, v in metrics.items() if k != str(step)})
-        _catalog.delete(loc, keep=keep.get(step_name(step), ()))
-        logger.info("deleted step %d from %s", step, self.directory)
+        if self._primary:
+            self._run.delete(step)
+        else:
+            self._run.require(step, "Nothing was deleted.")
 
     def _wait_persistent(self) -> None:
         pending, self._pending = self._pending, None
@@ -385,13 +317,7 @@ class CheckpointManager:
             raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
         if tier == "local":
             return [] if self._local is None else self._local.steps()
-        if self.read_only and self._loc.local is not None and not self._loc.local.exists():
-            return []  # an evaluator started before the trainer made the directory
-        steps = sorted(
-            s
-            for s in (parse_step(n) for n, ok in _catalog.children(self._loc) if ok)
-            if s is not None
-        )
+        steps = self._run.steps()
         if tier is None and self._local is not None:
             agreed = self._local.agree(None, steps, None)["local_steps"]
             steps = sorted(set(steps) | set(agreed))
@@ -437,32 +363,12 @@ class CheckpointManager:
             self._pending.result()  # its error, if any, is raised by the next save() or wait()
         if self._local is not None:
             self._local.settle()
-            persistent = self.all_steps("persistent")
+            persistent = self._run.steps()
             tree, self.restored_from = self._local.restore_newest(
                 step, target, persistent, keys=keys, strict=strict, planner=planner
             )
             return tree
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(
-                    f"No committed step in {self.directory}: nothing to restore. Start from a "
-                    f"fresh state (check latest_step() is None first), or point at the right "
-                    f"directory."
-                )
-        elif not _location.exists(self._loc.join(step_name(step))):
-            raise CheckpointNotFoundError(
-                f"Step {step} is not in {self.directory}; committed steps: {self.all_steps()}. "
-                f"Pick one of those (or None for the latest)."
-            )
-        with _location.deadline(self._loc.io_timeout):
-            tree = restore(
-                str(self._loc.join(step_name(step))),
-                target,
-                keys=keys,
-                strict=strict,
-                planner=planner,
-            )
+        tree, step = self._run.restore(step, target, keys=keys, strict=strict, planner=planner)
         self.restored_from = RestoredFrom("persistent", step)
         return tree
 
@@ -542,15 +448,3 @@ def _check_options(best_mode: str, local_replicas: int, *, read_only: bool, loca
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
     if read_only and local is not None:
         raise ValueError("a read_only manager has no local tier: pass local_directory=None")
-
-
-def _make_directory(loc: _location.Location) -> None:
-    if loc.local is None:
-        return
-    try:
-        loc.local.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(
-            f"Cannot create the checkpoint directory {loc.local}: {e}. Check that "
-            f"its parents are directories and writable, or pass another directory."
-        ) from e

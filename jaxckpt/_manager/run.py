@@ -1,0 +1,141 @@
+"""A run directory: its committed steps, one step's path, restoring or deleting one step.
+
+What a ``CheckpointManager`` knows about the directory it saves into, read-only managers
+included: the steps are the sub-directories (or sub-prefixes) whose name is a step name
+(``jaxckpt._format.names.step_name``) and that hold a manifest; metrics live in
+``metrics.json`` (``jaxckpt._manager.retention``). Every call lists afresh, so steps that
+another process commits show up at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from jaxckpt._api import restore
+from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from jaxckpt._format.names import parse_step, step_name
+from jaxckpt._manager.retention import MetricsFile, Policy, referenced
+from jaxckpt._storage import catalog as _catalog
+from jaxckpt._storage import location as _location
+from jaxckpt._storage.messages import FULL_HINT, is_full
+
+logger = logging.getLogger("jaxckpt")
+
+
+class Run:
+    """The run directory at ``loc`` (``directory``: as the user named it, for messages)."""
+
+    def __init__(self, loc: _location.Location, directory: str) -> None:
+        self.loc, self.directory = loc, directory
+        self.metrics = MetricsFile(loc)
+
+    def path(self, step: int) -> _location.Location:
+        return self.loc.join(step_name(step))
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending; none where the local directory does not exist."""
+        if self.loc.local is not None and not self.loc.local.exists():
+            return []  # e.g. an evaluator started before the trainer made the directory
+        found = (parse_step(n) for n, committed in _catalog.children(self.loc) if committed)
+        return sorted(s for s in found if s is not None)
+
+    def make(self) -> None:
+        """Create the (local) directory if it is missing."""
+        if self.loc.local is None:
+            return
+        try:
+            self.loc.local.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"Cannot create the checkpoint directory {self.loc.local}: {e}. Check that "
+                f"its parents are directories and writable, or pass another directory."
+            ) from e
+
+    def check_new(
+        self, step: int, policy: Policy, record: dict[str, Any] | None, steps: list[int]
+    ) -> None:
+        """Refuse ``step`` if it is saved already, or if retention would delete it as soon as
+        it commits (``steps``: the committed steps, listed now).
+
+        Raises:
+          CheckpointExistsError: ``step`` is saved already.
+          CheckpointError: retention would delete it at once (a rollback without deletes).
+        """
+        if _location.exists(self.path(step)):
+            raise CheckpointExistsError(
+                f"Step {step} is already saved in {self.directory} ({self.path(step)}). A saved "
+                f"step is never replaced, force=True included (force only skips "
+                f"save_interval_steps). Save a later step, or restore it "
+                f"(CheckpointManager.restore({step})) and go on from there (docs/manager.md, "
+                f"*Going back to an older step*)."
+            )
+        if steps and policy.max_to_keep is not None:
+            metrics = self.metrics.read() if policy.best_fn is not None else {}
+            policy.refuse_doomed(step, steps, {**metrics, str(step): record}, self.directory)
+
+    def require(self, step: int, then: str) -> None:
+        """Raise ``CheckpointNotFoundError`` (ending in ``then``) unless ``step`` is committed."""
+        if not _location.exists(self.path(step)):
+            raise CheckpointNotFoundError(
+                f"Step {step} is not in {self.directory}; committed steps: {self.steps()}. {then}"
+            )
+
+    def restore(self, step: int | None, target: Any, **kwargs: Any) -> tuple[Any, int]:
+        """Restore ``step`` (``None``: the newest); returns the tree and the step.
+
+        ``kwargs``: ``keys``, ``strict``, ``planner`` of :func:`jaxckpt.restore`.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not ``step``).
+        """
+        if step is None:
+            step = max(self.steps(), default=None)
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"No committed step in {self.directory}: nothing to restore. Start from a "
+                    f"fresh state (check latest_step() is None first), or point at the right "
+                    f"directory."
+                )
+        else:
+            self.require(step, "Pick one of those (or None for the latest).")
+        with _location.deadline(self.loc.io_timeout):
+            return restore(str(self.path(step)), target, **kwargs), step
+
+    def delete(self, step: int) -> None:
+        """Delete the committed ``step`` and its metrics; on object stores what other steps
+        reference stays.
+
+        Raises:
+          CheckpointNotFoundError: ``step`` is not committed.
+        """
+        self.require(step, "Nothing was deleted.")
+        others = [step_name(s) for s in self.steps() if s != step]
+        keep = referenced(self.loc, others)
+        metrics = self.metrics.read()
+        if str(step) in metrics:
+            self.metrics.write({k: v for k, v in metrics.items() if k != str(step)})
+        _catalog.delete(self.path(step), keep=keep.get(step_name(step), ()))
+        logger.info("deleted step %d from %s", step, self.directory)
+
+    def explain(self, step: int, path: str, e: BaseException) -> BaseException:
+        """The error a failed save of ``step`` raises: specific errors (exists, distributed,
+        ...) as they are; others with the step and the state of the directory."""
+        specific = isinstance(e, CheckpointError) and type(e) is not CheckpointError
+        if specific or not isinstance(e, Exception):
+            return e
+        try:
+            latest: int | str | None = max(self.steps(), default=None)
+        except Exception:  # the directory itself may be what failed
+            latest = "unknown"
+        where = f"the steps already in {self.directory} are intact (latest: {latest})"
+        if type(e) is CheckpointError:  # storage's own error already says what and why
+            err = CheckpointError(f"Saving step {step} failed. {e} For this manager: {where}.")
+        else:
+            hint = FULL_HINT if is_full(e) else ""
+            err = CheckpointError(
+                f"Saving step {step} to {path} failed: {type(e).__name__}: {e}. {hint}Nothing "
+                f"of step {step} was committed; {where}. Fix the cause and call save() again."
+            )
+        err.__cause__ = e
+        return err
