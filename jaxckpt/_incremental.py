@@ -1,6 +1,6 @@
 """A save against a base checkpoint: the planner's content decisions, storage's links.
 
-``jaxckpt._planning.incremental`` decides from content which boxes the base already holds;
+``jaxckpt._planning.reuse`` decides from content which boxes the base already holds;
 this module carries those decisions out for one save, on every process:
 
 * **local files**: each process hashes its boxes as they pass to the writer and hard-links the
@@ -22,7 +22,7 @@ import numpy as np
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import ReadItem, WriteItem
-from jaxckpt._planning.incremental import Match, Reuse, Tracker, digest, recorded
+from jaxckpt._planning.reuse import Match, Reuse, Tracker, digest, recorded
 from jaxckpt._runtime.distributed import SaveSync
 from jaxckpt._storage import writer as _storage
 from jaxckpt._storage.location import Location, read_manifest

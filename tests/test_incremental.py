@@ -481,7 +481,7 @@ def test_boxes_that_changed_in_the_base_step_are_resolved_early(tmp_path, use_as
     """Boxes that changed in the base's own step (it took their probe, not their digest) are
     resolved right after the first few unchanged boxes, so their writes overlap the hashing of
     the rest; the order changes nothing that is saved."""
-    from jaxckpt._planning.incremental import HASH_AHEAD_ITEMS
+    from jaxckpt._planning.reuse import HASH_AHEAD_ITEMS
 
     frozen = {f"a{i}": put(BIG, M, "data", "model") for i in range(2)}  # 16 boxes
     for n in (1, 2, 3):

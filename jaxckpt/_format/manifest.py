@@ -24,10 +24,6 @@ from jaxckpt._format.entries import ArrayEntry as ArrayEntry
 from jaxckpt._format.entries import Entry
 from jaxckpt._format.entries import PackEntry as PackEntry
 from jaxckpt._format.entries import ValueEntry as ValueEntry
-from jaxckpt._format.manifest_check import PRNG_KEY_SHAPES as PRNG_KEY_SHAPES
-from jaxckpt._format.manifest_check import int_digits_over as int_digits_over
-from jaxckpt._format.manifest_check import pack_problems as pack_problems
-from jaxckpt._format.manifest_check import prng_problem as prng_problem
 from jaxckpt._format.names import MANIFEST
 
 FORMAT = "jaxckpt"

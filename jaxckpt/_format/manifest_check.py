@@ -32,7 +32,7 @@ from jaxckpt._format.names import is_reference, is_storage_path
 MAX_DEPTH = 400
 MAX_INT_DIGITS = 4300  # sys.int_info.default_max_str_digits
 _MAX_NDIM = 64  # dimensions of an array
-_MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
+MAX_BYTES = 1 << 50  # 1 PiB: larger sizes in a manifest are treated as corruption
 
 
 def int_digits_over(value: int) -> int | None:
@@ -123,9 +123,9 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}")
     if isinstance(logical, str):
         raise _bad(where, key, logical)
-    if math.prod(shape) * logical.itemsize > _MAX_BYTES:
+    if math.prod(shape) * logical.itemsize > MAX_BYTES:
         raise _bad(where, key, f"claims an absurd size {shape!r}")
-    if math.prod(chunks) * logical.itemsize > _MAX_BYTES:  # a zero-size array's chunks too
+    if math.prod(chunks) * logical.itemsize > MAX_BYTES:  # a zero-size array's chunks too
         raise _bad(where, key, f"claims an absurd chunk size {chunks!r}")
     if d.get("checksum", "crc32c") not in ("crc32c", "none"):
         raise _bad(where, key, f"has unknown checksum {d.get('checksum')!r}")
@@ -263,7 +263,7 @@ def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
             what = f"has an invalid chunk size {chunks!r} or data type {sdtype!r}"
         elif chunks[0] > max(shape[0], 1):  # tensorstore allocates whole chunks
             what = f"has a chunk size {chunks!r} larger than its shape {shape!r}"
-        elif shape[0] * dtype_from_name(sdtype).itemsize > _MAX_BYTES:
+        elif shape[0] * dtype_from_name(sdtype).itemsize > MAX_BYTES:
             what = f"claims an absurd size {shape!r}"
         elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
             what = f"has unknown checksum {d.get('checksum')!r}"

@@ -2,7 +2,7 @@
 
 Owns tree flattening (``tree``), shard boxes of a sharding (``layout``), packing decisions
 (``packing``), the global save plan with its validation and cache (``global_plan``),
-incremental reuse (``incremental``), the two planner protocols with their defaults
+incremental reuse (``reuse``: which boxes a base already holds), the two planner protocols with their defaults
 (``save_planner``, ``load_planner``: the numbered call order is written on ``SavePlanner`` and
 ``LoadPlanner``), the checks and messages that say why a restore's target does not fit what is
 on disk (``mismatch``), and the sharding under which processes share the read of a box

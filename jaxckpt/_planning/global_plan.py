@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxckpt._format import dtypes, manifest_check
 from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._format.names import storage_name
@@ -127,7 +128,7 @@ def validate_global_plan(plan: GlobalSavePlan) -> None:
     missing = {k for k, v in m.entries.items() if isinstance(v, ArrayEntry) and v.pack is None}
     missing |= {p.key for p in m.packs.values()}
     missing -= {a.entry.key for a in plan.arrays}
-    errors += _manifest.pack_problems(m.entries, m.packs)
+    errors += manifest_check.pack_problems(m.entries, m.packs)
     errors += [f"key {k!r}: no boxes planned (a gap)" for k in sorted(missing)]
     raise_if(errors)
 
@@ -222,7 +223,7 @@ def _entries(
             key=key,
             shape=shape,
             dtype=dtype.name,
-            storage_dtype=_manifest.storage_dtype_name(dtype),
+            storage_dtype=dtypes.storage_dtype_name(dtype),
             chunks=chunk_shape(lay.box, dtype.itemsize, limit),
             path=storage_name(key, taken),
             prng_impl=prng.get(key),
@@ -249,7 +250,7 @@ def _assign_writers(
         lay = layouts[key]
         e = entries[key]
         writers = balancer.assign(
-            lay, math.prod(lay.box) * _manifest.dtype_from_name(e.dtype).itemsize
+            lay, math.prod(lay.box) * dtypes.dtype_from_name(e.dtype).itemsize
         )
         arrays[key] = ArrayPlan(
             e, lay.box, lay.offsets, lay.processes[writers], lay.device_ids[writers]

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxckpt._errors import DtypeMismatchError, ManifestError, ShapeMismatchError
-from jaxckpt._format import manifest as _manifest
+from jaxckpt._format import manifest_check
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._planning import tree as _tree
 
@@ -272,10 +272,10 @@ def check_prng_keys(manifest: Manifest, where: str) -> None:
         key_shape = _prng_key_shape(impl)
         problem = (
             f"names prng_impl {impl!r}, which this jax does not know (registered: "
-            f"{sorted(_manifest.PRNG_KEY_SHAPES)} and any made with "
+            f"{sorted(manifest_check.PRNG_KEY_SHAPES)} and any made with "
             f"jax.extend.random.define_prng_impl)"
             if key_shape is None
-            else _manifest.prng_problem(impl, e.shape, e.dtype, key_shape)
+            else manifest_check.prng_problem(impl, e.shape, e.dtype, key_shape)
         )
         if problem:
             raise ManifestError(

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxckpt._errors import UnsupportedLeafError
+from jaxckpt._format import dtypes, manifest_check
 from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import Manifest, ValueEntry
 from jaxckpt._format.plan import (
@@ -194,11 +195,11 @@ class DefaultSavePlanner(SavePlanner):
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 self.prng[key] = str(jax.random.key_impl(leaf))
                 leaf = jax.random.key_data(leaf)
-            if not _manifest.is_supported_dtype(leaf.dtype):
+            if not dtypes.is_supported_dtype(leaf.dtype):
                 raise _unsupported(key, leaf, f"dtype {leaf.dtype}")
             return leaf
         if isinstance(leaf, (np.ndarray, np.generic)):
-            if not _manifest.is_supported_dtype(leaf.dtype):
+            if not dtypes.is_supported_dtype(leaf.dtype):
                 raise _unsupported(key, leaf, f"dtype {leaf.dtype}")
             return np.asarray(leaf)
         if leaf is None or type(leaf) in (bool, float, str):
@@ -206,9 +207,11 @@ class DefaultSavePlanner(SavePlanner):
         for base in (bool, int, float, str):  # IntEnum, str-Enum, ...: stored as the base value
             if isinstance(leaf, base):
                 leaf = base.__str__(leaf) if base is str else base(leaf)
-                if base is int and _manifest.int_digits_over(leaf):  # json could not spell it
+                if base is int and manifest_check.int_digits_over(leaf):  # json could not spell it
                     raise _unsupported(
-                        key, leaf, f"an int of more than {_manifest.int_digits_over(leaf)} digits"
+                        key,
+                        leaf,
+                        f"an int of more than {manifest_check.int_digits_over(leaf)} digits",
                     )
                 return leaf
         raise _unsupported(key, leaf, f"type {type(leaf).__name__}")

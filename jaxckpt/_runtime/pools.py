@@ -64,7 +64,7 @@ def stage_pool() -> ThreadPoolExecutor:
 
 
 def hash_pool() -> ThreadPoolExecutor:
-    """The threads that hash boxes for incremental saves (``jaxckpt._planning.incremental``)."""
+    """The threads that hash boxes for incremental saves (``jaxckpt._planning.reuse``)."""
     return _get("jaxckpt-hash", HASH_THREADS)
 
 

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from jaxckpt._format import manifest as _manifest
+from jaxckpt._format import dtypes
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.names import storage_name
 from jaxckpt._format.plan import ReadItem, WriteItem, chunk_boxes
@@ -104,7 +104,7 @@ def convert_checkpoint(
         for off, size in chunk_boxes((0,) * len(e.shape), e.shape, e.chunks)
     ]
     total = sum(
-        math.prod(i.sizes) * _manifest.dtype_from_name(arrays[i.key].dtype).itemsize for i in items
+        math.prod(i.sizes) * dtypes.dtype_from_name(arrays[i.key].dtype).itemsize for i in items
     )
     writer = _storage.Writer(_location.Location(dst), overwrite=overwrite)
     line = _Line(stream, total, progress)
@@ -139,7 +139,7 @@ def _converted(source: Manifest, kind: str, limit: int) -> Manifest:
                 key=key,
                 shape=e.shape,
                 dtype=e.dtype,
-                storage_dtype=_manifest.storage_dtype_name(_manifest.dtype_from_name(e.dtype)),
+                storage_dtype=dtypes.storage_dtype_name(dtypes.dtype_from_name(e.dtype)),
                 chunks=_row_blocks(e, limit),
                 path=storage_name(key, taken),
                 prng_impl=e.prng_impl,
@@ -152,7 +152,7 @@ def _converted(source: Manifest, kind: str, limit: int) -> Manifest:
 
 def _row_blocks(e: ArrayEntry, limit: int) -> tuple[int, ...]:
     """A chunk shape of whole trailing dimensions and as many leading rows as fit ``limit``."""
-    itemsize = _manifest.dtype_from_name(e.dtype).itemsize
+    itemsize = dtypes.dtype_from_name(e.dtype).itemsize
     chunks: list[int] = []
     for i, s in enumerate(e.shape):
         inner = math.prod(e.shape[i + 1 :]) * itemsize

@@ -23,6 +23,7 @@ import tensorstore as ts
 
 from jaxckpt._errors import CorruptChunkError, ManifestError
 from jaxckpt._format.manifest import Manifest, is_supported_dtype
+from jaxckpt._format.manifest_check import MAX_BYTES
 from jaxckpt._format.names import SEP
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._sources.orbax_metadata import (
@@ -42,7 +43,6 @@ from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
 STRINGS = "_strings.json"
 MAX_JSON = 1 << 30
 _MAX_ARRAY_METADATAS = 256 << 20  # ~200 bytes per array
-_MAX_BYTES = 1 << 50
 _ARRAYS = ("jax.Array", "np.ndarray")
 # For the OCDBT database only: without a cache its b-tree nodes would be re-read per array.
 # Arrays open in jaxckpt's own context (no chunk cache).
@@ -94,7 +94,7 @@ def open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manife
             continue
         dtype = store.dtype.numpy_dtype
         shape = tuple(int(s) for s in store.shape)
-        if math.prod(shape) * dtype.itemsize > _MAX_BYTES:
+        if math.prod(shape) * dtype.itemsize > MAX_BYTES:
             raise bad_metadata(loc, f"array {name} claims an absurd shape {shape}")
         chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or shape)
         _check_chunks(loc, name, shape, chunks, dtype.itemsize)
@@ -116,7 +116,7 @@ def _check_chunks(
     a chunk larger than the array (Orbax writes chunks of at most a shard) or absurdly large."""
     if len(chunks) != len(shape) or any(c > max(s, 1) for s, c in zip(shape, chunks)):
         raise bad_metadata(loc, f"array {name} has chunks {chunks} larger than its shape {shape}")
-    if math.prod(chunks) * itemsize > _MAX_BYTES:
+    if math.prod(chunks) * itemsize > MAX_BYTES:
         raise bad_metadata(loc, f"array {name} claims an absurd chunk shape {chunks}")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxckpt._errors import ManifestError
 from jaxckpt._format.manifest import Manifest, ValueEntry
+from jaxckpt._format.manifest_check import MAX_DEPTH
 from jaxckpt._format.names import SEP
 from jaxckpt._sources import orbax as _orbax
 from jaxckpt._sources.orbax_metadata import CHECKPOINT_METADATA, METADATA
@@ -29,7 +30,6 @@ JSON_FILE = "metadata"  # the file name JsonCheckpointHandler writes by default
 COMMIT_FILE = "commit_success.txt"
 _TMP = ".orbax-checkpoint-tmp"
 _MAX_JSON_ITEM = 64 << 20
-_MAX_DEPTH = 400  # as jaxckpt's own manifests: well inside Python's recursion limit
 _ARRAY_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
 _JSON_HANDLERS = ("JsonCheckpointHandler",)
 
@@ -167,8 +167,8 @@ def json_manifest(item: _location.Location, value: Any) -> Manifest:
 
 
 def _json_node(item: _location.Location, v: Any, key: str, entries: dict, depth: int) -> dict:
-    if depth > _MAX_DEPTH:
-        raise _bad_json(item, f"is nested deeper than {_MAX_DEPTH} levels")
+    if depth > MAX_DEPTH:
+        raise _bad_json(item, f"is nested deeper than {MAX_DEPTH} levels")
     if isinstance(v, dict):
         bad = [k for k in v if not k or SEP in k or "\0" in k]
         if bad:

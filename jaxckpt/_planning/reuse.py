@@ -1,4 +1,4 @@
-"""Incremental saves: which boxes of this save the base checkpoint already holds, by content.
+"""Incremental reuse: which boxes of this save the base checkpoint already holds, by content.
 
 A save given a base (``jaxckpt.save(..., base=PREV)``, or ``CheckpointManager(...,
 incremental=True)``, whose base is the newest committed step) hashes every box it writes and
