@@ -10,7 +10,9 @@ Each request is passed to ``rule(method, path_and_query)``, which answers one of
 * a callable ``(method, path, headers, body) -> (status, headers, body) | None``: answer for the
   server (``None``: forward as usual), e.g. to enforce a precondition an emulator ignores.
 
-Held requests are released (their connections closed) by :meth:`Proxy.stop`.
+Held requests are released (their connections closed) by :meth:`Proxy.release`, which lets
+the proxy go on serving (one proxy for a whole session, its ``rule`` set per test), or
+:meth:`Proxy.stop`. A callable answer may ask the server itself through :meth:`Proxy.ask`.
 """
 
 from __future__ import annotations
@@ -56,29 +58,38 @@ class Proxy:
         body = h.rfile.read(length) if length else b""
         action = self.rule(h.command, h.path)
         self.seen.append((h.command, h.path, action))
+        released = self._released  # the release that ends this request's hold
         if action == "hold":
-            self._released.wait()
+            released.wait()
             h.close_connection = True
             return
         if isinstance(action, int):
             self._answer(h, action, {}, b"")
             return
-        answer = action(h.command, h.path, h.headers, body) if callable(action) else None
-        if answer is None:
-            answer = self._forward(h, body)
+        try:
+            answer = action(h.command, h.path, h.headers, body) if callable(action) else None
+            if answer is None:
+                answer = self._forward(h, body)
+        except OSError:  # the server is unreachable (stopped first): drop, as it would
+            h.close_connection = True
+            return
         if action == "forward-then-hold":
-            self._released.wait()
+            released.wait()
             h.close_connection = True
             return
         self._answer(h, *answer)
 
     def _forward(self, h: http.server.BaseHTTPRequestHandler, body: bytes) -> tuple:
+        return self.ask(h.command, h.path, body, dict(h.headers.items()))
+
+    def ask(
+        self, method: str, path: str, body: bytes = b"", headers: dict | None = None
+    ) -> tuple[int, dict, bytes]:
+        """Send one request to the server (not through ``rule``); its (status, headers, body)."""
         conn = http.client.HTTPConnection(self._up.hostname, self._up.port, timeout=120)
-        headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
-        headers["Host"] = self._up.netloc
-        conn.request(
-            h.command, h.path, body=body if body or h.command != "GET" else None, headers=headers
-        )
+        sent = {k: v for k, v in (headers or {}).items() if k.lower() not in _HOP}
+        sent["Host"] = self._up.netloc
+        conn.request(method, path, body=body if body or method != "GET" else None, headers=sent)
         r = conn.getresponse()
         data = r.read()
         conn.close()
@@ -94,6 +105,11 @@ class Proxy:
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(body)
+
+    def release(self) -> None:
+        """Release every request held so far (their connections close); later ones hold anew."""
+        released, self._released = self._released, threading.Event()
+        released.set()
 
     def stop(self) -> None:
         self._released.set()

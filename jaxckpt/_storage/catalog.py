@@ -21,7 +21,7 @@ from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import Manifest
 from jaxckpt._format.names import HELD_BY, MANIFEST, is_own_key, staging_name
 from jaxckpt._storage import holds
-from jaxckpt._storage.location import Location, kvstore, wait
+from jaxckpt._storage.location import Location, credentials_hint, kvstore, wait
 from jaxckpt._storage.messages import not_ours_to_delete
 
 logger = logging.getLogger("jaxckpt")
@@ -34,8 +34,8 @@ def list_keys(loc: Location) -> list[str]:
     except ValueError as e:
         raise CheckpointError(
             f"Cannot list {loc}: {' '.join(str(e).split('[', 1)[0].split())}. Check that the "
-            f"bucket exists and that the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            f"AWS_ENDPOINT_URL for an S3-compatible server) may list and write it."
+            f"bucket exists and that the credentials ({credentials_hint(loc.kvstore)}) may "
+            f"list and write it."
         ) from e
 
 

@@ -35,6 +35,7 @@ ABSENT = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp
 IO_TIMEOUT_ENV = "JAXCKPT_IO_TIMEOUT"
 DEFAULT_IO_TIMEOUT = 30.0  # seconds: a stalled or dead server fails a save in well under a minute
 _MIN_RATE = 8 << 20  # bytes/s: a transfer of N bytes gets N / _MIN_RATE seconds more
+GCS_HTTP_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"  # tensorstore's GCS endpoint, read at each open
 _io_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "io_timeout", default=None
 )
@@ -174,7 +175,7 @@ def wait(fut: Any, loc: Location, what: str, nbytes: int = 0) -> Any:
         return fut.result(timeout=limit)
     except TimeoutError:
         fut.cancel()
-    server = loc.kvstore.get("endpoint") or f"the {loc.kvstore['driver']} service"
+    server = _endpoint(loc.kvstore)
     message = (
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
         f"{loc.io_timeout:g} s): {server} is not answering, or too slowly. Check that it is up "
@@ -185,6 +186,36 @@ def wait(fut: Any, loc: Location, what: str, nbytes: int = 0) -> Any:
     if loc.one_operation:
         loc.stalled = message
     raise CheckpointError(message)
+
+
+def _endpoint(spec: dict) -> str:
+    """The server a kvstore spec talks to, for messages: an S3 spec's ``endpoint``; for GCS
+    ``$TENSORSTORE_GCS_HTTP_URL`` (an emulator or proxy), else Google's.
+
+    Example:
+      >>> _endpoint({"driver": "s3", "endpoint": "http://127.0.0.1:9000"})
+      'http://127.0.0.1:9000'
+    """
+    if spec.get("endpoint"):
+        return spec["endpoint"]
+    if spec["driver"] == "gcs":
+        return os.environ.get(GCS_HTTP_URL_ENV) or "https://storage.googleapis.com"
+    return f"the {spec['driver']} service"
+
+
+def credentials_hint(spec: dict) -> str:
+    """Where the credentials of an object store's spec come from, for messages.
+
+    Example:
+      >>> credentials_hint({"driver": "gcs", "bucket": "b", "path": ""}).split(" or ")[0]
+      'GOOGLE_APPLICATION_CREDENTIALS'
+    """
+    if spec["driver"] == "gcs":
+        return (
+            f"GOOGLE_APPLICATION_CREDENTIALS or the application default credentials, "
+            f"{GCS_HTTP_URL_ENV} for an emulator"
+        )
+    return "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible server"
 
 
 def _path_error(url: str, what: str, fix: str) -> CheckpointError:

@@ -1,0 +1,367 @@
+"""Object storage on gs://: fake-gcs-server on 127.0.0.1, behind the precondition proxy of
+tests/gcs_server.py (the emulator ignores the generation preconditions real GCS honours).
+
+The same protocol as tests/test_s3.py and tests/test_reliability.py check on S3: arrays first,
+``manifest.json`` last and only if it is still the one the save saw; nothing deleted before
+the commit; what other steps reference kept; every operation within its deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import re
+import time
+import urllib.parse
+import uuid
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from gcs_server import BUCKET, ENV, serve
+from helpers import assert_tree_equal, mesh, put
+from test_commit import check_one_winner, race
+
+import jaxckpt
+from jaxckpt._cli.main import main
+from jaxckpt._storage import catalog
+from jaxckpt._storage.location import ABSENT, Location, wait
+
+DEADLINE = 3  # seconds: JAXCKPT_IO_TIMEOUT of the tests whose server stalls
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    yield from serve()
+
+
+@pytest.fixture
+def gcs(emulator):
+    """The emulator, its link healthy again after the test (no fault, held requests released)."""
+    yield emulator
+    emulator.fault = None
+    emulator.proxy.release()
+
+
+@pytest.fixture
+def prefix(gcs) -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def state(scale: float = 1.0) -> dict:
+    m = mesh((4, 2), ("data", "model"))
+    return {
+        "w": put(jnp.arange(64.0).reshape(8, 8) * scale, m, "data", "model"),
+        "b": put(jnp.ones(8, jnp.bfloat16) * scale, m, None),
+        "step": int(scale),
+    }
+
+
+def host(tree: dict) -> dict:
+    return {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in tree.items()}
+
+
+def unpacked() -> jaxckpt.DefaultSavePlanner:
+    return jaxckpt.DefaultSavePlanner(pack_bytes=0)
+
+
+def generations_of(keys: list[str]) -> set[str]:
+    """The top-level folders of a checkpoint's keys: ``arrays`` or ``gXXXXXXXX``."""
+    return {k.split("/")[0] for k in keys if k != "manifest.json"}
+
+
+# The emulator and the proxy ------------------------------------------------------------------
+
+
+def test_the_proxy_answers_the_preconditions_the_emulator_ignores(gcs, prefix, monkeypatch):
+    def honoured(url: str, name: str) -> dict[str, bool]:
+        monkeypatch.setenv(ENV[0], url)  # read when a store opens; a new context, a new store
+        spec = {"driver": "gcs", "bucket": BUCKET, "path": f"{prefix}/{name}/"}
+        kv = ts.KvStore.open(spec, context=ts.Context()).result()
+        first = kv.write("k", b"one").result().generation
+        kv.write("k", b"two").result()
+        said = {
+            "upload ifGenerationMatch=0 (412)": kv.write("k", b"x", if_equal=ABSENT).result(),
+            "upload ifGenerationMatch=OLD (412)": kv.write("k", b"y", if_equal=first).result(),
+        }
+        now = kv.read("k").result().stamp.generation
+        said["read ifGenerationNotMatch=NOW (304)"] = kv.read("k", if_not_equal=now).result()
+        return {
+            what: not got.generation if "upload" in what else got.state == "unspecified"
+            for what, got in said.items()
+        }
+
+    # Real GCS honours all three: through the proxy, tensorstore gets what GCS would answer.
+    assert all(honoured(gcs.url, "proxied").values())
+    # The emulator alone honours none of them (if it starts to, the proxy can go).
+    assert not any(honoured(gcs.server_url, "direct").values())
+
+
+# Saving and restoring ------------------------------------------------------------------------
+
+
+def test_save_restore_onto_another_mesh(gcs, prefix):
+    url = f"gs://{BUCKET}/{prefix}/ckpt"
+    tree = state()
+    jaxckpt.save(url, tree, planner=unpacked())
+    found = gcs.keys(f"{prefix}/ckpt")
+    assert "manifest.json" in found and "arrays/w/c/3/1" in found, found
+    assert json.loads(gcs.get(f"{prefix}/ckpt/manifest.json"))  # a real object, real JSON
+    assert_tree_equal(jaxckpt.restore(url), host(tree))
+    other = mesh((2, 2), ("a", "b"))
+    target = {"w": put(jnp.zeros((8, 8)), other, "b", "a"), "b": None, "step": None}
+    got = jaxckpt.restore(url, target)
+    assert got["w"].sharding == target["w"].sharding
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(64.0).reshape(8, 8))
+    assert jaxckpt.metadata(url).entries["w"].chunks == (2, 4)
+
+
+def test_save_async_packs_small_leaves(gcs, prefix):
+    url = f"gs://{BUCKET}/{prefix}"
+    tree = {f"x{i}": np.full(3, i, np.float32) for i in range(20)} | {"w": np.arange(5.0)}
+    handle = jaxckpt.save_async(url, tree)
+    handle.wait()
+    found = gcs.keys(prefix)
+    packs = {k.split("/")[1] for k in found if k.startswith("arrays/")}
+    assert packs == {"pack.float32.0", "pack.float64.0"}, found  # 21 leaves, two arrays
+    assert_tree_equal(jaxckpt.restore(url), tree)
+
+
+def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
+    """115 arrays of 8 chunks: 1,035 objects, two listing pages. The overwrite commits only once
+    its own arrays are all there, and the old checkpoint is whole until then."""
+    url = f"gs://{BUCKET}/{prefix}"
+    m = mesh((8,), ("d",))
+    tree = {f"a{i:03d}": put(np.full(64, i, np.float32), m, "d") for i in range(115)}
+    jaxckpt.save(url, tree, planner=unpacked())
+    old = gcs.keys(prefix)
+    assert len(old) == 115 * 9 + 1 and generations_of(old) == {"arrays"}
+    old_manifest = gcs.get(f"{prefix}/manifest.json")
+    at_commit: list[tuple[list[str], bytes]] = []
+    manifest = urllib.parse.quote(f"{prefix}/manifest.json", safe="")
+
+    def commit_seen(method: str, path: str):
+        if method == "POST" and f"name={manifest}" in path:
+            at_commit.append((gcs.keys(prefix), gcs.get(f"{prefix}/manifest.json")))
+        return None
+
+    gcs.fault = commit_seen
+    seen_before = len(gcs.proxy.seen)
+    new = {k: v + 1 for k, v in tree.items()}
+    jaxckpt.save(url, new, planner=unpacked(), overwrite=True)
+    gcs.fault = None
+    ((keys, manifest_then),) = at_commit
+    assert manifest_then == old_manifest and set(old) <= set(keys)  # the old one whole
+    (gen,) = generations_of(keys) - {"arrays"}
+    assert sum(k.startswith(gen + "/") for k in keys) == 115 * 9 + 1  # + its writer.json
+    after = gcs.keys(prefix)
+    assert generations_of(after) == {gen} and len(after) == 115 * 9 + 1, after[:5]
+    assert_tree_equal(jaxckpt.restore(url), host(new))
+    listings = [p for _, p, _ in gcs.proxy.seen[seen_before:] if "/o?" in p and prefix in p]
+    assert any("pageToken=" in p for p in listings), listings  # more than one page was read
+
+
+# Overwrite, races ----------------------------------------------------------------------------
+
+
+def test_overwrite_refused_then_replaced(gcs, prefix):
+    url = f"gs://{BUCKET}/{prefix}"
+    jaxckpt.save(url, state())
+    with pytest.raises(
+        jaxckpt.CheckpointExistsError, match=f"already exists at {url}.*overwrite=True"
+    ):
+        jaxckpt.save(url, state(2.0))
+    assert_tree_equal(jaxckpt.restore(url), host(state()))
+    jaxckpt.save(url, state(3.0), overwrite=True)
+    assert_tree_equal(jaxckpt.restore(url), host(state(3.0)))
+    (gen,) = generations_of(gcs.keys(prefix))
+    assert re.fullmatch("g[0-9a-f]{8}", gen)
+    gcs.put(f"{prefix}/notes.txt", b"mine")  # never deleted, overwrite or not
+    with pytest.raises(jaxckpt.CheckpointExistsError, match="even with overwrite=True"):
+        jaxckpt.save(url, state(), overwrite=True)
+    assert "notes.txt" in gcs.keys(prefix)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "save_async"])
+def test_two_saves_racing_to_one_path_one_commits(gcs, prefix, use_async):
+    for r in range(2):
+        path = f"gs://{BUCKET}/{prefix}/ck{r}"
+        check_one_winner(path, race(path, use_async=use_async))
+        found = gcs.keys(f"{prefix}/ck{r}")  # the winner's arrays and manifest, nothing else
+        assert "manifest.json" in found and len(generations_of(found)) == 1, found
+        assert not any(k.endswith("writer.json") for k in found), found
+
+
+# The manager ---------------------------------------------------------------------------------
+
+
+def _frozen_and_moving(frozen: float, k: float) -> dict:
+    return {"frozen": jnp.full(300_000, frozen, jnp.float32), "w": jnp.full(16, k), "k": k}
+
+
+def test_manager_retention_keeps_what_incremental_steps_reference(gcs, prefix):
+    run = f"gs://{BUCKET}/{prefix}"
+    mgr = jaxckpt.CheckpointManager(run, max_to_keep=2, incremental=True, async_save=False)
+    trees = {1: _frozen_and_moving(0, 1), 2: _frozen_and_moving(0, 2), 3: _frozen_and_moving(0, 3)}
+    for step, tree in trees.items():
+        mgr.save(step, tree)
+    assert mgr.all_steps() == [2, 3]
+    refs = {s: jaxckpt.metadata(f"{run}/{s:08d}").refs for s in (2, 3)}
+    assert refs[2] == refs[3] == {"arrays/frozen": "../00000001/arrays/frozen"}, refs
+    left = gcs.keys(f"{prefix}/00000001")  # step 1 retired: only what 2 and 3 hold stays
+    assert "manifest.json" not in left and {"held-by/00000002", "held-by/00000003"} <= set(left)
+    assert {k.split("/")[1] for k in left if k.startswith("arrays/")} == {"frozen"}, left
+    for step in (2, 3):
+        assert_tree_equal(mgr.restore(step), host(trees[step]))
+    mgr.save(4, _frozen_and_moving(1, 4))  # frozen changed: a copy of its own
+    mgr.save(5, _frozen_and_moving(1, 5))  # references 4; retires 3, the last to hold 1
+    assert mgr.all_steps() == [4, 5]
+    assert jaxckpt.metadata(f"{run}/00000005").refs == {
+        "arrays/frozen": "../00000004/arrays/frozen"
+    }
+    assert gcs.keys(f"{prefix}/00000001") == [] and gcs.keys(f"{prefix}/00000003") == []
+    assert_tree_equal(mgr.restore(5), host(_frozen_and_moving(1, 5)))
+    mgr.close()
+
+
+# Deadlines and lost answers ------------------------------------------------------------------
+
+
+def test_a_stalled_server_fails_within_the_deadline_and_names_it(gcs, prefix, monkeypatch):
+    url = f"gs://{BUCKET}/{prefix}"
+    tree = {f"a{i:02d}": np.full(1 << 16, i, np.float32) for i in range(40)}
+    jaxckpt.save(url, tree, planner=unpacked())
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", str(DEADLINE))
+    stalled = []
+
+    def rule(method: str, path: str):  # once the arrays' data flows: accepted, never answered
+        stalled.extend([True] if method == "POST" and "%2Fc%2F" in path else [])
+        return "hold" if stalled else None
+
+    gcs.fault = rule
+    t = time.monotonic()
+    with pytest.raises(jaxckpt.CheckpointError, match="did not finish within") as e:
+        new = {k: v + 1 for k, v in tree.items()}
+        jaxckpt.save_async(url, new, overwrite=True, planner=unpacked()).wait()
+    assert stalled  # it stalled in the middle of the writes, 40 arrays in flight
+    assert time.monotonic() - t < 10 * DEADLINE
+    said = str(e.value)
+    assert url in said and f"{gcs.url} is not answering" in said, said
+    assert "last committed checkpoint is intact" in said
+    t = time.monotonic()
+    with pytest.raises(jaxckpt.CheckpointError, match=f"{gcs.url} is not answering"):
+        jaxckpt.restore(url)
+    assert time.monotonic() - t < 10 * DEADLINE
+    gcs.fault = None
+    gcs.proxy.release()
+    assert_tree_equal(jaxckpt.restore(url), tree)  # the old checkpoint, intact
+
+
+def test_the_deadline_error_names_the_gcs_endpoint(monkeypatch):
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", "0.05")
+    for url in [None, "http://10.1.2.3:4443"]:
+        if url is None:  # Google's own
+            monkeypatch.delenv(ENV[0], raising=False)
+        else:  # an emulator or proxy
+            monkeypatch.setenv(ENV[0], url)
+        named = url or "https://storage.googleapis.com"
+        never: concurrent.futures.Future = concurrent.futures.Future()
+        with pytest.raises(
+            jaxckpt.CheckpointError,
+            match=f"reading x at gs://bkt/c did not finish .*: {re.escape(named)} is not answering",
+        ):
+            wait(never, Location("gs://bkt/c"), "reading x")
+        assert never.cancelled()
+
+
+@pytest.mark.parametrize("lost", ["request", "answer"])
+def test_a_commit_past_its_deadline_says_what_is_committed(gcs, prefix, monkeypatch, lost, caplog):
+    url = f"gs://{BUCKET}/{prefix}"
+    jaxckpt.save(url, {"w": np.zeros(4)})
+    manifest = urllib.parse.quote(f"{prefix}/manifest.json", safe="")
+
+    def rule(method: str, path: str):
+        if method == "POST" and path.startswith("/upload/") and f"name={manifest}" in path:
+            return "hold" if lost == "request" else "forward-then-hold"
+        return None
+
+    gcs.fault = rule
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", str(DEADLINE))
+    caplog.set_level(logging.WARNING, logger="jaxckpt")
+    if lost == "answer":  # the write landed: the save is committed, and says so
+        jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)
+        assert any("but it is in place" in r.getMessage() for r in caplog.records)
+        want = np.ones(4)
+    else:
+        with pytest.raises(
+            jaxckpt.CheckpointError,
+            match="outcome of its commit is unknown.*"
+            "previous checkpoint is committed.*Nothing was deleted",
+        ):
+            jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)
+        want = np.zeros(4)
+    gcs.fault = None
+    np.testing.assert_array_equal(jaxckpt.restore(url)["w"], want)
+
+
+# The command line, deleting, bad buckets ----------------------------------------------------
+
+
+def test_cli_on_gcs(gcs, prefix, capsys):
+    run = f"gs://{BUCKET}/{prefix}/run"
+    jaxckpt.save(f"{run}/000010", state(), planner=unpacked())
+    jaxckpt.save(f"{run}/000002", state(2.0), planner=unpacked())
+    gcs.put(f"{prefix}/run/000020/arrays/b/zarr.json", b"{}")  # what a crashed save leaves
+    capsys.readouterr()
+    assert main(["ls", run]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [
+        ["000002", "committed", "272", "B"],
+        ["000010", "committed", "272", "B"],
+        ["000020", "incomplete", "?"],
+    ]
+    assert main(["inspect", f"{run}/000010"]) == 0
+    assert "float32[8,8]  chunks 4x2 of [2,4]" in capsys.readouterr().out
+    assert main(["verify", f"{run}/000010"]) == 0
+    chunk = f"{prefix}/run/000010/arrays/w/c/1/1"
+    body = bytearray(gcs.get(chunk))
+    body[0] ^= 1
+    gcs.put(chunk, bytes(body))
+    capsys.readouterr()
+    assert main(["verify", f"{run}/000010"]) == 1
+    assert "DAMAGED w chunk (1,1) at arrays/w/c/1/1: fails its checksum" in capsys.readouterr().out
+    assert main(["inspect", f"{run}/000020"]) == 2
+    assert f"No checkpoint at {run}/000020" in capsys.readouterr().err
+
+
+def test_delete_and_missing_bucket(gcs, prefix):
+    run = f"gs://{BUCKET}/{prefix}"
+    jaxckpt.save(f"{run}/000001", state())
+    jaxckpt.save(f"{run}/000002", state())
+    with pytest.raises(jaxckpt.CheckpointError, match=f"Refusing to delete {run}: .*'000001/"):
+        catalog.delete(Location(run))
+    assert catalog.delete(Location(f"{run}/000001"))
+    assert {k.split("/")[0] for k in gcs.keys(prefix)} == {"000002"}
+    assert catalog.children(Location(run)) == [("000002", True)]
+    with pytest.raises(jaxckpt.CheckpointError, match="gs://no-such-bucket/x.*Not Found"):
+        jaxckpt.save("gs://no-such-bucket/x", state())
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No checkpoint at gs://no-such"):
+        jaxckpt.restore("gs://no-such-bucket/x")
+
+
+def test_a_failed_listing_names_the_gcs_credentials(gcs, prefix):
+    def rule(method: str, path: str):  # e.g. a firewall's error page instead of GCS's answer
+        if method == "GET" and path.startswith(f"/storage/v1/b/{BUCKET}/o?"):  # a listing
+            return lambda *_: (403, {"Content-Type": "text/html"}, b"<html>Forbidden</html>")
+        return None
+
+    gcs.fault = rule
+    with pytest.raises(
+        jaxckpt.CheckpointError,
+        match=f"Cannot list gs://{BUCKET}/{prefix}: .*credentials "
+        r"\(GOOGLE_APPLICATION_CREDENTIALS or the application default credentials",
+    ) as e:
+        jaxckpt.save(f"gs://{BUCKET}/{prefix}", state())
+    assert "AWS" not in str(e.value)
