@@ -84,6 +84,12 @@ def prepare(
     if committed and not overwrite:
         raise exists_error(loc)
     keys = list_keys(loc)
+    if committed and not keys:  # tensorstore reads some refused listings as empty ones (gcs)
+        raise CheckpointError(
+            f"Save to {loc}: its {MANIFEST} exists but listing the prefix found nothing, so the "
+            f"credentials may read but not list it. Grant list permission on the bucket; "
+            f"nothing was written."
+        )
     foreign = [k for k in keys if not is_own_key(k)]
     if foreign:
         raise not_ours_to_replace(loc, foreign[0], committed=committed)

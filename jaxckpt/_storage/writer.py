@@ -193,10 +193,8 @@ class Writer:
             while pending:
                 fut, n, e = pending.popleft()
                 self._finish(fut, e, n)
-        finally:
-            for fut, _, _ in pending:  # after an error: stop what is still queued, and let
-                fut.cancel()  # what could not stop land before abort() deletes this save's data
-            for fut, n, e in pending:
+        finally:  # after an error: let what is in flight land (a cancelled request already
+            for fut, n, e in pending:  # sent may land later), so that abort() deletes it all
                 try:
                     self._finish(fut, e, n)
                 except (Exception, asyncio.CancelledError):  # noqa: BLE001 - failed already
