@@ -20,6 +20,7 @@ from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import SavePlan, WriteItem
 from jaxckpt._incremental import Increment
+from jaxckpt._planning.abstract import CheckpointMetadata
 from jaxckpt._planning.global_plan import GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
 from jaxckpt._planning.mismatch import check_prng_keys
@@ -405,8 +406,11 @@ def restore(
         return planner.finish()
 
 
-def metadata(path: PathLike) -> Manifest:
+def metadata(path: PathLike) -> CheckpointMetadata:
     """The checkpoint's manifest: per key shape, dtype, chunk grid; no array data is read.
+
+    ``.abstract()`` of it is the saved tree of ``jax.ShapeDtypeStruct`` (as ``restore``
+    returns each array) and saved values: give the structs shardings for a restore target.
 
     For an Orbax checkpoint or safetensors weights, the manifest jaxckpt builds from their
     metadata (Orbax's Python scalars are read, as they are stored as tiny arrays).
@@ -418,7 +422,7 @@ def metadata(path: PathLike) -> Manifest:
       >>> jaxckpt.metadata(d).entries["w"].shape
       (4, 2)
     """
-    return _open(path)[0]
+    return CheckpointMetadata.of(_open(path)[0])
 
 
 def _open(path: PathLike) -> tuple[Manifest, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt._errors import CheckpointError
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import ReadItem, WriteItem
 from jaxckpt._planning.reuse import Match, Reuse, Tracker, digest, recorded
@@ -64,7 +64,7 @@ class Increment:
         self.base_manifest = (
             Manifest(tree={}, entries={})  # holds nothing: every box is new
             if base is None
-            else Manifest.from_json(read_manifest(base), where=f"{base}/manifest.json")
+            else _base_manifest(base)
         )
         self.reuse = Reuse(manifest, self.base_manifest)
         self.base_name = None if base is None else _sibling_name(base, loc)
@@ -149,6 +149,17 @@ class Increment:
     def reused_bytes(self) -> int:
         """Bytes of this process's boxes that were not written, being the base's already."""
         return self.tracker.reused_bytes
+
+
+def _base_manifest(base: Location) -> Manifest:
+    try:
+        raw = read_manifest(base)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(
+            f"The base of this incremental save, {base}, holds no committed checkpoint. Pass "
+            f"base= a committed checkpoint (e.g. the previous step), or save without base=."
+        ) from None
+    return Manifest.from_json(raw, where=f"{base}/manifest.json")
 
 
 def _union(values: list[str]) -> str:

@@ -117,8 +117,7 @@ def test_inspect_json_lists_every_entry(capsys, runs):
 def test_inspect_missing_checkpoint_is_one_line_exit_2(capsys, tmp_path):
     code, out, err = run(capsys, "inspect", tmp_path / "nope")
     assert code == 2 and out == ""
-    assert_one_line_error(err, "jaxckpt inspect: error:", str(tmp_path / "nope"), "manifest.json")
-    assert "pick a committed one" in err
+    assert_one_line_error(err, "jaxckpt inspect: error:", str(tmp_path / "nope"), "does not exist")
 
 
 def test_inspect_unfinished_save_says_it_is_not_committed(capsys, runs):
@@ -205,7 +204,13 @@ def test_verify_checks_each_arrays_zarr_json(capsys, ckpt):
 def test_verify_missing_checkpoint_exits_2(capsys, tmp_path):
     code, _, err = run(capsys, "verify", tmp_path)
     assert code == 2
-    assert_one_line_error(err, "jaxckpt verify: error:", str(tmp_path), "manifest.json is missing")
+    assert_one_line_error(
+        err,
+        "jaxckpt verify: error:",
+        str(tmp_path),
+        "a folder without a checkpoint",
+        "manifest.json",
+    )
 
 
 def test_verify_progress_goes_to_stderr(capsys, runs):
@@ -323,7 +328,7 @@ def test_export_errors_name_the_file_and_the_fix(capsys, runs, tmp_path):
     assert not (tmp_path / "y.npz").exists()
     code, _, err = run(capsys, "export", tmp_path / "absent", tmp_path / "z.npz")
     assert code == 2
-    assert_one_line_error(err, str(tmp_path / "absent"), "manifest.json is missing")
+    assert_one_line_error(err, str(tmp_path / "absent"), "does not exist")
 
 
 def test_export_damaged_chunk_exits_1_and_leaves_no_file(capsys, ckpt, tmp_path):

@@ -28,7 +28,7 @@ def _edit_manifest(path, fn):
 
 
 def test_missing_path(tmp_path):
-    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"No checkpoint at .*nope.*manifest"):
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"nope does not exist\. Check the"):
         jaxckpt.restore(tmp_path / "nope")
     with pytest.raises(FileNotFoundError):  # also a FileNotFoundError for generic handlers
         jaxckpt.metadata(tmp_path / "nope")
@@ -49,7 +49,7 @@ def test_a_run_directory_says_so_and_how_to_restore_its_latest_step(tmp_path):
     latest, here = re.escape(repr(str(run / "00000030"))), re.escape(repr(str(run)))
     expected = (
         rf"{re.escape(str(run))} is a run directory .*CheckpointManager.* committed step\(s\): "
-        rf"\[10, 20, 30\]\. Restore one step, e.g. the latest: jaxckpt.restore\({latest}\)"
+        rf"\[10, 20, 30\]\. Use one step, e.g. the latest: jaxckpt.restore\({latest}\)"
         rf".*CheckpointManager\({here}\).restore\(\)"
     )
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match=expected):
@@ -116,8 +116,6 @@ def test_unsupported_leaf_names_key_path(tmp_path):
         jaxckpt.save(tmp_path / "c", {"a": [1, {"f": lambda: 0}]})
     with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"Leaf 'o' has dtype object"):
         jaxckpt.save(tmp_path / "c", {"o": np.array([None, 1], dtype=object)})
-    with pytest.raises(jaxckpt.UnsupportedLeafError, match="complex"):
-        jaxckpt.save(tmp_path / "c", {"c": 1j})
     assert not (tmp_path / "c").exists()
 
 

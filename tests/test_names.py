@@ -177,5 +177,5 @@ def test_tilde_is_the_home_directory_everywhere_a_local_path_is_taken(
         assert main(argv) == 0, capsys.readouterr().err
     assert (home / "w.npz").is_file() and (home / "ck2" / "manifest.json").is_file()
     assert os.listdir(cwd) == []
-    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=f"No checkpoint at {home}/nope"):
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=f"{home}/nope does not exist"):
         jaxckpt.restore("~/nope")  # the message names where it looked

@@ -13,6 +13,7 @@ from jaxckpt._cli.text import UsageError, human_bytes, plural
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
 from jaxckpt._planning import tree as _tree
+from jaxckpt._planning.abstract import leaf_struct
 from jaxckpt._sources import orbax_step as _orbax_step
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
@@ -87,11 +88,14 @@ def _describe(e: ArrayEntry | ValueEntry, verbose: bool = False) -> str:
     shape = ",".join(map(str, e.shape))
     grid = "x".join(map(str, e.grid)) or "1"
     chunk = ",".join(map(str, e.chunks))
-    dtype = f"key<{e.prng_impl}>:{e.dtype}" if e.prng_impl else e.dtype
+    what = f"{e.dtype}[{shape}]"
+    if e.prng_impl:  # as restore returns it: keys of the key array's shape
+        keys = ",".join(map(str, leaf_struct(e).shape))
+        what = f"key<{e.prng_impl}>[{keys}] (key data {what})"
     where = f"chunks {grid} of [{chunk}]"
     if e.pack:  # where in its pack is storage detail: only asked for (--verbose, --json)
         where = f"packed in {e.path} at {e.offset}" if verbose else "packed"
-    cols = [f"{dtype}[{shape}]", where, human_bytes(e.nbytes)]
+    cols = [what, where, human_bytes(e.nbytes)]
     if e.sharding:  # drop what is the same for nearly every array
         cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))
     return "  ".join(cols)

@@ -26,9 +26,10 @@ from pathlib import Path
 
 from jaxckpt._cli.export import run_convert, run_export
 from jaxckpt._cli.inspect import run_inspect, run_ls
-from jaxckpt._cli.text import UsageError, one_line
+from jaxckpt._cli.text import UsageError, for_cli, one_line
 from jaxckpt._cli.verify import run_verify
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
+from jaxckpt._version import __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (UsageError, CheckpointError, OSError) as e:
         code = 1 if isinstance(e, (CorruptChunkError, ManifestError)) else 2
-        print(f"jaxckpt {args.command}: error: {one_line(e)}", file=sys.stderr)
+        print(f"jaxckpt {args.command}: error: {for_cli(one_line(e))}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
         print(f"jaxckpt {args.command}: interrupted", file=sys.stderr)
@@ -62,9 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxckpt",
-        description="Inspect, verify, list and export jaxckpt checkpoints. PATH may be a local "
-        "directory or a file://, memory://, s3:// or gs:// URL.",
+        description="Inspect, verify, list, export and convert checkpoints. PATH and SRC may be "
+        "a jaxckpt checkpoint, an Orbax checkpoint or safetensors weights (a .safetensors file, "
+        "a folder of them, or model.safetensors.index.json), as a local path or a file://, "
+        "memory://, s3:// or gs:// URL.",
+        epilog="Run `jaxckpt COMMAND --help` for a command's options. Exit status: 0 success, "
+        "1 damage found, 2 a usage error or a path without a checkpoint.",
     )
+    p.add_argument("--version", action="version", version=f"jaxckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("inspect", help="keys, shapes, dtypes, chunk grids and bytes")
     c.add_argument("path", metavar="PATH")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TextIO
 
 
@@ -11,6 +12,30 @@ class UsageError(Exception):
 
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+# The library's messages name Python arguments and calls; on the command line the same advice
+# names the flag or the command to run.
+_FOR_CLI = [
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r", or jaxckpt\.CheckpointManager\('[^']*'\)\.restore\(\)"), ""),
+    (re.compile(r"jaxckpt\.restore\('([^']*)'\)"), r"`jaxckpt inspect \1`"),
+]
+
+
+def for_cli(message: str) -> str:
+    """A library message as the command line says it: flags, not Python arguments.
+
+    Example:
+      >>> for_cli("Pass overwrite=True to replace it")
+      'Pass --overwrite to replace it'
+      >>> for_cli("e.g. the latest: jaxckpt.restore('/r/00000002'), or "
+      ...         "jaxckpt.CheckpointManager('/r').restore().")
+      'e.g. the latest: `jaxckpt inspect /r/00000002`.'
+    """
+    for pattern, replacement in _FOR_CLI:
+        message = pattern.sub(replacement, message)
+    return message
 
 
 def plural(n: int, what: str) -> str:

@@ -91,10 +91,11 @@ class PackEntry:
 
 @dataclasses.dataclass(frozen=True)
 class ValueEntry:
-    """A Python scalar, string or ``None`` stored inline in the manifest."""
+    """A Python scalar (``bool``, ``int``, ``float``, ``complex``), string or ``None`` stored
+    inline in the manifest."""
 
     key: str
-    value: int | float | bool | str | None
+    value: int | float | complex | bool | str | None
 
 
 Entry = ArrayEntry | ValueEntry

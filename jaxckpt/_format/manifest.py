@@ -168,6 +168,8 @@ def _entry_to_json(e: Entry) -> dict:
         v = e.value
         if isinstance(v, float):  # repr round-trips exactly and spells nan/inf
             return {"kind": "value", "type": "float", "value": repr(v)}
+        if isinstance(v, complex):  # each part as a float
+            return {"kind": "value", "type": "complex", "value": [repr(v.real), repr(v.imag)]}
         kind = "none" if v is None else type(v).__name__
         return {"kind": "value", "type": kind, "value": v}
     d = {

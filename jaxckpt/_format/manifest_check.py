@@ -193,6 +193,11 @@ def _value_from_json(key: str, d: dict, where: str) -> Any:
             pass
     if kind in ("int", "bool", "str") and type(v).__name__ == kind:
         return v
+    if kind == "complex" and isinstance(v, list) and len(v) == 2:
+        try:
+            return complex(float(v[0]), float(v[1]))  # each part as a float's repr
+        except (TypeError, ValueError):
+            pass
     raise _bad(where, key, f"has an invalid value of type {kind!r}")
 
 
@@ -359,6 +364,8 @@ def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
     if kind == "leaf":
         if not isinstance(node.get("key"), str) or node.get("key") not in entries:
             raise ManifestError(f"{where}: the tree names key {node.get('key')!r} with no entry.")
+        if node.get("scalar", True) is not True:  # optional: a numpy scalar leaf
+            raise ManifestError(f"{where}: leaf {node['key']!r} has a malformed 'scalar' flag.")
         return
     if kind not in ("dict", "list", "tuple", "namedtuple", "node"):
         raise ManifestError(f"{where}: unknown tree node type {kind!r}.")

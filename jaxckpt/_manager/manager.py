@@ -19,7 +19,6 @@ it stop being one first and writes metrics after the commit (docs/manager.md, *C
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -30,11 +29,11 @@ from jaxckpt._api import SaveHandle, save_async
 from jaxckpt._errors import CheckpointError
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
+from jaxckpt._manager.reading import RunReader
 from jaxckpt._manager.retention import Policy, json_metrics, referenced
-from jaxckpt._manager.run import Run
+from jaxckpt._manager.run import Run, step_arg
 from jaxckpt._manager.tier_choice import RestoredFrom
 from jaxckpt._manager.tiers import LocalTier
-from jaxckpt._planning.load_planner import LoadPlanner
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
@@ -44,7 +43,7 @@ from jaxckpt._storage import location as _location
 logger = logging.getLogger("jaxckpt")
 
 
-class CheckpointManager:
+class CheckpointManager(RunReader):
     """Saves a training run's state every few steps into ``directory``, keeps the best or the
     newest few, and restores the latest.
 
@@ -141,6 +140,7 @@ class CheckpointManager:
         with _location.deadline(io_timeout):
             self._loc = _location.Location(self.directory)
         self._run = Run(self._loc, self.directory)
+        self._run.refuse_checkpoint()
         self._metrics = self._run.metrics
         self._primary = _distributed.process_index() == 0
         self._pending: Future | None = None  # the commit of the save in flight
@@ -185,9 +185,7 @@ class CheckpointManager:
             is closed.
         """
         self._check_open()
-        step = operator.index(step)
-        if step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step}")
+        step = step_arg(step, "save(step, tree)")
         preempted = self.reached_preemption(step)
         local = self._local is not None and step % self._local.interval == 0
         if local:  # before the persistent save: the faster copy is staged first
@@ -302,75 +300,12 @@ class CheckpointManager:
         """
         return self._watcher is not None and self._watcher.reached(step)
 
-    # -- reading --------------------------------------------------------------------------------
-
-    def all_steps(self, tier: Literal["local", "persistent"] | None = None) -> list[int]:
-        """The committed steps, in ascending order (saves in flight are not listed yet).
-
-        Args:
-          tier: ``"persistent"``: the steps in ``directory``. ``"local"``: the local steps
-            whose own part this process holds (it asks no other process). ``None``: the
-            persistent steps, and with a local tier also the local steps some tier holds
-            whole, agreed by all processes (then every process must call it, as ``save``).
-        """
-        if tier not in (None, "local", "persistent"):
-            raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
-        if tier == "local":
-            return [] if self._local is None else self._local.steps()
-        steps = self._run.steps()
-        if tier is None and self._local is not None:
-            agreed = self._local.agree(None, steps, None)["local_steps"]
-            steps = sorted(set(steps) | set(agreed))
-        return steps
-
-    def latest_step(self, tier: Literal["local", "persistent"] | None = None) -> int | None:
-        """The newest committed step (of ``tier``, as for ``all_steps``), or ``None``."""
-        return max(self.all_steps(tier), default=None)
-
-    def metrics(self, step: int) -> dict[str, Any] | None:
-        """The metrics saved with ``step`` (``None`` if none were)."""
-        return self._metrics.read().get(str(step))
-
-    def restore(
-        self,
-        step: int | None = None,
-        target: Any = None,
-        *,
-        keys: Any = None,
-        strict: bool = True,
-        planner: LoadPlanner | None = None,
-    ) -> Any:
-        """Restore ``step`` (default: the latest committed one); waits for a save in flight.
-
-        Args:
-          step: the step to restore; ``None`` for the latest.
-          target, keys, strict, planner: as for :func:`jaxckpt.restore`.
-
-        With a local tier (``local_directory``), every process must call it: the processes
-        agree on the newest step that some tier holds whole (a local step wins over an equally
-        new persistent one) and fetch missing local parts from their replicas; the local tier
-        is used with a ``target`` whose arrays carry shardings and without ``keys``/``planner``.
-        ``restored_from`` then says which tier and step (also logged).
-
-        Returns:
-          The restored tree.
-
-        Raises:
-          CheckpointNotFoundError: no committed step (or not ``step``) in the directory (or,
-            with a local tier, whole in any tier).
-        """
-        if self._pending is not None:
-            self._pending.result()  # its error, if any, is raised by the next save() or wait()
-        if self._local is not None:
-            self._local.settle()
-            persistent = self._run.steps()
-            tree, self.restored_from = self._local.restore_newest(
-                step, target, persistent, keys=keys, strict=strict, planner=planner
-            )
-            return tree
-        tree, step = self._run.restore(step, target, keys=keys, strict=strict, planner=planner)
-        self.restored_from = RestoredFrom("persistent", step)
-        return tree
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` would save this step: a multiple of
+        ``save_interval_steps``, or a preemption notice asks for it (``save_on_preemption``).
+        It reads no storage (``save`` raises for a step saved already)."""
+        step = step_arg(step, "should_save(step)")
+        return step % self.save_interval_steps == 0 or self.reached_preemption(step)
 
     # -- life cycle -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ another process commits show up at once.
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Any
 
 from jaxckpt._api import restore
@@ -29,6 +30,21 @@ class Run:
     def __init__(self, loc: _location.Location, directory: str) -> None:
         self.loc, self.directory = loc, directory
         self.metrics = MetricsFile(loc)
+
+    def refuse_checkpoint(self) -> None:
+        """Refuse a directory that is one checkpoint: steps would be saved inside it.
+
+        Raises:
+          CheckpointError: naming the directory and what to pass instead.
+        """
+        if _location.exists(self.loc):
+            raise CheckpointError(
+                f"{self.directory} is a checkpoint (it holds manifest.json), not a run "
+                f"directory: a CheckpointManager saves each step into a folder of its own below "
+                f"its directory (DIR/00000100, ...). Pass the folder that should hold the steps "
+                f"(e.g. its parent), or restore this checkpoint with "
+                f"jaxckpt.restore({self.directory!r})."
+            )
 
     def path(self, step: int) -> _location.Location:
         return self.loc.join(step_name(step))
@@ -139,3 +155,16 @@ class Run:
             )
         err.__cause__ = e
         return err
+
+
+def step_arg(step: Any, call: str) -> int:
+    """``step`` as an int, or a ``TypeError``/``ValueError`` saying what ``call`` takes."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(
+            f"CheckpointManager.{call}: the step comes first, a non-negative int (for restore, "
+            f"None means the latest); got a {type(step).__name__}. Pass the other arguments "
+            f"after it, or by name (e.g. restore(target=state))."
+        )
+    if step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step}")
+    return int(step)

@@ -21,7 +21,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt._errors import KeyMismatchError
+from jaxckpt._errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    KeyMismatchError,
+    ShapeMismatchError,
+)
 from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.plan import LoadPlan, ReadItem, index_to_box
@@ -171,8 +176,14 @@ class DefaultLoadPlanner(LoadPlanner):
             self.selected = in_target & set(saved)
         self.wants = {}  # key -> (dtype to return, sharding | _HOST)
         order = {k: i for i, k in enumerate(saved)}
+        errors: list[CheckpointError] = []
         for key in self.targets if target is None else sorted(self.selected, key=order.get):
-            self.wants[key] = self._want(key, manifest.entries[key], self.targets[key])
+            try:
+                self.wants[key] = self._want(key, manifest.entries[key], self.targets[key])
+            except (ShapeMismatchError, DtypeMismatchError) as e:
+                errors.append(e)  # every leaf's, in one error
+        if errors:
+            raise _mismatch.one_error(errors)
         self._via = {}  # key -> the sharding it is read under, when reads are shared
         if self.share_reads and jax.process_count() > 1:
             for key, (_, where) in self.wants.items():
@@ -190,6 +201,8 @@ class DefaultLoadPlanner(LoadPlanner):
         if leaf is None or isinstance(leaf, (int, float, bool, str)):
             return dtype, _HOST
         if isinstance(leaf, jax.sharding.Sharding):
+            if not entry.prng_impl:  # key data is laid out by the key array's shape
+                _mismatch.check_divides(key, leaf, entry.shape)
             found = f"on disk: {entry.dtype}"
             return _mismatch.device_dtype(key, dtype, found, self.allow_dtype_cast), leaf
         shape, tdtype = tuple(leaf.shape), leaf.dtype
@@ -209,6 +222,8 @@ class DefaultLoadPlanner(LoadPlanner):
             dtype = np.dtype(tdtype)
         if sharding is None:  # a numpy target: the host keeps every dtype
             return dtype, _HOST
+        if isinstance(sharding, jax.sharding.Sharding):
+            _mismatch.check_divides(key, sharding, entry.shape)
         # Without a cast ``dtype`` is the saved one here (a mismatch raised above).
         found = f"on disk: {entry.dtype}"
         return _mismatch.device_dtype(key, dtype, found, self.allow_dtype_cast), sharding

@@ -18,7 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt._errors import DtypeMismatchError, ManifestError, ShapeMismatchError
+from jaxckpt._errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    ManifestError,
+    ShapeMismatchError,
+)
 from jaxckpt._format import manifest_check
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._planning import tree as _tree
@@ -134,6 +139,41 @@ def shape_error(key: str, target: tuple, saved: tuple) -> ShapeMismatchError:
     return ShapeMismatchError(
         f"Key {key!r}: shape in `target`: {target}, on disk: {tuple(saved)}. Restore with a "
         f"target of the saved shape (or a bare Sharding, which takes shape from the checkpoint)."
+    )
+
+
+def check_divides(key: str, sharding: Any, shape: tuple[int, ...]) -> None:
+    """Raise :class:`ShapeMismatchError` naming ``key`` if ``sharding`` cannot lay out an array
+    of ``shape`` (a mesh axis that does not divide its dimension)."""
+    try:
+        sharding.shard_shape(shape)
+    except ValueError as e:
+        raise ShapeMismatchError(
+            f"Key {key!r}: the target's sharding cannot hold the saved shape {tuple(shape)}: "
+            f"{e}. Choose a PartitionSpec whose mesh axes divide each dimension they shard, or "
+            f"restore this key onto another sharding (or None for the host)."
+        ) from e
+
+
+MAX_LISTED = 10  # mismatches listed in one error
+
+
+def one_error(errors: list[CheckpointError]) -> CheckpointError:
+    """Every mismatch of a target in one error, of the first one's type (at most
+    :data:`MAX_LISTED` listed): a user fixes them all at once, not one run at a time.
+
+    Example:
+      >>> e = one_error([shape_error("w", (2,), (3,)), shape_error("b", (1,), (4,))])
+      >>> type(e).__name__, str(e).split(":")[0]
+      ('ShapeMismatchError', '2 leaves of `target` do not fit the checkpoint')
+    """
+    if len(errors) == 1:
+        return errors[0]
+    shown = errors[:MAX_LISTED]
+    listed = "; ".join(f"({n}) {str(e).rstrip('.')}" for n, e in enumerate(shown, start=1))
+    more = f"; and {len(errors) - MAX_LISTED} more" if len(errors) > MAX_LISTED else ""
+    return type(errors[0])(
+        f"{len(errors)} leaves of `target` do not fit the checkpoint: {listed}{more}."
     )
 
 

@@ -174,6 +174,7 @@ class DefaultSavePlanner(SavePlanner):
         self.tree = tree
         self.leaves: dict[str, Any] = {}
         self.prng: dict[str, str] = {}
+        self.scalars: set[str] = set()
         for key, leaf in zip(keys, leaves):
             self.leaves[key] = self._classify(key, leaf)
         self._shards: dict[tuple[str, int], Any] = {}
@@ -201,8 +202,10 @@ class DefaultSavePlanner(SavePlanner):
         if isinstance(leaf, (np.ndarray, np.generic)):
             if not dtypes.is_supported_dtype(leaf.dtype):
                 raise _unsupported(key, leaf, f"dtype {leaf.dtype}")
+            if isinstance(leaf, np.generic):
+                self.scalars.add(key)  # the tree says so: restored as a numpy scalar
             return np.asarray(leaf)
-        if leaf is None or type(leaf) in (bool, float, str):
+        if leaf is None or type(leaf) in (bool, float, complex, str):
             return leaf
         for base in (bool, int, float, str):  # IntEnum, str-Enum, ...: stored as the base value
             if isinstance(leaf, base):
@@ -229,6 +232,7 @@ class DefaultSavePlanner(SavePlanner):
             type(self),
             self.treedef,
             tuple(sig),
+            frozenset(self.scalars),
             self.dedup,
             self.max_chunk_bytes,
             self.pack_bytes,

@@ -187,6 +187,8 @@ def _node(x: Any, path: tuple, depth: int) -> dict:
         raise _too_deep(path_to_key(path))
     if x is None:
         return {"type": "leaf", "key": path_to_key(path)}
+    if isinstance(x, np.generic):  # a numpy scalar comes back as one, not as a 0-d array
+        return {"type": "leaf", "key": path_to_key(path), "scalar": True}
     children, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
     if jax.tree_util.treedef_is_leaf(treedef) and children and children[0][1] is x:
         return {"type": "leaf", "key": path_to_key(path)}
@@ -216,7 +218,10 @@ def unflatten(node: dict, values: dict[str, Any], selected: Any = None, path: st
     """
     kind = node["type"]
     if kind == "leaf":
-        return values.get(node["key"], MISSING)
+        value = values.get(node["key"], MISSING)
+        if node.get("scalar") is True and isinstance(value, np.ndarray) and value.ndim == 0:
+            return value[()]  # saved as a numpy scalar
+        return value
     keys = node.get("keys") or [str(i) for i in range(len(node["children"]))]
     kids = [
         unflatten(c, values, selected, f"{path}{SEP}{k}" if path else str(k))

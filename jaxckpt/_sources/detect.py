@@ -14,8 +14,9 @@ reader of the ``jaxckpt._storage.reader.Reader`` protocol, so restore's pipeline
 
 from __future__ import annotations
 
-from jaxckpt._errors import CheckpointNotFoundError
-from jaxckpt._format.manifest import MANIFEST, Manifest
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.names import ARRAYS, MANIFEST
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import reader as _reader
@@ -31,9 +32,11 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
     from jaxckpt._sources import orbax_step as _orbax  # late: each is needed only for its format
     from jaxckpt._sources import safetensors as _safetensors
 
+    if loc.name == MANIFEST:  # CKPT/manifest.json: the checkpoint is the folder holding it
+        loc = loc.parent()
     try:
         raw, stamp = _location.read_stamped(loc)
-    except CheckpointNotFoundError as missing:
+    except CheckpointNotFoundError:
         for module in (_orbax, _safetensors):
             try:
                 found = module.open_source(loc)
@@ -41,10 +44,66 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
                 break
             if found is not None:
                 return found
-        raise _run_directory_error(loc) or missing from None
+        raise _not_found(loc) from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
     marked = manifest.created.get("held_by") is True
     return manifest, _reader.CheckpointReader(loc, stamp, manifest.refs, marked=marked)
+
+
+_LOOKED_FOR = (
+    "a jaxckpt checkpoint (manifest.json), an Orbax checkpoint (_METADATA or "
+    "_CHECKPOINT_METADATA) or safetensors weights (*.safetensors, model.safetensors.index.json)"
+)
+
+
+def _not_found(loc: _location.Location) -> CheckpointNotFoundError:
+    """What is at ``loc`` instead of a checkpoint, and what jaxckpt looked for."""
+    run = _run_directory_error(loc)
+    if run is not None:
+        return run
+    if loc.local is None:
+        return _not_found_in_store(loc)
+    path = loc.local
+    if not path.exists() and not path.is_symlink():
+        return CheckpointNotFoundError(
+            f"{path} does not exist. Check the path (a CheckpointManager's steps are "
+            f"DIR/00000100, ...)."
+        )
+    if path.suffix == ".npz" and path.is_file():
+        return CheckpointNotFoundError(
+            f"{path} is an .npz archive (what `jaxckpt export` writes, for numpy.load), not a "
+            f"checkpoint: restore or convert the checkpoint it was exported from."
+        )
+    if not path.is_dir():
+        return CheckpointNotFoundError(
+            f"{path} is a file, not a checkpoint: jaxckpt looked for {_LOOKED_FOR}. Pass the "
+            f"folder a save wrote (or the .safetensors file)."
+        )
+    if (path / ARRAYS).is_dir():
+        return CheckpointNotFoundError(
+            f"No checkpoint at {path}: {MANIFEST} is missing, so this is an unfinished or failed "
+            f"save (a save writes its manifest last). Restore a committed checkpoint instead."
+        )
+    return CheckpointNotFoundError(
+        f"{path} is a folder without a checkpoint: jaxckpt looked for {_LOOKED_FOR}. Pass the "
+        f"folder a save wrote."
+    )
+
+
+def _not_found_in_store(loc: _location.Location) -> CheckpointNotFoundError:
+    try:
+        keys = _catalog.list_keys(loc)
+    except CheckpointError as e:  # no such bucket, no access
+        return CheckpointNotFoundError(f"No checkpoint at {loc}: {e}")
+    if any(_catalog.array_of(k) for k in keys):
+        return CheckpointNotFoundError(
+            f"No checkpoint at {loc}: {MANIFEST} is missing, so this is an unfinished or failed "
+            f"save (a save writes its manifest last). Restore a committed checkpoint instead."
+        )
+    what = "nothing is there" if not keys else "nothing there is a checkpoint"
+    return CheckpointNotFoundError(
+        f"No checkpoint at {loc}: {what} (jaxckpt looked for {_LOOKED_FOR}). Check the URL."
+    )
 
 
 def _run_directory_error(loc: _location.Location) -> CheckpointNotFoundError | None:
@@ -66,7 +125,7 @@ def _run_directory_error(loc: _location.Location) -> CheckpointNotFoundError | N
     manager = f", or jaxckpt.CheckpointManager({str(loc)!r}).restore()"
     return CheckpointNotFoundError(
         f"{loc} is a run directory (e.g. of a CheckpointManager), not a checkpoint: it holds "
-        f"{len(nums)} committed step(s): [{shown}]. Restore one step, e.g. the latest: "
+        f"{len(nums)} committed step(s): [{shown}]. Use one step, e.g. the latest: "
         f"jaxckpt.restore({str(loc.join(steps[-1]))!r})"
         f"{manager if len(steps[-1]) == 8 else ''}."  # the manager's names: 8 digits
     )

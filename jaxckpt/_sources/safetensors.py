@@ -61,6 +61,8 @@ class _Tensor:
 def open_source(loc: _location.Location) -> tuple[Manifest, SafetensorsReader] | None:
     """The manifest and reader for safetensors at ``loc``, or ``None`` if there are none."""
     url = str(loc).rstrip("/")
+    if loc.local is not None and loc.local.is_file() and not _claims_safetensors(loc.local):
+        return None  # another kind of file (a script, an .npz): not weights to read
     if loc.local is not None and loc.local.is_file() or url.endswith((".safetensors", ".json")):
         folder, _, name = url.rpartition("/")
         kv = _location.kvstore(_location.Location(folder or ".").kvstore)
@@ -76,6 +78,26 @@ def open_source(loc: _location.Location) -> tuple[Manifest, SafetensorsReader] |
         return _from_index(loc, kv, INDEX)
     names = _list(loc, kv)
     return _build(loc, kv, names) if names else None
+
+
+def _claims_safetensors(path: os.PathLike[str]) -> bool:
+    """Whether a local file says it is safetensors: by its name (``*.safetensors``, an
+    ``*.index.json``), or by its first bytes (a header length that fits the file, then
+    ``{``); a file that claims to be and is damaged is reported as damaged, any other is
+    no weights at all."""
+    name = os.fspath(path)
+    if name.endswith((".safetensors", ".index.json")):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return n <= MAX_HEADER and 8 + n <= size and head[8:9] == b"{"
 
 
 def _list(loc: _location.Location, kv: ts.KvStore) -> list[str]:

@@ -138,6 +138,14 @@ class Location:
         """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
         return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
 
+    def parent(self) -> Location:
+        """The location that holds this one (e.g. the folder of ``CKPT/manifest.json``)."""
+        if self.local is not None:
+            return Location(self.local.parent, one_operation=self.one_operation)
+        with deadline(self.io_timeout):
+            up = self.url.rstrip("/").rpartition("/")[0]
+            return Location(up, one_operation=self.one_operation)
+
     def sibling(self, name: str) -> Location:
         """The location ``name`` beside this one (another step of the same run directory)."""
         if self.local is not None:
@@ -371,13 +379,17 @@ def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
         except (FileNotFoundError, NotADirectoryError):
             pass
     else:
-        got = wait(kvstore(loc.kvstore, loc).read(MANIFEST), loc, f"reading {MANIFEST}")
+        try:
+            got = wait(kvstore(loc.kvstore, loc).read(MANIFEST), loc, f"reading {MANIFEST}")
+        except ValueError as e:  # the store refused: no bucket, no access
+            raise CheckpointError(
+                f"Cannot read {loc}/{MANIFEST}: {' '.join(str(e).split('[', 1)[0].split())}. "
+                f"Check that the bucket exists and that the credentials "
+                f"({credentials_hint(loc.kvstore)}) may read it."
+            ) from e
         if got.state == "value":
             return got.value, (got.stamp.generation,)
-    raise CheckpointNotFoundError(
-        f"No checkpoint at {loc}: {MANIFEST} is missing. A directory without a manifest is an "
-        f"unfinished or failed save; pick a committed one (e.g. CheckpointManager.latest_step())."
-    )
+    raise CheckpointNotFoundError(f"No checkpoint at {loc}: {MANIFEST} is missing.")
 
 
 def manifest_changed(loc: Location, stamp: Stamp) -> bool:

@@ -1,0 +1,123 @@
+"""The read side of a ``CheckpointManager``: listing steps, their metrics and metadata, restoring.
+
+A ``read_only=True`` manager (an evaluator beside the trainer) uses only these. Every listing
+reads the directory afresh (``jaxckpt._manager.run``), so steps another process commits show
+up at once; with a local tier, the processes agree on what it holds (``jaxckpt._manager.tiers``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from jaxckpt._api import metadata
+from jaxckpt._manager.retention import MetricsFile, Policy
+from jaxckpt._manager.run import Run, step_arg
+from jaxckpt._manager.tier_choice import RestoredFrom
+from jaxckpt._manager.tiers import LocalTier
+from jaxckpt._planning.abstract import CheckpointMetadata
+from jaxckpt._planning.load_planner import LoadPlanner
+
+
+class RunReader:
+    """What every ``CheckpointManager`` can do, read-only or not (see ``CheckpointManager``)."""
+
+    _run: Run
+    _metrics: MetricsFile
+    _local: LocalTier | None
+    _pending: Any
+    policy: Policy
+    restored_from: RestoredFrom | None
+
+    def all_steps(self, tier: Literal["local", "persistent"] | None = None) -> list[int]:
+        """The committed steps, in ascending order (saves in flight are not listed yet).
+
+        Args:
+          tier: ``"persistent"``: the steps in ``directory``. ``"local"``: the local steps
+            whose own part this process holds (it asks no other process). ``None``: the
+            persistent steps, and with a local tier also the local steps some tier holds
+            whole, agreed by all processes (then every process must call it, as ``save``).
+        """
+        if tier not in (None, "local", "persistent"):
+            raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
+        if tier == "local":
+            return [] if self._local is None else self._local.steps()
+        steps = self._run.steps()
+        if tier is None and self._local is not None:
+            agreed = self._local.agree(None, steps, None)["local_steps"]
+            steps = sorted(set(steps) | set(agreed))
+        return steps
+
+    def latest_step(self, tier: Literal["local", "persistent"] | None = None) -> int | None:
+        """The newest committed step (of ``tier``, as for ``all_steps``), or ``None``."""
+        return max(self.all_steps(tier), default=None)
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with ``step`` (``None`` if none were)."""
+        return self._metrics.read().get(str(step))
+
+    def best_step(self) -> int | None:
+        """The best committed step by ``best_fn`` (steps without metrics rank last; ties go to
+        the newer step); the latest step without ``best_fn``; ``None`` if there is none."""
+        steps = self._run.steps()
+        if self.policy.best_fn is None or not steps:
+            return max(steps, default=None)
+        metrics = self._metrics.read()
+        scores = {s: self.policy.score(metrics.get(str(s))) for s in steps}
+        return max(steps, key=lambda s: (scores[s] is not None, scores[s] or 0.0, s))
+
+    def reload(self) -> None:
+        """See the steps other processes committed since: nothing is cached, every listing
+        reads the directory afresh, so this only exists for code written for Orbax."""
+
+    def metadata(self, step: int) -> CheckpointMetadata:
+        """The manifest of ``step`` (``.abstract()`` for a restore target); no array data read.
+
+        Raises:
+          CheckpointNotFoundError: ``step`` is not committed.
+        """
+        step = step_arg(step, "metadata(step)")
+        self._run.require(step, "Pick one of all_steps().")
+        return metadata(str(self._run.path(step)))
+
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        keys: Any = None,
+        strict: bool = True,
+        planner: LoadPlanner | None = None,
+    ) -> Any:
+        """Restore ``step`` (default: the latest committed one); waits for a save in flight.
+
+        Args:
+          step: the step to restore; ``None`` for the latest.
+          target, keys, strict, planner: as for :func:`jaxckpt.restore`.
+
+        With a local tier (``local_directory``), every process must call it: the processes
+        agree on the newest step that some tier holds whole (a local step wins over an equally
+        new persistent one) and fetch missing local parts from their replicas; the local tier
+        is used with a ``target`` whose arrays carry shardings and without ``keys``/``planner``.
+        ``restored_from`` then says which tier and step (also logged).
+
+        Returns:
+          The restored tree.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not ``step``) in the directory (or,
+            with a local tier, whole in any tier).
+        """
+        if step is not None:
+            step = step_arg(step, "restore(step, target)")
+        if self._pending is not None:
+            self._pending.result()  # its error, if any, is raised by the next save() or wait()
+        if self._local is not None:
+            self._local.settle()
+            persistent = self._run.steps()
+            tree, self.restored_from = self._local.restore_newest(
+                step, target, persistent, keys=keys, strict=strict, planner=planner
+            )
+            return tree
+        tree, step = self._run.restore(step, target, keys=keys, strict=strict, planner=planner)
+        self.restored_from = RestoredFrom("persistent", step)
+        return tree
