@@ -2,6 +2,8 @@
 # make test: the whole test suite (what CI runs).
 # make test-floors: the suite again on the oldest supported versions (.ci/floors.txt).
 # make soak: the model-based test of run directories, searching far longer than CI does.
+# make wheel-test: build the sdist and the wheel, install the wheel into a clean environment
+#   and smoke-test it from outside the source tree (CI runs it).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,7 +24,7 @@ $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
 	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[test]'
 	touch $@
 
-.PHONY: demo test test-floors lint bench soak
+.PHONY: demo test test-floors lint bench soak wheel-test
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py $(ARGS)
 
@@ -44,3 +46,13 @@ SOAK_STEPS ?= 25
 soak: $(VENV)/.installed
 	JAXCKPT_MODEL_EXAMPLES=$(SOAK_EXAMPLES) JAXCKPT_MODEL_STEPS=$(SOAK_STEPS) \
 		$(PY) -m pytest tests/test_model.py -p no:cacheprovider -o addopts= -q -s
+
+WHEEL_VENV ?= .venv-wheel
+wheel-test: $(VENV)/.installed
+	rm -rf dist $(WHEEL_VENV)
+	$(PY) -m pip install -q build
+	$(PY) -m build -q --outdir dist .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install -q dist/jaxckpt-*.whl
+	cd "$$(mktemp -d)" && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/wheel_smoke.py $(CURDIR)
