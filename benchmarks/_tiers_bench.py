@@ -17,6 +17,7 @@ Then the expected work lost per failure, computed from the intervals (see docs/t
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -217,7 +218,16 @@ def main(args) -> str:
 
 
 if __name__ == "__main__":
-    pid, port, work, mib, runs = sys.argv[1:6]
-    result = worker(int(pid), int(port), Path(work), int(mib), int(runs))
+    ap = argparse.ArgumentParser(
+        description="One process of the tiers benchmark; run() starts all of them. For the "
+        "whole benchmark run `python benchmarks/compare.py --workload tiers`."
+    )
+    ap.add_argument("pid", type=int, help=f"this process's index, 0 to {N - 1}")
+    ap.add_argument("port", type=int, help="the jax.distributed coordinator's port")
+    ap.add_argument("work", type=Path, help="the folder the checkpoints go under")
+    ap.add_argument("mib", type=int, help="the state's size in MiB")
+    ap.add_argument("runs", type=int, help="timed saves per kind")
+    a = ap.parse_args()
+    result = worker(a.pid, a.port, a.work, a.mib, a.runs)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)

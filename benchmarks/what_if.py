@@ -2,15 +2,15 @@
 
     .venv/bin/python benchmarks/what_if.py --runs 3
 
-Each variant patches a private name of ``jaxckpt._storage`` *in this process only*, to size
+Each variant patches private names of ``jaxckpt._storage`` *in this process only*, to size
 what that behaviour costs; none of them is a proposal to drop a safety property as is (see
 docs/benchmarks.md for what could replace each one). Variants:
 
 - ``baseline``: jaxckpt as it is.
-- ``no syncfs``: skip the file-system flush (``_storage._syncfs``) before the manifest.
-- ``no crc32c``: zarr arrays written without the ``crc32c`` codec (no checksum computed); save
-  only: the manifest still declares crc32c, so restores (which read by the manifest) would
-  refuse these files.
+- ``no syncfs``: skip the file-system flush (``local_commit.syncfs``) of the commit.
+- ``no crc32c``: zarr arrays written without the ``crc32c`` codec (``writer.array_spec``
+  without it: no checksum computed); save only: the manifest still declares crc32c, so
+  restores (which read by the manifest) would refuse these files.
 - ``both``.
 - ``fsync each file``: instead of ``syncfs``, fsync every file and folder of the staging dir from
   16 threads (only this checkpoint's data, not other processes' dirty pages).
@@ -18,9 +18,12 @@ docs/benchmarks.md for what could replace each one). Variants:
   no ``syncfs``: the per-file durability starts early, in parallel with later writes.
 - ``ts file_io x16``: tensorstore's file I/O pool at 16 concurrent operations.
 - ``no early write-back``: no ``sync_file_range`` hint per written chunk file
-  (``jaxckpt._writeback``), so the disk starts writing only when ``syncfs`` asks.
+  (``writeback.enabled``), so the disk starts writing only when ``syncfs`` asks.
 
-The ``flush s`` column is the time spent in the final flush (``_storage._syncfs`` or its
+The two ``ts`` variants replace the tensorstore context (``location.CONTEXT``, which
+``writer`` and ``reader`` import) for saves and restores alike.
+
+The ``flush s`` column is the time spent in the final flush (``local_commit.syncfs`` or its
 replacement), ``dirty MiB`` the machine's Dirty + Writeback pages (``/proc/meminfo``) when it
 starts: ``syncfs`` waits for all of the file system's dirty data, other processes' included.
 
@@ -51,10 +54,18 @@ import jax  # noqa: E402
 import tensorstore as ts  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._storage import writeback as _writeback
-from jaxckpt._storage import writer as _storage  # noqa: E402
+from jaxckpt._storage import local_commit, location, reader, writeback, writer  # noqa: E402
 
-_ORIG = {"spec": _storage._spec, "syncfs": _storage._syncfs, "context": _storage._CONTEXT}
+# The names each variant replaces. ``writer`` and ``reader`` import ``CONTEXT`` by name, so a
+# new context goes into all three modules; ``syncfs`` and ``array_spec`` are looked up in their
+# module at each call.
+_CONTEXT_USERS = (location, writer, reader)
+_ORIG = {
+    "spec": writer.array_spec,
+    "syncfs": local_commit.syncfs,
+    "context": location.CONTEXT,
+    "writeback": writeback.enabled,
+}
 _FLUSH: list[tuple[float, float]] = []  # (seconds, dirty MiB at the start) per flush
 
 
@@ -104,20 +115,23 @@ def variant(
     context=None,
     early_writeback: bool = True,
 ):
-    _writeback.enabled = early_writeback
+    writeback.enabled = early_writeback and _ORIG["writeback"]
     flush = (lambda path: None) if no_syncfs else flush or _ORIG["syncfs"]
-    _storage._syncfs = _timed_flush(flush)
+    local_commit.syncfs = _timed_flush(flush)
     if no_crc:
-        _storage._spec = _no_crc
+        writer.array_spec = _no_crc
     if context is not None:
-        _storage._CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, **context})
+        new = ts.Context({"cache_pool": {"total_bytes_limit": 0}, **context})
+        for module in _CONTEXT_USERS:
+            module.CONTEXT = new
     try:
         yield
     finally:
-        _storage._spec = _ORIG["spec"]
-        _storage._syncfs = _ORIG["syncfs"]
-        _storage._CONTEXT = _ORIG["context"]
-        _writeback.enabled = True
+        writer.array_spec = _ORIG["spec"]
+        local_commit.syncfs = _ORIG["syncfs"]
+        for module in _CONTEXT_USERS:
+            module.CONTEXT = _ORIG["context"]
+        writeback.enabled = _ORIG["writeback"]
 
 
 VARIANTS = {
@@ -146,7 +160,9 @@ def _timed(fn, *args) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--workload", default="big", choices=sorted(_state.LAYOUTS))
     args = p.parse_args()
