@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--resume-on", default="2x4,1",
                     help="meshes to resume on after each preemption (default 2x4,1; 1 = one device)")  # fmt: skip
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
-    ap.add_argument("--quiet", action="store_true", help="print only the summary")
+    ap.add_argument("--quiet", action="store_true", help="print nothing; exit 1 if a loss differs")
     ap.add_argument("--verbose", action="store_true", help="also log jaxckpt's INFO lines")
     args = ap.parse_args(argv)
     # The demo prints its own line per checkpoint and preemption; --verbose adds the library's.
