@@ -15,7 +15,8 @@ reader of the ``jaxckpt._storage.reader.Reader`` protocol, so restore's pipeline
 from __future__ import annotations
 
 from jaxckpt._errors import CheckpointNotFoundError
-from jaxckpt._format.manifest import MANIFEST, Manifest
+from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.names import MANIFEST
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import reader as _reader
@@ -34,9 +35,9 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
     try:
         raw, stamp = _location.read_stamped(loc)
     except CheckpointNotFoundError as missing:
-        for module in (_orbax, _safetensors):
+        for open_format in (_orbax.open_source, _safetensors.open_source):
             try:
-                found = module.open_source(loc)
+                found: tuple[Manifest, _reader.Reader] | None = open_format(loc)
             except ValueError:  # the store itself cannot be read (e.g. no such bucket)
                 break
             if found is not None:
