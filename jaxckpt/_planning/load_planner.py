@@ -188,8 +188,9 @@ class DefaultLoadPlanner(LoadPlanner):
         self._via = {}  # key -> the sharding it is read under, when reads are shared
         if self.share_reads and jax.process_count() > 1:
             for key, (_, where) in self.wants.items():
-                if isinstance(where, jax.sharding.Sharding):
-                    via = _shared_read.read_sharding(manifest.entries[key], where)
+                entry = manifest.entries[key]  # a saved value has no box to share
+                if isinstance(entry, ArrayEntry) and isinstance(where, jax.sharding.Sharding):
+                    via = _shared_read.read_sharding(entry, where)
                     if via is not None:
                         self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
