@@ -2,6 +2,7 @@
 # make test: the whole test suite (what CI runs).
 # make test-floors: the suite again on the oldest supported versions (.ci/floors.txt).
 # make soak: the model-based test of run directories, searching far longer than CI does.
+# make typecheck: mypy, strict, over jaxckpt/ (what CI runs after the tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,7 +23,7 @@ $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
 	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[test]'
 	touch $@
 
-.PHONY: demo test test-floors lint bench soak
+.PHONY: demo test test-floors lint typecheck bench soak
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py $(ARGS)
 
@@ -34,6 +35,9 @@ test-floors: $(FLOORS_VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[bench]'
