@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,8 @@ class Arena:
         The copies run on a few threads at once: a fresh arena's first touch (a page fault
         per 4 KiB) costs as much as the copy itself, and both scale with cores.
         """
-        outs, jobs = [], []
+        outs: list[npt.NDArray[Any]] = []
+        jobs: list[_Job] = []
         for data in arrays:
             data = np.asarray(data)
             n = data.nbytes
@@ -92,7 +94,7 @@ class Arena:
             rows = math.ceil(n / _SPLIT) if data.ndim and n > _SPLIT else 1
             step = max(1, ceil_div(data.shape[0], rows)) if data.ndim else 1
             for r in range(0, data.shape[0] if data.ndim else 1, step):
-                part = slice(r, r + step) if data.ndim else ...
+                part: slice | EllipsisType = slice(r, r + step) if data.ndim else ...
                 jobs.append((out[part], data[part]))
         total = sum(o.nbytes for o, _ in jobs)
         if total < _SPLIT or len(jobs) == 1:
