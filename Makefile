@@ -2,6 +2,7 @@
 # make test: the whole test suite (what CI runs).
 # make test-floors: the suite again on the oldest supported versions (.ci/floors.txt).
 # make soak: the model-based test of run directories, searching far longer than CI does.
+# make typecheck: mypy, strict, over jaxckpt/ (what CI runs after the tests).
 # make wheel-test: build the sdist and the wheel, install the wheel into a clean environment
 #   and smoke-test it from outside the source tree (CI runs it).
 PYTHON ?= python3
@@ -24,7 +25,7 @@ $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
 	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[test]'
 	touch $@
 
-.PHONY: demo test test-floors lint bench soak wheel-test
+.PHONY: demo test test-floors lint typecheck bench soak wheel-test
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py $(ARGS)
 
@@ -36,6 +37,9 @@ test-floors: $(FLOORS_VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[bench]'

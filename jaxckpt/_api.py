@@ -33,7 +33,7 @@ from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
 
 logger = logging.getLogger("jaxckpt")
-PathLike = str | os.PathLike
+PathLike = str | os.PathLike[str]
 
 
 def save(
@@ -142,7 +142,7 @@ class SaveHandle:
         self.nbytes = 0
         self.reused_bytes = 0  # bytes an incremental save took from its base instead
         self._error: BaseException | None = None
-        self._future: Future | None = None  # the background run, staging buffers released
+        self._future: Future[None] | None = None  # the background run, staging buffers released
         self._runner: int | None = None  # the thread id that runs it
         self._finished = threading.Event()
 
@@ -302,7 +302,8 @@ def _write_and_commit(
     """Create the arrays, write this process's items, commit; errors go to ``handle``."""
     try:
         t2 = time.perf_counter()
-        items, skip = pending.pop(), set()  # popped: nothing holds the staged bytes once written
+        items = pending.pop()  # popped: nothing holds the staged bytes once written
+        skip: set[str] = set()
         if increment is not None:  # hash each box; the base's boxes are linked or referenced
             items, skip = increment.to_write(items, sync, writer)
         if sync.is_coordinator:
@@ -319,7 +320,7 @@ def _write_and_commit(
         t3 = time.perf_counter()
         if sync.is_coordinator:
             manifest = global_plan.manifest
-            if increment is not None:
+            if increment is not None and payloads is not None:  # (gathered: the coordinator)
                 manifest = increment.manifest(manifest, payloads)
             writer.commit(manifest)
         sync.barrier("committed", wait_for_all=False)
@@ -356,7 +357,7 @@ def restore(
     path: PathLike,
     target: Any = None,
     *,
-    keys: Any = None,
+    keys: str | Sequence[str] | None = None,
     strict: bool = True,
     planner: LoadPlanner | None = None,
 ) -> Any:

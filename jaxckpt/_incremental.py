@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
@@ -28,7 +28,7 @@ from jaxckpt._storage import writer as _storage
 from jaxckpt._storage.location import Location, read_manifest
 from jaxckpt._storage.reader import CheckpointReader
 
-Items = Iterable[tuple[WriteItem, np.ndarray]]
+Items = Iterable[tuple[WriteItem, npt.NDArray[Any]]]
 
 
 class Increment:
@@ -80,7 +80,8 @@ class Increment:
 
     def _link(self, item: WriteItem, match: Match) -> bool:
         entry = self.entries[item.key]
-        assert self.writer is not None  # set by to_write
+        # to_write sets the writer; a link is made only with a base
+        assert self.writer is not None and self.base is not None
         return self.writer.link(self.base, match.base_entry.path, entry, item.offsets, item.sizes)
 
     def _read_digest(self, item: WriteItem, base_entry: ArrayEntry) -> str | None:

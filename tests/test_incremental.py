@@ -419,7 +419,9 @@ def test_s3_verify_reports_referenced_data_removed_by_hand(s3, prefix, capsys): 
     assert main(["verify", f"{run}/2"]) == 1
     err = capsys.readouterr()
     assert "an array this incremental step references" in err.out + err.err
-    with pytest.raises(jaxckpt.CorruptChunkError, match=r"references \S+ in \S+/1, which no longer"):
+    with pytest.raises(
+        jaxckpt.CorruptChunkError, match=r"references \S+ in \S+/1, which no longer"
+    ):
         jaxckpt.restore(f"{run}/2")
 
 

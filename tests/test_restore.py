@@ -244,6 +244,20 @@ def test_eval_shape_targets_restore_as_jax_arrays_python_step_included(tmp_path)
     assert got.sharding == s and got.dtype == jnp.int16 and int(got) == 0
 
 
+def test_multi_process_restore_of_a_saved_value_into_a_sharded_scalar(tmp_path, monkeypatch):
+    # With several processes, a restore shares the reads of boxes that devices of several
+    # processes need. A saved Python value has no box: restored into a sharded scalar target
+    # (an eval_shape'd step with a sharding) it once reached read_sharding, an AttributeError.
+    jaxckpt.save(tmp_path / "c", {"step": 7, "w": np.arange(8.0, dtype=np.float32)})
+    manifest = jaxckpt.metadata(tmp_path / "c")
+    s = SingleDeviceSharding(jax.devices()[0])
+    target = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=s), "w": s}
+    monkeypatch.setattr(jax, "process_count", lambda backend=None: 2)
+    planner = jaxckpt.DefaultLoadPlanner()
+    planner.set_up_planner(target, manifest)
+    assert planner.wants["step"] == (np.dtype(np.int32), s)
+
+
 def test_saved_scalars_into_scalar_targets_need_a_compatible_dtype(tmp_path):
     jaxckpt.save(tmp_path / "c", {"n": 300, "flag": True, "lr": 0.5})
     i8 = jax.ShapeDtypeStruct((), jnp.int8)

@@ -272,7 +272,9 @@ def test_choose_counts_only_the_newest_save_of_a_step():
     parts = [[*old, [5, 0, "b", "L"]], [old[1]]]
     c = tier_choice.choose(2, _posted(parts, persistent=[0]))
     assert (c["tier"], c["step"], c["local_steps"]) == ("persistent", 0, [])
-    c = tier_choice.choose(2, _posted([[*parts[0], [4, 0, "a", "L"]], [*parts[1], [4, 1, "a", "L"]]]))
+    c = tier_choice.choose(
+        2, _posted([[*parts[0], [4, 0, "a", "L"]], [*parts[1], [4, 1, "a", "L"]]])
+    )
     assert (c["tier"], c["step"], c["save"], c["local_steps"]) == ("local", 4, "a", [4])
     c = tier_choice.choose(2, _posted(parts, persistent=[]), step=5)
     assert c["tier"] is None and c["why"] == "no complete local step"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._cli.text import Progress, UsageError, human_bytes, plural
 from jaxckpt._errors import CorruptChunkError
@@ -62,7 +63,7 @@ def run_export(args: argparse.Namespace) -> int:
         )
     progress = Progress("export", len(arrays), args.progress, sys.stderr)
 
-    def data() -> Iterator[tuple[ArrayEntry, np.ndarray]]:
+    def data() -> Iterator[tuple[ArrayEntry, npt.NDArray[Any]]]:
         whole = {e.key: ReadItem(e.key, (0,) * len(e.shape), e.shape) for e in arrays}
         small = [whole[e.key] for e in arrays if e.pack is not None]  # each pack read once
         packed = {i.key: a for i, a in reader.read(m.entries, small)}
@@ -120,8 +121,8 @@ def _exportable(e: ArrayEntry, kind: str) -> bool:
 def _write_safetensors(
     path: Path,
     arrays: list[ArrayEntry],
-    data: Iterator[tuple[ArrayEntry, np.ndarray]],
-    values: dict,
+    data: Iterator[tuple[ArrayEntry, npt.NDArray[Any]]],
+    values: dict[str, Any],
 ) -> None:
     """safetensors: 8-byte little-endian header length, JSON header, raw little-endian bytes."""
     header: dict[str, Any] = {}
@@ -149,10 +150,12 @@ def _write_safetensors(
                 raise CorruptChunkError(
                     f"Key {e.key!r}: read {a.nbytes} bytes, expected {e.nbytes}."
                 )
-            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            f.write(a.reshape(-1).view(np.uint8).data)
 
 
-def _write_npz(path: Path, data: Iterator[tuple[ArrayEntry, np.ndarray]], values: dict) -> None:
+def _write_npz(
+    path: Path, data: Iterator[tuple[ArrayEntry, npt.NDArray[Any]]], values: dict[str, Any]
+) -> None:
     """An uncompressed ``.npz`` written one array at a time; load with ``np.load(OUT)``."""
     with zipfile.ZipFile(path, "w", allowZip64=True) as z:
         for e, a in data:

@@ -7,19 +7,20 @@ import json
 import re
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 from jaxckpt._api import metadata
 from jaxckpt._cli.text import UsageError, human_bytes, plural
 from jaxckpt._errors import CheckpointError
-from jaxckpt._format.manifest import MANIFEST, ArrayEntry, Manifest, ValueEntry
-from jaxckpt._planning import tree as _tree
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
+from jaxckpt._format.names import MANIFEST, SEP
 from jaxckpt._planning.abstract import leaf_struct
 from jaxckpt._sources import orbax_step as _orbax_step
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 
 
-def _entry_json(e: ArrayEntry | ValueEntry) -> dict:
+def _entry_json(e: ArrayEntry | ValueEntry) -> dict[str, Any]:
     if isinstance(e, ValueEntry):
         return {"key": e.key, "kind": "value", "value": e.value}
     return {
@@ -71,7 +72,7 @@ def _tree_rows(m: Manifest, verbose: bool = False) -> Iterator[tuple[str, str]]:
     """(indented name, description) for each directory and entry, in saved order."""
     shown: tuple[str, ...] = ()
     for key, e in m.entries.items():
-        parts = key.split(_tree.SEP) if key else ["<root>"]
+        parts = key.split(SEP) if key else ["<root>"]
         parents = tuple(parts[:-1])
         common = 0
         while common < min(len(shown), len(parents)) and shown[common] == parents[common]:
@@ -138,13 +139,13 @@ def run_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lineage(loc: _location.Location) -> dict:
+def _lineage(loc: _location.Location) -> dict[str, Any]:
     """An incremental step's base and reuse, and the steps whose data it needs (refs)."""
     try:
         m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
     except CheckpointError:
         return {}
-    out: dict = {}
+    out: dict[str, Any] = {}
     if "base" in m.created:
         out["base"] = str(m.created["base"])
         out["reused_bytes"] = m.created.get("reused_bytes")
@@ -153,7 +154,7 @@ def _lineage(loc: _location.Location) -> dict:
     return out
 
 
-def _base_text(row: dict) -> str:
+def _base_text(row: dict[str, Any]) -> str:
     if "base" not in row:
         return ""
     reused = row.get("reused_bytes")

@@ -50,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or argparse's own usage error (already printed)
         return int(e.code or 0)
     try:
-        return args.run(args)
+        status: int = args.run(args)  # the subcommand's run_* function
+        return status
     except (UsageError, CheckpointError, OSError) as e:
         code = 1 if isinstance(e, (CorruptChunkError, ManifestError)) else 2
         print(f"jaxckpt {args.command}: error: {for_cli(one_line(e))}", file=sys.stderr)

@@ -7,8 +7,9 @@ import collections
 import concurrent.futures
 import math
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import tensorstore as ts
 
@@ -21,8 +22,11 @@ from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
+from jaxckpt._storage.reader import CheckpointReader, Reader
 
 _VERIFY_THREADS = 8
+J = TypeVar("J")
+R = TypeVar("R")
 
 
 def _chunk_items(e: ArrayEntry) -> Iterator[tuple[tuple[int, ...], ReadItem]]:
@@ -48,12 +52,7 @@ def run_verify(args: argparse.Namespace) -> int:
     for e in arrays:
         if e.pack is not None:
             members.setdefault(e.pack.key, []).append(e.key)
-    missing: dict[str, str] = {}  # found by listing, before any read: also bounds the jobs
-    for e in [] if foreign else stored.values():
-        try:
-            reader.check_chunks(e, slack=_VERIFY_SLACK)
-        except CorruptChunkError as err:
-            missing[e.key] = one_line(err)
+    missing = {} if foreign else _listed_missing(reader, stored)  # also bounds the jobs
     checked = [e for e in stored.values() if e.key not in missing]
     n_jobs = sum(math.prod(e.grid) for e in checked)
     jobs = ((e, idx, item) for e in checked for idx, item in _chunk_items(e))  # lazily
@@ -129,11 +128,27 @@ def _summary(
     return 1
 
 
-def _bounded_map(pool: concurrent.futures.Executor, fn: Any, jobs: Iterator) -> Iterator[tuple]:
+def _listed_missing(reader: Reader, stored: dict[str, ArrayEntry]) -> dict[str, str]:
+    """Why each array lacks chunk files, by key: found by listing, before any read (the
+    chunk files of jaxckpt's own checkpoints)."""
+    missing: dict[str, str] = {}
+    if not isinstance(reader, CheckpointReader):
+        return missing
+    for e in stored.values():
+        try:
+            reader.check_chunks(e, slack=_VERIFY_SLACK)
+        except CorruptChunkError as err:
+            missing[e.key] = one_line(err)
+    return missing
+
+
+def _bounded_map(
+    pool: concurrent.futures.Executor, fn: Callable[[J], R], jobs: Iterator[J]
+) -> Iterator[tuple[J, R]]:
     """``(job, fn(job))`` in order, with at most a few jobs per thread queued (Executor.map
     would submit every job at once: a hostile grid of 2**30 chunks must not become 2**30
     futures)."""
-    pending: collections.deque = collections.deque()
+    pending: collections.deque[tuple[J, Future[R]]] = collections.deque()
     for job in jobs:
         pending.append((job, pool.submit(fn, job)))
         if len(pending) >= 4 * _VERIFY_THREADS:

@@ -36,7 +36,7 @@ _CARRIED = frozenset(
 
 
 @functools.cache
-def dtype_from_name(name: str) -> np.dtype:
+def dtype_from_name(name: str) -> np.dtype[Any]:
     """The numpy dtype for a manifest dtype name, refusing anything not on the list.
 
     >>> dtype_from_name("bfloat16").itemsize
@@ -47,7 +47,7 @@ def dtype_from_name(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name, None) or name)
 
 
-def storage_dtype_name(dtype: np.dtype) -> str:
+def storage_dtype_name(dtype: np.dtype[Any]) -> str:
     """The dtype the bytes are stored as: the dtype itself, or an unsigned carrier.
 
     >>> storage_dtype_name(np.dtype("float32")), storage_dtype_name(dtype_from_name("int2"))

@@ -8,16 +8,17 @@ for a 0-d array: zarr v3's default ``/`` key encoding). Host buffers start on ``
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 # Bytes: a cache line, and what XLA's CPU client needs to alias a host buffer instead of
 # copying it. Staged items and in-place reads both start on it.
 ALIGN = 64
 
-_N = TypeVar("_N", int, np.ndarray)
+_N = TypeVar("_N", int, npt.NDArray[np.integer[Any]])
 
 
 def ceil_div(a: _N, b: _N | int) -> _N:
@@ -73,7 +74,7 @@ def grid_indices(grid: Sequence[int]) -> Iterator[tuple[int, ...]]:
 
 
 def chunks_touching(
-    offsets: Sequence[int], sizes: Sequence[int], chunks: Sequence[int]
+    offsets: Iterable[int], sizes: Iterable[int], chunks: Iterable[int]
 ) -> Iterator[tuple[int, ...]]:
     """Indices of the chunks that the box ``offsets``/``sizes`` touches, in row-major order.
 

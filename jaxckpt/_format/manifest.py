@@ -36,9 +36,9 @@ VERSIONS = (1, 2, 3)  # the versions this jaxckpt reads
 class Manifest:
     """Everything about a checkpoint except the array bytes."""
 
-    tree: dict
+    tree: dict[str, Any]
     entries: dict[str, Entry]
-    created: dict = dataclasses.field(default_factory=dict)
+    created: dict[str, Any] = dataclasses.field(default_factory=dict)
     version: int = VERSION
     packs: dict[str, PackEntry] = dataclasses.field(default_factory=dict)  # by path
     # Content digests of the stored boxes, by storage path then box (``manifest_check.box_key``):
@@ -163,7 +163,7 @@ def storage_entries(manifest: Manifest) -> dict[str, ArrayEntry]:
     return out
 
 
-def _entry_to_json(e: Entry) -> dict:
+def _entry_to_json(e: Entry) -> dict[str, Any]:
     if isinstance(e, ValueEntry):
         v = e.value
         if isinstance(v, float):  # repr round-trips exactly and spells nan/inf
@@ -172,7 +172,7 @@ def _entry_to_json(e: Entry) -> dict:
             return {"kind": "value", "type": "complex", "value": [repr(v.real), repr(v.imag)]}
         kind = "none" if v is None else type(v).__name__
         return {"kind": "value", "type": kind, "value": v}
-    d = {
+    d: dict[str, Any] = {
         "kind": "array",
         "shape": list(e.shape),
         "dtype": e.dtype,
@@ -190,7 +190,7 @@ def _entry_to_json(e: Entry) -> dict:
     return d
 
 
-def _pack_to_json(p: PackEntry) -> dict:
+def _pack_to_json(p: PackEntry) -> dict[str, Any]:
     return {
         "shape": [p.size],
         "storage_dtype": p.storage_dtype,

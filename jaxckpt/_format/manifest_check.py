@@ -16,7 +16,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -44,23 +44,25 @@ def int_digits_over(value: int) -> int | None:
 
 @functools.cache
 def _power_of_ten(n: int) -> int:
-    return 10**n
+    return int(10**n)  # int ** int is Any to mypy: a negative exponent makes a float
 
 
 @dataclasses.dataclass(frozen=True)
 class Fields:
     """A manifest's fields after its header, checked: those of ``Manifest`` but ``version``."""
 
-    tree: dict
+    tree: dict[str, Any]
     entries: dict[str, Entry]
-    created: dict
+    created: dict[str, Any]
     packs: dict[str, PackEntry]
     digests: dict[str, dict[str, str]]
     probes: dict[str, dict[str, str]]
     refs: dict[str, str]
 
 
-def fields_from_json(doc: dict, where: str, *, with_packs: bool, with_refs: bool) -> Fields:
+def fields_from_json(
+    doc: dict[str, Any], where: str, *, with_packs: bool, with_refs: bool
+) -> Fields:
     """Check every field of a decoded ``manifest.json`` but its header (format, version).
 
     Args:
@@ -84,9 +86,8 @@ def fields_from_json(doc: dict, where: str, *, with_packs: bool, with_refs: bool
     paths += packs
     if len(set(paths)) != len(paths):
         raise ManifestError(f"{where}: two keys share one storage path.")
-    tree = doc.get("tree")
-    _check_tree(tree, entries, where)
-    created = doc.get("created") if isinstance(doc.get("created"), dict) else {}
+    tree = _check_tree(doc.get("tree"), entries, where)
+    created = c if isinstance(c := doc.get("created"), dict) else {}
     raise_if_bad_packs(entries, packs, where)
     stored = set(paths)
     refs = _refs_from_json(doc.get("refs", {}) if with_refs else {}, stored, where)
@@ -102,7 +103,7 @@ def _bad(where: str, key: str, what: str) -> ManifestError:
     )
 
 
-def _ints(x: Any) -> bool:
+def _ints(x: object) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
 
 
@@ -113,12 +114,14 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         return ValueEntry(key, _value_from_json(key, d, where))
     if d.get("kind") != "array":
         raise _bad(where, key, f"has unknown kind {d.get('kind')!r}")
-    shape, chunks, path = d.get("shape"), d.get("chunks"), d.get("path")
-    _check_grid(key, shape, chunks, where)
+    shape, chunks = _check_grid(key, d.get("shape"), d.get("chunks"), where)
+    path = d.get("path")
     if not (type(path) is str and _storage_path_ok(path)):
         raise _bad(where, key, f"has storage path {path!r} outside the checkpoint's arrays/")
     dtype, sdtype = d.get("dtype"), d.get("storage_dtype")
-    logical = _dtype_pair(dtype, sdtype) if type(dtype) is str and type(sdtype) is str else None
+    if type(dtype) is not str or type(sdtype) is not str:
+        raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}")
+    logical = _dtype_pair(dtype, sdtype)
     if logical is None:
         raise _bad(where, key, f"has an unknown dtype {dtype!r}/{sdtype!r}")
     if isinstance(logical, str):
@@ -160,7 +163,7 @@ def _storage_path_ok(path: str) -> bool:  # cached: the members of a pack share 
 
 
 @functools.lru_cache(maxsize=256)  # bounded: a hostile manifest may name any string
-def _dtype_pair(dtype: str, sdtype: str) -> np.dtype | str | None:
+def _dtype_pair(dtype: str, sdtype: str) -> np.dtype[Any] | str | None:
     """The logical dtype of an entry; ``None`` for an unknown name, or why the pair is wrong.
     Cached: a manifest names a handful of dtypes over thousands of entries."""
     try:
@@ -173,16 +176,18 @@ def _dtype_pair(dtype: str, sdtype: str) -> np.dtype | str | None:
     return logical
 
 
-def _check_grid(key: str, shape: Any, chunks: Any, where: str) -> None:
+def _check_grid(key: str, shape: Any, chunks: Any, where: str) -> tuple[list[int], list[int]]:
+    """``shape`` and ``chunks``, checked."""
     if not _ints(shape) or len(shape) > _MAX_NDIM:
         raise _bad(where, key, f"has an invalid shape {shape!r}")
     if not _ints(chunks) or len(chunks) != len(shape) or any(c < 1 for c in chunks):
         raise _bad(where, key, f"has an invalid chunk shape {chunks!r} for shape {shape!r}")
     if any(c > max(s, 1) for s, c in zip(shape, chunks)):  # tensorstore allocates whole chunks
         raise _bad(where, key, f"has a chunk shape {chunks!r} larger than its shape {shape!r}")
+    return shape, chunks
 
 
-def _value_from_json(key: str, d: dict, where: str) -> Any:
+def _value_from_json(key: str, d: dict[str, Any], where: str) -> Any:
     kind, v = d.get("type"), d.get("value")
     if kind == "none":
         return None
@@ -254,7 +259,7 @@ def prng_problem(
 def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
     if not isinstance(raw, dict):
         raise ManifestError(f'{where}: "packs" must be an object.')
-    packs = {}
+    packs: dict[str, PackEntry] = {}
     for path, d in raw.items():
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: pack {path!r} is not an object.")
@@ -272,12 +277,13 @@ def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
             what = f"claims an absurd size {shape!r}"
         elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
             what = f"has unknown checksum {d.get('checksum')!r}"
+        else:  # every check passed
+            packs[path] = PackEntry(path, shape[0], sdtype, chunks[0], d.get("checksum", "crc32c"))
         if what:
             raise ManifestError(
                 f"{where}: pack {path!r} {what}. The manifest is damaged or was not written by "
                 f"jaxckpt; nothing was read."
             )
-        packs[path] = PackEntry(path, shape[0], sdtype, chunks[0], d.get("checksum", "crc32c"))
     return packs
 
 
@@ -289,8 +295,8 @@ def pack_problems(entries: dict[str, Entry], packs: dict[str, PackEntry]) -> lis
             members.setdefault(e.path, []).append((e.offset, e.offset + e.size, e.key))
     errors = []
     for path, spans in members.items():
-        pack = packs.get(path)
-        if pack is None or pack != entries[spans[0][2]].pack:
+        pack, first = packs.get(path), entries[spans[0][2]]
+        if pack is None or not isinstance(first, ArrayEntry) or pack != first.pack:
             errors.append(f"key {spans[0][2]!r} names pack {path!r}, which the manifest lacks")
             continue
         spans.sort()
@@ -357,7 +363,8 @@ def _refs_from_json(raw: Any, stored: set[str], where: str) -> dict[str, str]:
     return raw
 
 
-def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
+def _check_tree(node: Any, entries: dict[str, Entry], where: str, depth: int = 0) -> dict[str, Any]:
+    """``node``, a tree of the manifest, checked."""
     if depth > MAX_DEPTH or not isinstance(node, dict):  # well inside Python's recursion limit
         raise ManifestError(f"{where}: the tree structure is malformed.")
     kind = node.get("type")
@@ -366,7 +373,7 @@ def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
             raise ManifestError(f"{where}: the tree names key {node.get('key')!r} with no entry.")
         if node.get("scalar", True) is not True:  # optional: a numpy scalar leaf
             raise ManifestError(f"{where}: leaf {node['key']!r} has a malformed 'scalar' flag.")
-        return
+        return node
     if kind not in ("dict", "list", "tuple", "namedtuple", "node"):
         raise ManifestError(f"{where}: unknown tree node type {kind!r}.")
     kids = node.get("children")
@@ -380,3 +387,4 @@ def _check_tree(node: Any, entries: dict, where: str, depth: int = 0) -> None:
         raise ManifestError(f"{where}: a {kind} node has {len(keys)} keys, {len(kids)} children.")
     for child in kids:
         _check_tree(child, entries, where, depth + 1)
+    return node

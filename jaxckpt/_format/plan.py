@@ -13,12 +13,14 @@ import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._errors import PlanValidationError
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import ceil_div
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+IntArray = npt.NDArray[np.int64]  # e.g. the offsets or sizes of boxes, one row per box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +151,7 @@ def raise_if(errors: list[str]) -> None:
 
 
 def check_boxes(
-    key: str, shape: Sequence[int], chunks: Sequence[int], offsets: np.ndarray, sizes: np.ndarray
+    key: str, shape: Sequence[int], chunks: Sequence[int], offsets: IntArray, sizes: IntArray
 ) -> list[str]:
     """Bounds, chunk alignment, no overlap and full coverage of one array's boxes.
 
@@ -183,12 +185,14 @@ def check_boxes(
     return _sweep(key, shape, offsets, sizes)
 
 
-def _misaligned(key: str, offsets, sizes, chunks) -> str:
+def _misaligned(
+    key: str, offsets: IntArray, sizes: IntArray, chunks: Sequence[int] | IntArray
+) -> str:
     return f"key {key!r}: box at {tuple(offsets)} size {tuple(sizes)} is not aligned to chunks {tuple(chunks)}"
 
 
 def _check_grid(
-    key: str, shape: np.ndarray, chunks: np.ndarray, box: np.ndarray, cell: np.ndarray
+    key: str, shape: IntArray, chunks: IntArray, box: IntArray, cell: IntArray
 ) -> list[str]:
     # Boxes of one size on multiples of it: aligned to chunks iff the box size is.
     if ((box % chunks != 0) & (box < shape)).any():
@@ -209,7 +213,7 @@ def _check_grid(
     return []
 
 
-def _sweep(key: str, shape, offsets: np.ndarray, sizes: np.ndarray) -> list[str]:
+def _sweep(key: str, shape: Sequence[int], offsets: IntArray, sizes: IntArray) -> list[str]:
     order = np.lexsort(offsets.T[::-1]) if len(shape) else np.arange(len(offsets))
     active: list[tuple[int, int]] = []  # (end along dim 0, index), sorted
     for i in order.tolist():

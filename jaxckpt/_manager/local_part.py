@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._api import metadata, restore
 from jaxckpt._errors import CheckpointError, UnsupportedLeafError
@@ -44,6 +45,11 @@ logger = logging.getLogger("jaxckpt")
 FORMAT = 1
 DESCRIPTION = "description"
 _VALUES = (bool, int, float, str)
+
+
+# What layout_digest digests of a leaf: (key, kind, shape, dtype, sharding), sharding None for
+# a value.
+LayoutLeaf = tuple[str, str, tuple[int, ...], str, jax.sharding.Sharding | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Snapshot:
     """A state copied off the caller's buffers (device copies on CPU, host copies elsewhere)."""
 
     info: PartInfo
-    copies: dict[tuple[int, int], Any]  # (leaf #, box #) -> its copy
+    copies: dict[tuple[int, int], jax.Array | npt.NDArray[Any]]  # (leaf #, box #) -> its copy
     values: dict[int, Any]
     nbytes: int
 
@@ -101,7 +107,7 @@ def parse_part(name: str) -> tuple[int, int] | None:
 # -- layouts ------------------------------------------------------------------------------------
 
 
-def layout_digest(process_count: int, leaves: list[tuple]) -> str:
+def layout_digest(process_count: int, leaves: list[LayoutLeaf]) -> str:
     """The digest of ``(key, kind, shape, dtype, sharding)`` per leaf (``sharding`` ``None``
     for values): equal exactly when the keys, shapes, dtypes and every device's box are."""
     h = hashlib.sha256(str(process_count).encode())
@@ -130,12 +136,12 @@ def target_layout(target: Any, process_count: int) -> str | None:
     if target is None:
         return None
     keys, leaves, _ = _tree.flatten_with_treedef(target)
-    entries = []
+    entries: list[LayoutLeaf] = []
     for key, leaf in zip(keys, leaves):
         if leaf is None:
             entries.append((key, "value", (), "", None))
         elif isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and leaf.sharding is not None:
-            kind = "prng" if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else "array"
+            kind = "prng" if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key) else "array"
             entries.append((key, kind, tuple(leaf.shape), str(leaf.dtype), leaf.sharding))
         else:
             return None
@@ -152,7 +158,10 @@ def snapshot(tree: Any, *, step: int, save: str, process: int, count: int) -> Sn
     then donate or overwrite ``tree``.
     """
     keys, leaves, _ = _tree.flatten_with_treedef(tree)
-    infos, layout, sources, values = [], [], {}, {}
+    infos: list[LeafInfo] = []
+    layout: list[LayoutLeaf] = []
+    sources: dict[tuple[int, int], jax.Array] = {}
+    values: dict[int, Any] = {}
     for i, (key, leaf) in enumerate(zip(keys, leaves)):
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             if leaf.is_deleted():
@@ -167,15 +176,15 @@ def snapshot(tree: Any, *, step: int, save: str, process: int, count: int) -> Sn
             values[i] = _value(key, leaf)
             infos.append(LeafInfo(key, "value"))
             layout.append((key, "value", (), "", None))
-    info = PartInfo(step, process, count, save, layout_digest(count, layout), tuple(infos))
+    part = PartInfo(step, process, count, save, layout_digest(count, layout), tuple(infos))
     copies = dict(zip(sources, _copy(list(sources.values()))))
     nbytes = sum(int(np.prod(c.shape)) * c.dtype.itemsize for c in copies.values())
-    return Snapshot(info, copies, values, nbytes)
+    return Snapshot(part, copies, values, nbytes)
 
 
 def _array_leaf(key: str, leaf: jax.Array) -> tuple[LeafInfo, list[jax.Array]]:
     kind, prng, data = "array", "", leaf
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         kind, prng, data = "prng", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
     nd = leaf.ndim
     boxes: dict[Box, jax.Array] = {}
@@ -200,7 +209,7 @@ def _value(key: str, leaf: Any) -> Any:
     )
 
 
-def _copy(shards: list[jax.Array]) -> list[Any]:
+def _copy(shards: list[jax.Array]) -> list[jax.Array | npt.NDArray[Any]]:
     """Copies of ``shards`` that survive donation: device copies on CPU devices (dispatched,
     as ``DefaultSavePlanner.detach`` does), host copies on accelerators (device memory is
     scarce there)."""
@@ -208,7 +217,8 @@ def _copy(shards: list[jax.Array]) -> list[Any]:
         return []
     if all(next(iter(s.devices())).platform == "cpu" for s in shards):
         put = functools.partial(jax.device_put, shards, may_alias=False)
-        return pools.stage_pool().submit(put).result()
+        copies: list[jax.Array | npt.NDArray[Any]] = pools.stage_pool().submit(put).result()
+        return copies
     for s in shards:
         s.copy_to_host_async()
     return [np.array(s) for s in shards]
@@ -220,7 +230,7 @@ def write_part(path: Path, snap: Snapshot, *, overwrite: bool) -> int:
     This process is the only writer, so the save needs no agreement with the others: one
     ``Writer`` with the same commit protocol as ``jaxckpt.save``.
     """
-    tree = {
+    tree: dict[str, Any] = {
         DESCRIPTION: snap.info.to_json(),
         "boxes": {},
         "values": {str(i): v for i, v in snap.values.items()},
@@ -253,13 +263,14 @@ def read_info(path: Path) -> PartInfo | None:
     uncommitted, foreign or malformed: a hostile part is never used)."""
     try:
         entry = metadata(str(path)).entries.get(DESCRIPTION)
-        raw = json.loads(entry.value) if isinstance(entry, ValueEntry) else None
+        text = entry.value if isinstance(entry, ValueEntry) else None
+        raw = json.loads(text) if isinstance(text, str) else None
         return _parse(raw) if isinstance(raw, dict) and raw.get("format") == FORMAT else None
     except (CheckpointError, ValueError, TypeError, KeyError, OSError):
         return None
 
 
-def _parse(raw: dict) -> PartInfo | None:
+def _parse(raw: dict[str, Any]) -> PartInfo | None:
     def ints(xs: Any) -> tuple[int, ...]:
         if not isinstance(xs, list) or not all(type(x) is int and x >= 0 for x in xs):
             raise ValueError("not a list of non-negative ints")

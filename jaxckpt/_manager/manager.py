@@ -104,7 +104,7 @@ class CheckpointManager(RunReader):
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         max_to_keep: int | None = None,
         keep_every_n_steps: int | None = None,
@@ -115,7 +115,7 @@ class CheckpointManager(RunReader):
         save_on_preemption: bool = False,
         incremental: bool = False,
         io_timeout: float | None = None,
-        local_directory: str | os.PathLike | None = None,
+        local_directory: str | os.PathLike[str] | None = None,
         local_save_interval_steps: int = 1,
         local_max_to_keep: int = 2,
         local_replicas: int = 1,
@@ -143,7 +143,7 @@ class CheckpointManager(RunReader):
         self._run.refuse_checkpoint()
         self._metrics = self._run.metrics
         self._primary = _distributed.process_index() == 0
-        self._pending: Future | None = None  # the commit of the save in flight
+        self._pending: Future[None] | None = None  # the commit of the save in flight
         self._error: BaseException | None = None
         self._closed = False
         self.read_only = read_only
@@ -187,11 +187,11 @@ class CheckpointManager(RunReader):
         self._check_open()
         step = step_arg(step, "save(step, tree)")
         preempted = self.reached_preemption(step)
-        local = self._local is not None and step % self._local.interval == 0
-        if local:  # before the persistent save: the faster copy is staged first
-            self._local.save(step, tree)
+        tier = self._local if self._local is not None and step % self._local.interval == 0 else None
+        if tier is not None:  # before the persistent save: the faster copy is staged first
+            tier.save(step, tree)
         if not (force or preempted or step % self.save_interval_steps == 0):
-            return local
+            return tier is not None
         record = json_metrics(step, metrics)
         if self.policy.best_fn is not None and record is not None:
             float(self.policy.best_fn(record))  # fail here, not in the background
@@ -359,7 +359,7 @@ class CheckpointManager(RunReader):
 
 
 def _local_tier(
-    directory: str | os.PathLike | None,
+    directory: str | os.PathLike[str] | None,
     loc: _location.Location,
     interval: int,
     max_to_keep: int,

@@ -7,6 +7,7 @@ up at once; with a local tier, the processes agree on what it holds (``jaxckpt._
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from jaxckpt._api import metadata
@@ -84,7 +85,7 @@ class RunReader:
         step: int | None = None,
         target: Any = None,
         *,
-        keys: Any = None,
+        keys: str | Sequence[str] | None = None,
         strict: bool = True,
         planner: LoadPlanner | None = None,
     ) -> Any:

@@ -80,14 +80,16 @@ def choose(
     return out
 
 
-def _holders(count: int, posted: Mapping[int, Mapping[str, Any]]) -> dict[tuple, dict]:
+def _holders(
+    count: int, posted: Mapping[int, Mapping[str, Any]]
+) -> dict[tuple[int, str, str], dict[int, list[int]]]:
     """``{(step, save, layout): {part: [holders]}}`` of each step's newest save only."""
     newest: dict[int, str] = {}
     for p in posted:
         for s, q, save, _ in posted[p]["parts"]:
             if 0 <= q < count:
                 newest[s] = max(save, newest.get(s, save))  # later saves' ids sort later
-    holders: dict[tuple, dict[int, list[int]]] = {}
+    holders: dict[tuple[int, str, str], dict[int, list[int]]] = {}
     for p in sorted(posted):
         for s, q, save, layout in posted[p]["parts"]:
             if 0 <= q < count and save == newest[s]:

@@ -37,7 +37,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ class LocalTier:
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         persistent: _location.Location,
         *,
         interval: int,
@@ -90,7 +90,7 @@ class LocalTier:
         self.mine.mkdir(parents=True, exist_ok=True)
         _write_marker(self.root / MARKER, self.run, str(persistent))
         self._clean_up()
-        self._pending: Future | None = None
+        self._pending: Future[None] | None = None
         self._error: BaseException | None = None
         self._saves = self._restores = 0
         self._lock = threading.Lock()
@@ -145,7 +145,7 @@ class LocalTier:
 
     def _replicate(self, step: int, own: Path | None, error: str, prefix: str) -> None:
         """Send the own part to the next ``replicas`` processes, receive the previous ones'."""
-        jobs = []
+        jobs: list[Future[int] | Future[None]] = []
         for k in range(1, self.replicas + 1):
             to, src = (self.process + k) % self.count, (self.process - k) % self.count
             jobs.append(
@@ -209,9 +209,9 @@ class LocalTier:
         """The steps whose own part this process holds, committed (no other process asked)."""
         return sorted(s for s, q, _, _ in self._holdings() if q == self.process)
 
-    def _holdings(self) -> list[list]:
-        """``[step, part, save, layout]`` of every committed part (own or replica) here."""
-        out = []
+    def _holdings(self) -> list[tuple[int, int, str, str]]:
+        """``(step, part, save, layout)`` of every committed part (own or replica) here."""
+        out: list[tuple[int, int, str, str]] = []
         for sd in sorted(self.mine.iterdir()) if self.mine.is_dir() else []:
             step = parse_step(sd.name)
             if step is None or not sd.is_dir():
@@ -226,7 +226,7 @@ class LocalTier:
                     part[0],
                     self.count,
                 ):
-                    out.append([info.step, info.process, info.save, info.layout])
+                    out.append((info.step, info.process, info.save, info.layout))
         return out
 
     # -- restoring ------------------------------------------------------------------------------
@@ -245,7 +245,10 @@ class LocalTier:
                 choose(count, {p: json.loads(v) for p, v in posted.items()}, step=step)
             )
 
-        return json.loads(_replication.decide("holdings", json.dumps(mine), decide))
+        chosen: dict[str, Any] = json.loads(
+            _replication.decide("holdings", json.dumps(mine), decide)
+        )
+        return chosen
 
     def restore_newest(
         self,
@@ -253,7 +256,7 @@ class LocalTier:
         target: Any,
         persistent: list[int],
         *,
-        keys: Any = None,
+        keys: str | Sequence[str] | None = None,
         strict: bool = True,
         planner: Any = None,
     ) -> tuple[Any, RestoredFrom]:

@@ -36,7 +36,10 @@ def leaf_struct(entry: ArrayEntry) -> jax.ShapeDtypeStruct:
     if entry.prng_impl:
         impl = entry.prng_impl
         data = jax.ShapeDtypeStruct(entry.shape, np.uint32)
-        return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
+        keys: jax.ShapeDtypeStruct = jax.eval_shape(
+            lambda d: jax.random.wrap_key_data(d, impl=impl), data
+        )
+        return keys
     return jax.ShapeDtypeStruct(entry.shape, dtype_from_name(entry.dtype))
 
 

@@ -20,6 +20,7 @@ from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._format.names import storage_name
 from jaxckpt._format.plan import (
+    IntArray,
     SavePlan,
     WriteItem,
     check_boxes,
@@ -47,14 +48,15 @@ class ArrayPlan:
 
     entry: ArrayEntry
     box: tuple[int, ...]
-    offsets: np.ndarray
-    process: np.ndarray
-    device: np.ndarray
+    offsets: IntArray
+    process: IntArray
+    device: IntArray
 
-    def sizes(self) -> np.ndarray:
-        return np.minimum(
+    def sizes(self) -> IntArray:
+        sizes: IntArray = np.minimum(
             np.array(self.box, np.int64), np.array(self.entry.shape, np.int64) - self.offsets
         )
+        return sizes
 
     def items(self, process: int | None = None) -> list[WriteItem]:
         """The write items (one per chunk) of ``process``, or of every process."""
@@ -115,7 +117,8 @@ def validate_global_plan(plan: GlobalSavePlan) -> None:
         PlanValidationError: naming the bad keys.
     """
     errors: list[str] = []
-    checked: dict[tuple, bool] = {}  # arrays sharing one (cached) layout are checked once
+    # Arrays sharing one (cached) layout are checked once: by (its offsets, shape, chunks, box).
+    checked: dict[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]], bool] = {}
     for a in plan.arrays:
         e = a.entry
         seen = (id(a.offsets), e.shape, e.chunks, a.box)
@@ -139,7 +142,7 @@ def is_array(leaf: Any) -> bool:
 
 def create_global_save_plan(
     leaves: dict[str, Any],
-    tree: dict,
+    tree: dict[str, Any],
     *,
     prng: dict[str, str] | None = None,
     lowest: bool = False,

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._format.grid import ceil_div
-from jaxckpt._format.plan import index_to_box
+from jaxckpt._format.plan import Box, IntArray, index_to_box
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -35,19 +36,19 @@ class Layout:
 
     shape: tuple[int, ...]
     box: tuple[int, ...]
-    offsets: np.ndarray  # int64 [n_boxes, ndim]
-    groups: np.ndarray  # int64 [n_boxes, n_replicas]
-    device_ids: np.ndarray  # int64 [n_devices]; -1 for a host (numpy) array
-    processes: np.ndarray  # int64 [n_devices]
+    offsets: IntArray  # [n_boxes, ndim]
+    groups: IntArray  # [n_boxes, n_replicas]
+    device_ids: IntArray  # [n_devices]; -1 for a host (numpy) array
+    processes: IntArray  # [n_devices]
 
 
 def named_layout(
     shape: Sequence[int],
     mesh_shape: Sequence[int],
     axis_names: Sequence[str],
-    spec: Sequence[Any],
-    device_ids: np.ndarray,
-    processes: np.ndarray,
+    spec: Iterable[str | tuple[str, ...] | None],
+    device_ids: IntArray,
+    processes: IntArray,
 ) -> Layout:
     """The layout of a ``NamedSharding``, from the mesh's device ids and the partition spec.
 
@@ -59,7 +60,8 @@ def named_layout(
     mesh_shape = tuple(int(m) for m in mesh_shape)
     coords = _coords(mesh_shape)
     axis = {n: i for i, n in enumerate(axis_names)}
-    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    spec = tuple(spec)
+    spec += (None,) * (len(shape) - len(spec))
     used: set[int] = set()
     box, offsets, parts, box_id = [], [], [], np.zeros(coords.shape[1], np.int64)
     for dim, entry in zip(shape, spec):
@@ -90,7 +92,7 @@ def named_layout(
 
 
 @functools.lru_cache(maxsize=16)
-def _coords(mesh_shape: tuple[int, ...]) -> np.ndarray:
+def _coords(mesh_shape: tuple[int, ...]) -> npt.NDArray[np.intp]:
     return np.indices(mesh_shape).reshape(len(mesh_shape), -1)
 
 
@@ -128,7 +130,7 @@ def _plain_spec(spec: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _mesh_ids(mesh: Any) -> tuple[np.ndarray, np.ndarray]:
+def _mesh_ids(mesh: Any) -> tuple[IntArray, IntArray]:
     flat = mesh.devices.reshape(-1)
     ids = np.fromiter((d.id for d in flat), np.int64, len(flat)).reshape(mesh.devices.shape)
     procs = np.fromiter((d.process_index for d in flat), np.int64, len(flat))
@@ -136,7 +138,7 @@ def _mesh_ids(mesh: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _generic_layout(shape: tuple[int, ...], sharding: Any) -> Layout:
-    by_box: dict = {}
+    by_box: dict[Box, list[int]] = {}
     devices = sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id)
     for pos, (_, index) in enumerate(devices):
         by_box.setdefault(index_to_box(index, shape), []).append(pos)
@@ -180,7 +182,7 @@ class Balancer:
         self.loads = {False: np.zeros(0, np.int64), True: np.zeros(0, np.int64)}
         self.proc_loads = np.zeros(0, np.int64)
 
-    def assign(self, lay: Layout, box_bytes: int) -> np.ndarray:
+    def assign(self, lay: Layout, box_bytes: int) -> IntArray:
         """Position (into ``lay.device_ids``) of the writer of each box."""
         groups = lay.groups
         n_boxes, n_rep = groups.shape
@@ -188,7 +190,8 @@ class Balancer:
         ids = lay.processes if host else lay.device_ids
         holder = ids[groups]  # [n_boxes, n_rep]: who holds each replica
         if self.lowest:
-            return groups[np.arange(n_boxes), np.argmin(holder, axis=1)]
+            lowest: IntArray = groups[np.arange(n_boxes), np.argmin(holder, axis=1)]
+            return lowest
         # Unreplicated boxes have one choice, but their bytes still count towards the loads.
         table = self.loads[host]
         if len(table) <= ids.max():
@@ -207,7 +210,7 @@ class Balancer:
         best = pcand == pcand.min(axis=1, keepdims=True)
         tie = (np.arange(n_rep)[None, :] - np.arange(n_boxes)[:, None]) % n_rep
         choice = np.argmin(np.where(best, tie, n_rep), axis=1)
-        writers = groups[np.arange(n_boxes), choice]
+        writers: IntArray = groups[np.arange(n_boxes), choice]
         table[ids[writers]] += box_bytes  # a device holds one box per array: no repeats
         np.add.at(procs, lay.processes[writers], box_bytes)
         return writers

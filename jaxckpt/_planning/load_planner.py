@@ -16,10 +16,12 @@ import collections
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._errors import (
     CheckpointError,
@@ -29,7 +31,7 @@ from jaxckpt._errors import (
 )
 from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest
-from jaxckpt._format.plan import LoadPlan, ReadItem, index_to_box
+from jaxckpt._format.plan import Box, LoadPlan, ReadItem, index_to_box
 from jaxckpt._planning import mismatch as _mismatch
 from jaxckpt._planning import shared_read as _shared_read
 from jaxckpt._planning import tree as _tree
@@ -69,7 +71,12 @@ class LoadPlanner(abc.ABC):
 
     @abc.abstractmethod
     def set_up_planner(
-        self, target: Any, manifest: Manifest, *, keys: Any = None, strict: bool = True
+        self,
+        target: Any,
+        manifest: Manifest,
+        *,
+        keys: str | Sequence[str] | None = None,
+        strict: bool = True,
     ) -> None:
         """1. Match ``target`` (or the whole checkpoint, for ``None``) to ``manifest``.
 
@@ -81,12 +88,12 @@ class LoadPlanner(abc.ABC):
     def create_local_plan(self) -> LoadPlan:
         """2. The boxes this host reads, each distinct box once."""
 
-    def transform_tensor(self, item: ReadItem, array: np.ndarray) -> np.ndarray:
+    def transform_tensor(self, item: ReadItem, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """3a. Change a box read from storage (cast, quantise) before it is committed."""
         return array
 
     @abc.abstractmethod
-    def commit_tensor(self, item: ReadItem, array: np.ndarray) -> None:
+    def commit_tensor(self, item: ReadItem, array: npt.NDArray[Any]) -> None:
         """3b. Take a (transformed) box: keep it for :meth:`finish`, or place it now."""
 
     @abc.abstractmethod
@@ -149,7 +156,12 @@ class DefaultLoadPlanner(LoadPlanner):
 
     # 1.
     def set_up_planner(
-        self, target: Any, manifest: Manifest, *, keys: Any = None, strict: bool = True
+        self,
+        target: Any,
+        manifest: Manifest,
+        *,
+        keys: str | Sequence[str] | None = None,
+        strict: bool = True,
     ) -> None:
         self.manifest = manifest
         self.keys = keys
@@ -177,7 +189,7 @@ class DefaultLoadPlanner(LoadPlanner):
         self.wants = {}  # key -> (dtype to return, sharding | _HOST)
         order = {k: i for i, k in enumerate(saved)}
         errors: list[CheckpointError] = []
-        for key in self.targets if target is None else sorted(self.selected, key=order.get):
+        for key in self.targets if target is None else sorted(self.selected, key=order.__getitem__):
             try:
                 self.wants[key] = self._want(key, manifest.entries[key], self.targets[key])
             except (ShapeMismatchError, DtypeMismatchError) as e:
@@ -187,8 +199,9 @@ class DefaultLoadPlanner(LoadPlanner):
         self._via = {}  # key -> the sharding it is read under, when reads are shared
         if self.share_reads and jax.process_count() > 1:
             for key, (_, where) in self.wants.items():
-                if isinstance(where, jax.sharding.Sharding):
-                    via = _shared_read.read_sharding(manifest.entries[key], where)
+                entry = manifest.entries[key]  # a saved value has no box to share
+                if isinstance(entry, ArrayEntry) and isinstance(where, jax.sharding.Sharding):
+                    via = _shared_read.read_sharding(entry, where)
                     if via is not None:
                         self._via[key] = via
         self.results: dict[str, Any] = {}  # key -> [(item, array)] kept for finish
@@ -266,12 +279,12 @@ class DefaultLoadPlanner(LoadPlanner):
                 items.append(ReadItem(key, (0,) * len(entry.shape), entry.shape, devs))
                 self._whole.add(key)
                 continue
-            by_box = collections.defaultdict(list)
+            by_box: dict[Box, list[int]] = collections.defaultdict(list)
             where = self._via.get(key, where)
             for dev, index in where.addressable_devices_indices_map(entry.shape).items():
                 by_box[index_to_box(index, entry.shape)].append(dev.id)
-            for (offsets, sizes), devs in by_box.items():
-                items.append(ReadItem(key, offsets, sizes, tuple(devs)))
+            for (offsets, sizes), ids in by_box.items():
+                items.append(ReadItem(key, offsets, sizes, tuple(ids)))
             if len(by_box) == 1 and next(iter(by_box))[1] == entry.shape:
                 self._whole.add(key)  # replicated on this host: placed by one batched put too
             elif _even(where, entry.shape, by_box) and _shared_read.default_memory(where):
@@ -281,14 +294,15 @@ class DefaultLoadPlanner(LoadPlanner):
         return self.plan
 
     # 3.
-    def transform_tensor(self, item: ReadItem, array: np.ndarray) -> np.ndarray:
+    def transform_tensor(self, item: ReadItem, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
         dtype, _ = self.wants[item.key]
         return array if array.dtype == dtype else array.astype(dtype)
 
-    def commit_tensor(self, item: ReadItem, array: np.ndarray) -> None:
+    def commit_tensor(self, item: ReadItem, array: npt.NDArray[Any]) -> None:
         entry = self.manifest.entries[item.key]
         where = self.wants[item.key][1]
-        if where is _HOST or where is _UNCOMMITTED or entry.prng_impl:
+        prng = isinstance(entry, ArrayEntry) and entry.prng_impl  # the plan reads arrays only
+        if where is _HOST or where is _UNCOMMITTED or prng:
             self.results.setdefault(item.key, []).append((item, array))  # the result, or small
         elif item.key in self._whole:  # the whole array on every local device: one put
             self.placement.add((item.key, _WHOLE), array, [where])
@@ -346,7 +360,7 @@ class DefaultLoadPlanner(LoadPlanner):
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def _scalar(value: Any, dtype: np.dtype, where: Any, weak: bool) -> Any:
+def _scalar(value: Any, dtype: np.dtype[Any], where: Any, weak: bool) -> Any:
     """A saved Python scalar as a 0-d array of ``dtype`` where the target wants it; weakly typed
     when the target is (``jax.eval_shape`` of a Python int) and JAX gives the value ``dtype``."""
     host = np.asarray(value, dtype)

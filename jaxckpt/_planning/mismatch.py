@@ -32,7 +32,11 @@ from jaxckpt._planning import tree as _tree
 
 
 def empty_alike(
-    missing: list[str], unexpected: list[str], manifest: Manifest, target: Any, leaves: dict
+    missing: list[str],
+    unexpected: list[str],
+    manifest: Manifest,
+    target: Any,
+    leaves: dict[str, Any],
 ) -> tuple[list[str], list[str]]:
     """``missing`` and ``unexpected`` less the keys where one side holds ``None`` and the
     other an empty node (optax's ``EmptyState()``, ``{}``, ``()``).
@@ -44,8 +48,8 @@ def empty_alike(
     unexpected = [
         k
         for k in unexpected
-        if isinstance(saved[k], ArrayEntry)
-        or saved[k].value is not None
+        if isinstance(e := saved[k], ArrayEntry)
+        or e.value is not None
         or not _tree.is_empty_at(target, k)
     ]
     if missing:
@@ -129,7 +133,7 @@ def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
 # -- shapes and dtypes --------------------------------------------------------------------------
 
 
-def shape_error(key: str, target: tuple, saved: tuple) -> ShapeMismatchError:
+def shape_error(key: str, target: tuple[int, ...], saved: tuple[int, ...]) -> ShapeMismatchError:
     """The target's leaf at ``key`` has shape ``target``, the checkpoint's array ``saved``.
 
     Example:
@@ -177,7 +181,7 @@ def one_error(errors: list[CheckpointError]) -> CheckpointError:
     )
 
 
-def dtype_error(key: str, target: np.dtype, saved: np.dtype) -> DtypeMismatchError:
+def dtype_error(key: str, target: np.dtype[Any], saved: np.dtype[Any]) -> DtypeMismatchError:
     """The target asks for ``target``, the checkpoint holds ``saved``; where the target is
     what jax made of ``saved`` with ``jax_enable_x64`` off, say so."""
     x64 = ""
@@ -194,7 +198,7 @@ def dtype_error(key: str, target: np.dtype, saved: np.dtype) -> DtypeMismatchErr
     )
 
 
-def device_dtype(key: str, dtype: np.dtype, found: str, cast: bool) -> np.dtype:
+def device_dtype(key: str, dtype: np.dtype[Any], found: str, cast: bool) -> np.dtype[Any]:
     """The dtype an array of ``dtype`` has on a device: jax's canonical one (``int64`` becomes
     ``int32``, ``float64`` ``float32``, ... while ``jax_enable_x64`` is off), where ``cast`` is
     asked for; else ``dtype`` itself, which jax must place as it is.
@@ -229,7 +233,9 @@ def value_shape_error(key: str, shape: tuple[int, ...], value: Any) -> ShapeMism
     )
 
 
-def check_scalar(key: str, value: Any, asked: np.dtype, dtype: np.dtype, cast: bool) -> None:
+def check_scalar(
+    key: str, value: Any, asked: np.dtype[Any], dtype: np.dtype[Any], cast: bool
+) -> None:
     """Refuse a saved Python scalar ``value`` that cannot become a 0-d array of ``dtype``: the
     target's ``asked`` dtype, or what jax places of it.
 
@@ -249,7 +255,7 @@ def check_scalar(key: str, value: Any, asked: np.dtype, dtype: np.dtype, cast: b
         )
 
 
-def _scalar_problem(value: Any, dtype: np.dtype, cast: bool) -> str | None:
+def _scalar_problem(value: Any, dtype: np.dtype[Any], cast: bool) -> str | None:
     """Why a saved Python scalar cannot become a 0-d array of ``dtype`` (``None``: it can).
 
     Of the value's kind it always can (bool -> bool, int -> any integer dtype that holds it,
@@ -279,7 +285,7 @@ def check_prng_target(key: str, entry: ArrayEntry, shape: tuple[int, ...], dtype
       DtypeMismatchError: key arrays on one side only.
       ShapeMismatchError: key arrays of another shape (the key data's last dimension aside).
     """
-    is_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    is_key = jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
     if not entry.prng_impl:
         if is_key:
             raise DtypeMismatchError(
@@ -306,9 +312,9 @@ def check_prng_keys(manifest: Manifest, where: str) -> None:
       ManifestError: naming the key and the impl.
     """
     for key, e in manifest.entries.items():
-        impl = getattr(e, "prng_impl", None)
-        if not impl:
+        if not isinstance(e, ArrayEntry) or not e.prng_impl:
             continue
+        impl = e.prng_impl
         key_shape = _prng_key_shape(impl)
         problem = (
             f"names prng_impl {impl!r}, which this jax does not know (registered: "

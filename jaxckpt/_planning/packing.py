@@ -20,10 +20,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._format.grid import ceil_div
 from jaxckpt._format.manifest import ArrayEntry, PackEntry, dtype_from_name
 from jaxckpt._format.names import ARRAYS
+from jaxckpt._format.plan import IntArray
 from jaxckpt._planning.layout import Layout
 
 # Leaves up to 256 KiB hold nearly all the files of a real training state, and copying them
@@ -157,7 +159,7 @@ def _pack_path(sdtype: str, taken: set[str]) -> str:
     return f"{ARRAYS}/pack.{sdtype}.{n}"
 
 
-def assign(packs: list[Candidate], proc_loads: np.ndarray, *, lowest: bool) -> list[PackPlan]:
+def assign(packs: list[Candidate], proc_loads: IntArray, *, lowest: bool) -> list[PackPlan]:
     """Give each pack to the least-loaded process that holds its members (largest first)."""
     loads = {p: int(v) for p, v in enumerate(proc_loads)}
     out: dict[int, PackPlan] = {}
@@ -176,7 +178,7 @@ def assign(packs: list[Candidate], proc_loads: np.ndarray, *, lowest: bool) -> l
 
 def assemble(
     pack: PackEntry, members: Iterable[tuple[ArrayEntry, Iterable[tuple[Any, Any]]]]
-) -> np.ndarray:
+) -> npt.NDArray[Any]:
     """The pack's bytes: each member's pieces ``(index, data)`` (an index into the member, in
     its logical dtype; ``()`` for the whole) copied once, straight to its place in the pack."""
     out = np.empty(pack.size, dtype_from_name(pack.storage_dtype))

@@ -29,11 +29,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Reversible, Sequence
 from concurrent import futures
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from jaxckpt._format.manifest import REFS_VERSION, ArrayEntry, Manifest, storage_entries
@@ -47,7 +49,7 @@ HASH_AHEAD = 64 << 20  # bytes of boxes hashed ahead of the one being decided
 HASH_AHEAD_ITEMS = 8
 
 
-def digest(data: np.ndarray) -> str:
+def digest(data: npt.NDArray[Any]) -> str:
     """The 128-bit content digest of a box: 32 hex digits.
 
     The bytes are taken in C order and little-endian byte order, so a Fortran-ordered or
@@ -64,10 +66,10 @@ def digest(data: np.ndarray) -> str:
     if data.dtype.byteorder == ">":
         data = data.astype(data.dtype.newbyteorder("<"))
     flat = np.ascontiguousarray(data).reshape(-1)
-    return xxhash.xxh3_128_hexdigest(memoryview(flat.view(np.uint8)))
+    return xxhash.xxh3_128_hexdigest(flat.view(np.uint8).data)
 
 
-def probe(data: np.ndarray) -> str | None:
+def probe(data: npt.NDArray[Any]) -> str | None:
     """The digest of a fixed sample of a large box: 16 blocks of 4 KiB spread evenly over its
     bytes (C order, little-endian, as :func:`digest`); ``None`` for a small box or one that is
     not contiguous (only its full digest is taken).
@@ -87,7 +89,7 @@ def probe(data: np.ndarray) -> str | None:
         return None
     if data.dtype.byteorder == ">":
         data = data.astype(data.dtype.newbyteorder("<"))
-    flat = memoryview(data.reshape(-1).view(np.uint8))
+    flat = data.reshape(-1).view(np.uint8).data
     h = xxhash.xxh3_128()
     last = len(flat) - PROBE_BLOCK
     for i in range(PROBE_BLOCKS):
@@ -217,7 +219,9 @@ class Tracker:
         self.reused_bytes = 0
         self.changed: set[str] = set()  # keys with a box the base does not hold
 
-    def check(self, item: WriteItem, data: np.ndarray, found: str | None = None) -> Match | None:
+    def check(
+        self, item: WriteItem, data: npt.NDArray[Any], found: str | None = None
+    ) -> Match | None:
         """Record the box's digest (``found``, or computed here); the base's match, if the
         base holds the same bytes."""
         found = digest(data) if found is None else found
@@ -230,7 +234,7 @@ class Tracker:
             self.changed.add(item.key)
         return match
 
-    def needs_digest(self, item: WriteItem, data: np.ndarray) -> bool:
+    def needs_digest(self, item: WriteItem, data: npt.NDArray[Any]) -> bool:
         """Record the box's probe; whether its full digest is worth taking: not where the
         base's probe of the same box differs (it changed: written, digest left out)."""
         found = probe(data)
@@ -243,13 +247,13 @@ class Tracker:
             return False
         return True
 
-    def decide(self, item: WriteItem, data: np.ndarray) -> Match | None:
+    def decide(self, item: WriteItem, data: npt.NDArray[Any]) -> Match | None:
         """:meth:`check` where the probe leaves it open, else ``None`` (changed)."""
         return self.check(item, data) if self.needs_digest(item, data) else None
 
     def to_write(
-        self, items: Iterable[tuple[WriteItem, np.ndarray]]
-    ) -> Iterator[tuple[WriteItem, np.ndarray]]:
+        self, items: Iterable[tuple[WriteItem, npt.NDArray[Any]]]
+    ) -> Iterator[tuple[WriteItem, npt.NDArray[Any]]]:
         """The items to write: every one whose box the base lacks or ``link`` cannot reuse.
 
         Boxes are hashed on the hash threads a few boxes ahead (the hash releases the GIL),
@@ -276,7 +280,9 @@ class Tracker:
         finally:  # no hash may still read a box after the caller gave up on the save
             futures.wait([h.future for h in ahead])
 
-    def _decide(self, box: _Hashing, later: collections.deque[_Hashing]) -> Iterator[tuple]:
+    def _decide(
+        self, box: _Hashing, later: collections.deque[_Hashing]
+    ) -> Iterator[tuple[WriteItem, npt.NDArray[Any]]]:
         match = self.check(box.item, box.data, box.result(later))
         if match is not None and self.link is not None and self.link(box.item, match):
             self.reused_bytes += box.item.nbytes
@@ -289,11 +295,11 @@ class _Hashing:
     """A box on its way through the hash threads."""
 
     item: WriteItem
-    data: np.ndarray
-    future: Future
+    data: npt.NDArray[Any]
+    future: Future[str]
     found: str | None = None  # the digest, where the deciding thread took it itself
 
-    def result(self, later: Iterable[_Hashing]) -> str:
+    def result(self, later: Reversible[_Hashing]) -> str:
         """This box's digest. Until it is known, the calling thread hashes the latest of
         ``later`` (then this box) that no hash thread has started: no core waits idle while
         boxes are left to hash (on two cores: one hash thread, and this one when it would
@@ -317,9 +323,9 @@ def _same_array(e: ArrayEntry, b: ArrayEntry) -> bool:
     )
 
 
-def _pack_layouts(manifest: Manifest) -> dict[str, list[tuple]]:
-    """Per pack path, its members as ``(key, offset, shape, dtype)`` in offset order."""
-    out: dict[str, list[tuple]] = {}
+def _pack_layouts(manifest: Manifest) -> dict[str, list[tuple[int, str, tuple[int, ...], str]]]:
+    """Per pack path, its members as ``(offset, key, shape, dtype)`` in offset order."""
+    out: dict[str, list[tuple[int, str, tuple[int, ...], str]]] = {}
     for e in manifest.entries.values():
         if isinstance(e, ArrayEntry) and e.pack is not None:
             out.setdefault(e.path, []).append((e.offset, e.key, e.shape, e.dtype))

@@ -12,16 +12,17 @@ import abc
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._errors import UnsupportedLeafError
 from jaxckpt._format import dtypes, manifest_check
 from jaxckpt._format import manifest as _manifest
-from jaxckpt._format.manifest import Manifest, ValueEntry
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._format.plan import (
     SavePlan,
     WriteItem,
@@ -88,10 +89,10 @@ class SavePlanner(abc.ABC):
         """3. This process's share of ``global_plan`` (the items it writes)."""
 
     @abc.abstractmethod
-    def resolve_data(self, item: WriteItem) -> np.ndarray:
+    def resolve_data(self, item: WriteItem) -> npt.NDArray[Any]:
         """4. The bytes of ``item`` as a numpy array of its box's shape and logical dtype."""
 
-    def detach(self, items: list[WriteItem]) -> dict[int, Callable[[], np.ndarray]]:
+    def detach(self, items: Sequence[WriteItem]) -> dict[int, Callable[[], npt.NDArray[Any]]]:
         """(``save_async`` only) Copies of ``items[i]`` that the caller's later donation or
         writes cannot change, for the ``i`` this planner can copy more cheaply than a host
         copy: ``i -> thunk`` returning the item's data (called later, in the writer's thread).
@@ -99,10 +100,17 @@ class SavePlanner(abc.ABC):
         return {}
 
 
-_CACHE: collections.OrderedDict = collections.OrderedDict()
+_CACHE: collections.OrderedDict[_Key, GlobalSavePlan] = collections.OrderedDict()
 _CACHE_SIZE = 16
 _stats = {"hits": 0, "misses": 0}
-CacheInfo = collections.namedtuple("CacheInfo", "hits misses size")
+
+
+class CacheInfo(NamedTuple):
+    """What :func:`plan_cache_info` returns."""
+
+    hits: int
+    misses: int
+    size: int
 
 
 class _Key:
@@ -110,7 +118,7 @@ class _Key:
 
     __slots__ = ("sig", "h")
 
-    def __init__(self, sig: tuple) -> None:
+    def __init__(self, sig: tuple[object, ...]) -> None:
         self.sig, self.h = sig, hash(sig)
 
     def __hash__(self) -> int:
@@ -177,7 +185,7 @@ class DefaultSavePlanner(SavePlanner):
         self.scalars: set[str] = set()
         for key, leaf in zip(keys, leaves):
             self.leaves[key] = self._classify(key, leaf)
-        self._shards: dict[tuple[str, int], Any] = {}
+        self._shards: dict[tuple[str, int | None], Any] = {}
 
     def _classify(self, key: str, leaf: Any) -> Any:
         if isinstance(leaf, jax.core.Tracer):  # a jax.Array to isinstance, but has no data
@@ -193,7 +201,7 @@ class DefaultSavePlanner(SavePlanner):
                 f"the step returned instead of the ones it consumed."
             )
         if isinstance(leaf, jax.Array):
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 self.prng[key] = str(jax.random.key_impl(leaf))
                 leaf = jax.random.key_data(leaf)
             if not dtypes.is_supported_dtype(leaf.dtype):
@@ -219,8 +227,8 @@ class DefaultSavePlanner(SavePlanner):
                 return leaf
         raise _unsupported(key, leaf, f"type {type(leaf).__name__}")
 
-    def _signature(self) -> tuple:
-        sig = []
+    def _signature(self) -> tuple[object, ...]:
+        sig: list[object] = []
         for key, leaf in self.leaves.items():
             if isinstance(leaf, jax.Array):
                 sig.append((leaf.shape, leaf.dtype, leaf.sharding, self.prng.get(key)))
@@ -249,7 +257,7 @@ class DefaultSavePlanner(SavePlanner):
             except TypeError:  # an unhashable sharding or tree node: plan without the cache
                 cache_key = None
         plan = _CACHE.get(cache_key) if cache_key is not None else None
-        if plan is not None:
+        if plan is not None and cache_key is not None:
             _CACHE.move_to_end(cache_key)
             _stats["hits"] += 1
             fresh = dataclasses.replace(plan, manifest=self._with_values(plan.manifest))
@@ -295,10 +303,7 @@ class DefaultSavePlanner(SavePlanner):
             if item.key in global_plan.packs:  # written whole from the host: copy them all now
                 for k in global_plan.packs[item.key]:
                     leaf = self.leaves[k]
-                    if (
-                        isinstance(leaf, jax.Array)
-                        and next(iter(leaf.sharding.device_set)).platform != "cpu"
-                    ):
+                    if isinstance(leaf, jax.Array) and _platform(leaf) != "cpu":
                         leaf.copy_to_host_async()
                 continue
             leaf = self.leaves[item.key]
@@ -308,7 +313,7 @@ class DefaultSavePlanner(SavePlanner):
                     shard.data.copy_to_host_async()
         return plan
 
-    def detach(self, items: list[WriteItem]) -> dict[int, Callable[[], np.ndarray]]:
+    def detach(self, items: Sequence[WriteItem]) -> dict[int, Callable[[], npt.NDArray[Any]]]:
         """Items of arrays on CPU devices: one batched ``jax.device_put(..., may_alias=False)``,
         which XLA runs asynchronously and orders before any later donation, so ``save_async``
         returns once it is dispatched instead of after a host copy. A single-process array
@@ -322,11 +327,7 @@ class DefaultSavePlanner(SavePlanner):
         devices: dict[str, set[int]] = collections.defaultdict(set)
         for i, item in enumerate(items):
             leaf = self.leaves.get(item.key)
-            if (
-                isinstance(leaf, jax.Array)
-                and item.device is not None
-                and next(iter(leaf.sharding.device_set)).platform == "cpu"
-            ):
+            if isinstance(leaf, jax.Array) and item.device is not None and _platform(leaf) == "cpu":
                 picked[i] = item
                 devices[item.key].add(item.device)
         if not picked:
@@ -345,7 +346,7 @@ class DefaultSavePlanner(SavePlanner):
         put = functools.partial(jax.device_put, list(sources.values()), may_alias=False)
         copies = dict(zip(sources, pools.stage_pool().submit(put).result()))
 
-        def read(item: WriteItem) -> np.ndarray:  # in the writer's thread
+        def read(item: WriteItem) -> npt.NDArray[Any]:  # in the writer's thread
             copy = copies.get((item.key, item.device))
             if copy is None:  # a whole-array copy: split it into its shards once, on first use
                 whole = copies.pop((item.key, None))
@@ -356,18 +357,22 @@ class DefaultSavePlanner(SavePlanner):
         return {i: functools.partial(read, item) for i, item in picked.items()}
 
     # 4.
-    def resolve_data(self, item: WriteItem) -> np.ndarray:
+    def resolve_data(self, item: WriteItem) -> npt.NDArray[Any]:
         members = self.global_plan.packs.get(item.key) if hasattr(self, "global_plan") else None
         if members is not None:  # a pack: its members' bytes end to end, built on the host
-            entries = self.global_plan.manifest.entries
-            pack = entries[members[0]].pack
-            return _pack.assemble(pack, ((entries[k], self._pieces(k)) for k in members))
+            manifest = self.global_plan.manifest
+            arrays = [e for k in members if isinstance(e := manifest.entries[k], ArrayEntry)]
+            pack = manifest.packs[arrays[0].path]  # a member's path is its pack's
+            return _pack.assemble(pack, ((e, self._pieces(e.key)) for e in arrays))
         leaf = self.leaves[item.key]
         if isinstance(leaf, jax.Array):
             return self._box(item, self._shard(item.key, leaf, item.device).data)
-        return leaf[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+        box: npt.NDArray[Any] = leaf[
+            tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
+        ]
+        return box
 
-    def _box(self, item: WriteItem, shard_data: jax.Array) -> np.ndarray:
+    def _box(self, item: WriteItem, shard_data: jax.Array) -> npt.NDArray[Any]:
         """``item``'s box out of the shard (or its detached copy) that holds it."""
         leaf = self.leaves[item.key]
         offsets, _ = index_to_box(self._shard(item.key, leaf, item.device).index, leaf.shape)
@@ -385,7 +390,8 @@ class DefaultSavePlanner(SavePlanner):
             return [((), leaf)]
         if leaf.is_fully_replicated:
             return [((), np.asarray(leaf.addressable_data(0)))]
-        boxes = {}  # the first shard of each box: its replicas here are not copied again
+        # The first shard of each box: its replicas here are not copied again.
+        boxes: dict[tuple[tuple[int | None, int | None], ...], Any] = {}
         for shard in leaf.addressable_shards:
             boxes.setdefault(tuple((s.start, s.stop) for s in shard.index), shard)
         return [(shard.index, np.asarray(shard.data)) for shard in boxes.values()]
@@ -397,6 +403,13 @@ class DefaultSavePlanner(SavePlanner):
                 self._shards[(key, shard.device.id)] = shard
             found = self._shards[(key, device)]
         return found
+
+
+def _platform(leaf: jax.Array) -> str:
+    """The platform of ``leaf``'s devices ("cpu", "gpu", "tpu")."""
+    device: jax.Device = next(iter(leaf.sharding.device_set))  # jax cannot resolve its type
+    platform: str = device.platform
+    return platform
 
 
 def _unsupported(key: str, leaf: Any, what: str) -> UnsupportedLeafError:

@@ -13,7 +13,8 @@ rebuilds dicts, lists and tuples without a target. NamedTuples and other registe
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeAlias
 
 import jax
 import numpy as np
@@ -21,6 +22,9 @@ import numpy as np
 from jaxckpt._errors import KeyMismatchError, UnsupportedLeafError
 from jaxckpt._format.manifest_check import MAX_DEPTH, int_digits_over
 from jaxckpt._format.names import SEP
+
+_KeyPath: TypeAlias = tuple[Any, ...]  # a jax.tree_util key path: its entries (DictKey, ...)
+_Trail: TypeAlias = tuple[()] | tuple["_Trail", Hashable]  # (parent's trail, name)
 
 
 def _entry_str(entry: Any) -> str:
@@ -35,13 +39,13 @@ def _entry_str(entry: Any) -> str:
     if isinstance(entry, tu.SequenceKey):
         return str(entry.idx)
     if isinstance(entry, tu.GetAttrKey):
-        return entry.name
+        return str(entry.name)
     if isinstance(entry, tu.FlattenedIndexKey):
         return str(entry.key)
     return str(entry)
 
 
-def path_to_key(path: tuple[Any, ...]) -> str:
+def path_to_key(path: _KeyPath) -> str:
     """The key path string of a ``jax.tree_util`` path (``""`` for a bare leaf)."""
     return SEP.join(_entry_str(e) for e in path)
 
@@ -79,7 +83,7 @@ _LEAVES = (jax.Array, np.ndarray, np.generic, int, float, complex, str, bytes)
 def _check_depth(tree: Any) -> None:
     """Refuse a tree nested deeper than ``MAX_DEPTH`` (what restore refuses), walking it with a
     stack of its own: one step per node, no recursion."""
-    stack: list[tuple[Any, int, tuple]] = [(tree, 0, ())]  # trail: (parent's trail, name)
+    stack: list[tuple[Any, int, _Trail]] = [(tree, 0, ())]
     while stack:
         x, depth, trail = stack.pop()
         if x is None or isinstance(x, _LEAVES):
@@ -89,7 +93,7 @@ def _check_depth(tree: Any) -> None:
         elif isinstance(x, (list, tuple)):
             kids = list(enumerate(x))
         else:  # a registered node (or a leaf JAX knows): one level of it
-            leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y, x=x: y is not x)
+            leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=_all_but(x))
             if jax.tree_util.treedef_is_leaf(treedef) and leaves and leaves[0] is x:
                 continue
             kids = list(enumerate(leaves))
@@ -100,6 +104,11 @@ def _check_depth(tree: Any) -> None:
                 names.append(str(name))
             raise _too_deep(SEP.join(reversed(names)))
         stack.extend((v, depth + 1, (trail, k)) for k, v in kids)
+
+
+def _all_but(node: Any) -> Callable[[Any], bool]:
+    """An ``is_leaf`` that flattens one level of ``node``: all but ``node`` is a leaf."""
+    return lambda y: y is not node
 
 
 def _too_deep(key: str) -> UnsupportedLeafError:
@@ -137,11 +146,11 @@ def _dict_at(tree: Any, path: str) -> Any:
     return node
 
 
-def _child(d: dict, name: str) -> Any:
+def _child(d: dict[Any, Any], name: str) -> Any:
     return next(v for k, v in d.items() if str(k) == name)
 
 
-def _keys_for(treedef: Any, with_path: list) -> list[str]:
+def _keys_for(treedef: Any, with_path: list[tuple[_KeyPath, Any]]) -> list[str]:
     try:
         return list(_cached_keys(treedef, tuple(p for p, _ in with_path)))
     except TypeError:  # a custom node whose aux data is unhashable: compute without cache
@@ -149,12 +158,12 @@ def _keys_for(treedef: Any, with_path: list) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_keys(treedef: Any, paths: tuple) -> tuple[str, ...]:
+def _cached_keys(treedef: Any, paths: tuple[_KeyPath, ...]) -> tuple[str, ...]:
     del treedef  # part of the cache key only
     return tuple(_compute_keys(list(paths)))
 
 
-def _compute_keys(paths: list) -> list[str]:
+def _compute_keys(paths: list[_KeyPath]) -> list[str]:
     keys = [path_to_key(p) for p in paths]
     if len(set(keys)) != len(keys):
         seen: dict[str, int] = {}
@@ -169,7 +178,7 @@ def _compute_keys(paths: list) -> list[str]:
     return keys
 
 
-def structure(tree: Any) -> dict:
+def structure(tree: Any) -> dict[str, Any]:
     """The JSON structure of ``tree``, with leaves as ``{"type": "leaf", "key": ...}``.
 
     Raises:
@@ -182,7 +191,7 @@ def _json_key(key: Any) -> Any:
     return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
 
 
-def _node(x: Any, path: tuple, depth: int) -> dict:
+def _node(x: Any, path: _KeyPath, depth: int) -> dict[str, Any]:
     if depth > MAX_DEPTH:  # what restore refuses (jaxckpt._format.manifest), before recursing on
         raise _too_deep(path_to_key(path))
     if x is None:
@@ -207,7 +216,12 @@ def _node(x: Any, path: tuple, depth: int) -> dict:
     return {"type": "node", "name": type(x).__qualname__, "keys": keys, "children": kids}
 
 
-def unflatten(node: dict, values: dict[str, Any], selected: Any = None, path: str = "") -> Any:
+def unflatten(
+    node: dict[str, Any],
+    values: dict[str, Any],
+    selected: str | Sequence[str] | None = None,
+    path: str = "",
+) -> Any:
     """Rebuild a tree from its JSON structure, taking leaves from ``values``.
 
     Leaves whose key is not in ``values`` are dropped; a container that loses children becomes
@@ -239,7 +253,7 @@ def unflatten(node: dict, values: dict[str, Any], selected: Any = None, path: st
     return tuple(v for _, v in kept)
 
 
-def empty_paths(node: dict, path: str = "", found: set[str] | None = None) -> set[str]:
+def empty_paths(node: dict[str, Any], path: str = "", found: set[str] | None = None) -> set[str]:
     """The key paths of the containers in a JSON structure that hold nothing (``{}``, an
     ``EmptyState()``), as a leaf there would be named."""
     found = set() if found is None else found
@@ -277,7 +291,7 @@ class _Missing:
 MISSING = _Missing()
 
 
-def select(keys: list[str], wanted: list[str] | None) -> list[str]:
+def select(keys: list[str], wanted: str | Sequence[str] | None) -> list[str]:
     """The keys matching ``wanted`` (exact key paths or ``/``-prefixes); all if ``None``.
 
     Raises:
@@ -317,7 +331,7 @@ def wrapper_suffix(missing: list[str], unexpected: list[str]) -> tuple[str, bool
     return None
 
 
-def matches(key: str, wanted: str | list[str]) -> bool:
+def matches(key: str, wanted: str | Sequence[str]) -> bool:
     """Whether ``key`` is one of ``wanted`` (key paths or ``/``-prefixes)."""
     if isinstance(wanted, str):
         wanted = [wanted]

@@ -31,8 +31,8 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
 import jax
 
@@ -52,7 +52,8 @@ def process_index() -> int:
 
 
 def process_count() -> int:
-    return jax.process_count()
+    count: int = jax.process_count()  # untyped in jax
+    return count
 
 
 def sync_timeout() -> float:
@@ -66,7 +67,21 @@ def sync_timeout() -> float:
         ) from None
 
 
-def kv_client():
+class KeyValueClient(Protocol):
+    """The calls jaxckpt makes on jax's ``DistributedRuntimeClient`` (which has no types).
+
+    Timeouts are in milliseconds; the blocking gets raise (``DEADLINE_EXCEEDED``) after them.
+    """
+
+    def key_value_set(self, key: str, value: str) -> None: ...
+    def key_value_set_bytes(self, key: str, value: bytes) -> None: ...
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
+    def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
+    def key_value_delete(self, key: str) -> None: ...
+
+
+def kv_client() -> KeyValueClient:
     """JAX's distributed key-value store client; raises if ``jax.distributed`` is not set up."""
     return _client()
 
@@ -79,10 +94,10 @@ def coordinator_address() -> str:
     return distributed.global_state.coordinator_address or ""
 
 
-def _client():
+def _client() -> KeyValueClient:
     from jax._src import distributed
 
-    client = distributed.global_state.client
+    client: KeyValueClient | None = distributed.global_state.client
     if client is None:
         raise DistributedError(
             f"jax.process_count() is {process_count()} but jax.distributed is not initialized "
@@ -362,7 +377,7 @@ def _compare_plans(plans: dict[int, str], path: str) -> str:
     )
 
 
-def _procs(procs) -> str:
+def _procs(procs: Iterable[int]) -> str:
     procs = sorted(procs)
     shown = ", ".join(map(str, procs[:16])) + (", ..." if len(procs) > 16 else "")
     return f"process {shown}" if len(procs) == 1 else f"processes [{shown}]"

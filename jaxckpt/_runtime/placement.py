@@ -26,7 +26,10 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
+import numpy.typing as npt
+
+# A box waiting for its transfer: (slot, host array, targets)
+_Queued = tuple[Hashable, npt.NDArray[Any], Sequence[Any]]
 
 
 class Placement:
@@ -47,7 +50,7 @@ class Placement:
         self._arrays: dict[Hashable, tuple[tuple[int, ...], Any, int]] = {}  # expect_array
         self.groups = 0  # batched device_put calls made
         self.peak_bytes = 0  # most host bytes held at once
-        self._queue: list[tuple[Hashable, np.ndarray, Sequence[Any]]] = []
+        self._queue: list[_Queued] = []
         self._queued = 0
         self._inflight: collections.deque[tuple[int, list[jax.Array]]] = collections.deque()
         self._inflight_bytes = 0
@@ -69,7 +72,7 @@ class Placement:
         if nbytes <= self.max_bytes // 2:
             self._arrays[slot] = (shape, sharding, boxes)
 
-    def add(self, slot: Hashable, array: np.ndarray, targets: Sequence[Any]) -> None:
+    def add(self, slot: Hashable, array: npt.NDArray[Any], targets: Sequence[Any]) -> None:
         """Place ``array`` on each of ``targets`` (devices or shardings); results under ``slot``."""
         if self._queue and self.host_bytes + array.nbytes > self.max_bytes:
             self._retire()  # finished transfers hold nothing: the queue may fit after all
@@ -94,7 +97,7 @@ class Placement:
                 queue = [q for q in queue if q[0] != last]
         if not queue:
             return
-        by_slot: dict[Hashable, list] = collections.defaultdict(list)
+        by_slot: dict[Hashable, list[_Queued]] = collections.defaultdict(list)
         for q in queue:
             by_slot[q[0]].append(q)
         arrays, targets, slots, out = [], [], [], []
@@ -124,7 +127,8 @@ class Placement:
 
     def _retire(self) -> None:
         """Drop the oldest transfers that have finished, without waiting for any."""
-        while self._inflight and all(a.is_ready() for a in self._inflight[0][1]):
+        # jax.Array's stub lacks is_ready, which every concrete jax array (ArrayImpl) has
+        while self._inflight and all(a.is_ready() for a in self._inflight[0][1]):  # type: ignore[attr-defined]
             self._inflight_bytes -= self._inflight.popleft()[0]
 
     def _wait(self, limit: int) -> None:
@@ -135,10 +139,10 @@ class Placement:
             self._inflight_bytes -= n
 
 
-def _make_array(shape: tuple[int, ...], sharding: Any, boxes: list) -> jax.Array:
+def _make_array(shape: tuple[int, ...], sharding: Any, boxes: list[_Queued]) -> jax.Array:
     """The array of ``shape`` on ``sharding`` from its boxes ``(slot, host array, targets)``,
     each target a single-device sharding, in one batched transfer."""
-    by_device = {}
+    by_device: dict[jax.Device, npt.NDArray[Any]] = {}
     for _, array, where in boxes:
         for t in where:
             by_device[next(iter(t.device_set))] = array
@@ -149,5 +153,6 @@ def _make_array(shape: tuple[int, ...], sharding: Any, boxes: list) -> jax.Array
     return jax.make_array_from_callback(shape, sharding, lambda i: by_index[_index_key(i)])
 
 
-def _index_key(index: tuple[slice, ...]) -> tuple:
-    return tuple((s.start, s.stop, s.step) for s in index)
+def _index_key(index: tuple[slice, ...] | None) -> tuple[tuple[int | None, ...], ...]:
+    # None: jax's callback type admits it, but jax never passes it
+    return tuple((s.start, s.stop, s.step) for s in index or ())

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SAVE_THREADS = 32
 READ_THREADS = max(4, min(64, os.cpu_count() or 4))  # tensorstore's file I/O default
@@ -68,7 +71,7 @@ def hash_pool() -> ThreadPoolExecutor:
     return _get("jaxckpt-hash", HASH_THREADS)
 
 
-def in_background(fn: Any, *args: Any) -> Future | None:
+def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:
     """Run ``fn(*args)`` on the save threads; ``None`` once it has run here instead, where the
     interpreter is exiting (an ``atexit`` hook) and takes no new threads."""
     try:
@@ -82,13 +85,13 @@ class Repeating:
     """``fn()`` every ``seconds`` on a daemon thread of its own until :meth:`stop` (a live
     save's heartbeat, ``jaxckpt._storage.lease``). An error of ``fn`` skips one beat."""
 
-    def __init__(self, seconds: float, fn: Any) -> None:
+    def __init__(self, seconds: float, fn: Callable[[], object]) -> None:
         self._stopped = threading.Event()
         threading.Thread(
             target=self._run, args=(seconds, fn), name="jaxckpt-beat", daemon=True
         ).start()
 
-    def _run(self, seconds: float, fn: Any) -> None:
+    def _run(self, seconds: float, fn: Callable[[], object]) -> None:
         while not self._stopped.wait(seconds):
             try:
                 fn()
@@ -99,17 +102,17 @@ class Repeating:
         self._stopped.set()
 
 
-def repeat(seconds: float, fn: Any) -> Repeating:
+def repeat(seconds: float, fn: Callable[[], object]) -> Repeating:
     """Call ``fn()`` every ``seconds`` until the returned object's ``stop()``."""
     return Repeating(seconds, fn)
 
 
-def abandonable(fn: Any, *args: Any) -> Future:
+def abandonable(fn: Callable[..., T], *args: Any) -> Future[T]:
     """Run ``fn(*args)`` on a new daemon thread, for a call that may never return (a pull from a
     peer that died: ``jax.experimental.transfer`` ignores its timeout then). The caller waits on
     the future with a deadline and gives the thread up after it; the interpreter neither joins
     nor waits for it at exit, as it would a pool's."""
-    future: Future = Future()
+    future: Future[T] = Future()
 
     def run() -> None:
         if not future.set_running_or_notify_cancel():

@@ -48,6 +48,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
@@ -66,7 +67,7 @@ _decisions = itertools.count()
 _lock = threading.Lock()
 
 
-def _get(kv, key: str, timeout: float, what: str) -> bytes:
+def _get(kv: _distributed.KeyValueClient, key: str, timeout: float, what: str) -> bytes:
     try:
         return kv.blocking_key_value_get_bytes(key, max(1, int(timeout * 1000)))
     except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
@@ -143,11 +144,17 @@ def _server() -> _transfer.Server | None:
     return server
 
 
-def _send_files(kv, prefix: str, root: Path, timeout: float, server) -> _Stream:
+def _send_files(
+    kv: _distributed.KeyValueClient,
+    prefix: str,
+    root: Path,
+    timeout: float,
+    server: _transfer.Server | None,
+) -> _Stream:
     """Post the head, every file's bytes in chunks, then the tail with their crc32s."""
     files = files_of(root)
     sent = _Stream(kv, prefix, timeout, server)
-    head: dict = {"files": files}
+    head: dict[str, Any] = {"files": files}
     if server is not None:
         head.update(via="transfer", address=server.address, uuid=sent.base, chunk=sent.chunk)
     kv.key_value_set_bytes(prefix + "head", json.dumps(head).encode())
@@ -172,7 +179,13 @@ class _Stream:
     """The sender's side of the chunks: at most ``WINDOW`` unacknowledged at a time, in the
     store or offered by the transfer server (``server``)."""
 
-    def __init__(self, kv, prefix: str, timeout: float, server=None) -> None:
+    def __init__(
+        self,
+        kv: _distributed.KeyValueClient,
+        prefix: str,
+        timeout: float,
+        server: _transfer.Server | None = None,
+    ) -> None:
         self.kv, self.prefix, self.timeout, self.server = kv, prefix, timeout, server
         self.chunk = CHUNK_BYTES if server is None else TRANSFER_CHUNK_BYTES
         self.base = 0 if server is None else _transfer.new_ids()
@@ -235,7 +248,9 @@ def receive_dir(prefix: str, dest: Path, *, max_bytes: int, timeout: float | Non
     kv.key_value_set_bytes(prefix + "done", b"ok")
 
 
-def _relayed(kv, prefix: str, timeout: float, what: str) -> Iterator[memoryview]:
+def _relayed(
+    kv: _distributed.KeyValueClient, prefix: str, timeout: float, what: str
+) -> Iterator[memoryview]:
     """The chunks from the store, each deleted and acknowledged once read."""
     for seq in itertools.count():
         chunk = _get(kv, f"{prefix}c/{seq}", timeout, what)
@@ -244,7 +259,14 @@ def _relayed(kv, prefix: str, timeout: float, what: str) -> Iterator[memoryview]
         yield memoryview(chunk)
 
 
-def _pulled(kv, prefix: str, head: dict, total: int, timeout: float, what: str):
+def _pulled(
+    kv: _distributed.KeyValueClient,
+    prefix: str,
+    head: dict[str, Any],
+    total: int,
+    timeout: float,
+    what: str,
+) -> Iterator[memoryview]:
     """The chunks pulled from the sender's transfer server, each acknowledged once here."""
     address, base, chunk = head.get("address"), head.get("uuid"), head.get("chunk")
     if not (
@@ -264,10 +286,12 @@ def _pulled(kv, prefix: str, head: dict, total: int, timeout: float, what: str):
     for seq in range(-(-total // chunk)):
         data = conn.pull(base + seq, min(chunk, total - seq * chunk), timeout)
         kv.key_value_set(f"{prefix}ack/{seq}", "")  # the sender may offer the next one
-        yield memoryview(data)
+        yield data.data  # memoryview(data), typed
 
 
-def _receive_files(dest: Path, files: list, chunks: Iterator[memoryview]) -> list[int]:
+def _receive_files(
+    dest: Path, files: list[tuple[str, int]], chunks: Iterator[memoryview]
+) -> list[int]:
     """Write the chunks into ``files`` under ``dest`` (each fsynced); their crc32s."""
     dest.mkdir(parents=True)
     chunk, at, crcs = memoryview(b""), 0, []
@@ -290,7 +314,7 @@ def _receive_files(dest: Path, files: list, chunks: Iterator[memoryview]) -> lis
     return crcs
 
 
-def _json(raw: bytes, what: str) -> dict:
+def _json(raw: bytes, what: str) -> dict[str, Any]:
     try:
         value = json.loads(raw) if len(raw) <= _MAX_HEAD else None
     except ValueError:
@@ -304,7 +328,7 @@ def _check_files(files: object, max_bytes: int) -> list[tuple[str, int]]:
     """The sender's file list, refused unless every path stays inside and the sizes fit."""
     ok = isinstance(files, list)
     out: list[tuple[str, int]] = []
-    for entry in files if ok else []:
+    for entry in files if isinstance(files, list) else []:
         if not (isinstance(entry, list) and len(entry) == 2):
             ok = False
             break

@@ -22,11 +22,16 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from types import EllipsisType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._format.grid import ALIGN, ceil_div
 from jaxckpt._runtime import pools
+
+_Job = tuple[npt.NDArray[Any], npt.NDArray[Any]]  # (destination, source) of one copy
 
 _GRANULE = 1 << 16  # arenas are sized in 64 KiB steps so small changes of state reuse one
 _MAPPED = 4 << 20  # arenas from this size on get a mapping of their own
@@ -37,7 +42,7 @@ def _aligned(n: int) -> int:
     return ceil_div(n, ALIGN) * ALIGN
 
 
-def _allocate(nbytes: int) -> np.ndarray:
+def _allocate(nbytes: int) -> npt.NDArray[np.uint8]:
     """A host buffer: large ones page-aligned from a mapping of their own (unmapped with it).
 
     Not on huge pages: the first huge-page fault of a fresh process can wait for the kernel
@@ -65,17 +70,18 @@ class Arena:
     def nbytes(self) -> int:
         return self.buf.nbytes
 
-    def copy(self, data: np.ndarray) -> np.ndarray:
+    def copy(self, data: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """A copy of ``data`` in this arena (or a fresh array, if it does not fit)."""
         return self.copy_all([data])[0]
 
-    def copy_all(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def copy_all(self, arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         """Copies of ``arrays`` in this arena (fresh arrays for any that do not fit).
 
         The copies run on a few threads at once: a fresh arena's first touch (a page fault
         per 4 KiB) costs as much as the copy itself, and both scale with cores.
         """
-        outs, jobs = [], []
+        outs: list[npt.NDArray[Any]] = []
+        jobs: list[_Job] = []
         for data in arrays:
             data = np.asarray(data)
             n = data.nbytes
@@ -88,14 +94,14 @@ class Arena:
             rows = math.ceil(n / _SPLIT) if data.ndim and n > _SPLIT else 1
             step = max(1, ceil_div(data.shape[0], rows)) if data.ndim else 1
             for r in range(0, data.shape[0] if data.ndim else 1, step):
-                part = slice(r, r + step) if data.ndim else ...
+                part: slice | EllipsisType = slice(r, r + step) if data.ndim else ...
                 jobs.append((out[part], data[part]))
         total = sum(o.nbytes for o, _ in jobs)
         if total < _SPLIT or len(jobs) == 1:
             for out, data in jobs:
                 np.copyto(out, data, casting="no")
             return outs
-        bins: list[list] = [[] for _ in range(pools.STAGE_THREADS)]  # near-equal bytes per thread
+        bins: list[list[_Job]] = [[] for _ in range(pools.STAGE_THREADS)]  # near-equal bytes
         size = [0] * pools.STAGE_THREADS
         for job in sorted(jobs, key=lambda j: -j[0].nbytes):
             i = size.index(min(size))
@@ -165,7 +171,7 @@ class StagingPool:
             return sum(a.nbytes for a in self._free)
 
 
-def _copy(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+def _copy(jobs: list[_Job]) -> None:
     for out, data in jobs:
         np.copyto(out, data, casting="no")
 

@@ -30,13 +30,18 @@ import logging
 import os
 import socket
 import threading
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
+
+if TYPE_CHECKING:
+    from jax.experimental.transfer import TransferConnection
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +126,12 @@ class Server:
 class Connection:
     """Pulls from one peer's server."""
 
-    def __init__(self, conn, device, address: str) -> None:
+    def __init__(self, conn: TransferConnection, device: jax.Device, address: str) -> None:
         self.address = address
         self._sharding = jax.sharding.SingleDeviceSharding(device)
         self._conn = conn
 
-    def pull(self, uuid: int, nbytes: int, timeout: float) -> np.ndarray:
+    def pull(self, uuid: int, nbytes: int, timeout: float) -> npt.NDArray[Any]:
         """The ``nbytes`` bytes the peer offered as ``uuid``, within ``timeout`` seconds.
 
         Raises:
@@ -145,7 +150,7 @@ class Connection:
             f"through the coordination service, or raise JAXCKPT_SYNC_TIMEOUT if it is slow."
         )
 
-    def _pull(self, uuid: int, nbytes: int) -> np.ndarray:
+    def _pull(self, uuid: int, nbytes: int) -> npt.NDArray[Any]:
         spec = jax.ShapeDtypeStruct((nbytes,), np.uint8, sharding=self._sharding)
         [array] = self._conn.pull(uuid, [spec])
         return np.asarray(array)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._format import dtypes
 from jaxckpt._format.manifest import ArrayEntry, Manifest
@@ -111,7 +111,7 @@ def convert_checkpoint(
     try:
         writer.open_arrays(arrays.values(), create=True)
 
-        def blocks() -> Iterator[tuple[WriteItem, np.ndarray]]:
+        def blocks() -> Iterator[tuple[WriteItem, npt.NDArray[Any]]]:
             for item, data in reader.read(source.entries, items, max_inflight_bytes=_INFLIGHT):
                 line.add(data.nbytes, item.key)
                 e = arrays[item.key]

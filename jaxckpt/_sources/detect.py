@@ -14,6 +14,8 @@ reader of the ``jaxckpt._storage.reader.Reader`` protocol, so restore's pipeline
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import Manifest
 from jaxckpt._format.names import ARRAYS, MANIFEST
@@ -37,9 +39,9 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
     try:
         raw, stamp = _location.read_stamped(loc)
     except CheckpointNotFoundError:
-        for module in (_orbax, _safetensors):
+        for open_format in (_orbax.open_source, _safetensors.open_source):
             try:
-                found = module.open_source(loc)
+                found: tuple[Manifest, _reader.Reader] | None = open_format(loc)
             except ValueError:  # the store itself cannot be read (e.g. no such bucket)
                 break
             if found is not None:
@@ -121,7 +123,10 @@ def _run_directory_error(loc: _location.Location) -> CheckpointNotFoundError | N
     if not steps:
         return None
     nums = [int(n) for n in steps]
-    shown = ", ".join(map(str, nums if len(nums) <= 8 else [*nums[:3], "...", *nums[-3:]]))
+    few: Sequence[int | str] = nums
+    if len(nums) > 8:
+        few = [*nums[:3], "...", *nums[-3:]]
+    shown = ", ".join(map(str, few))
     manager = f", or jaxckpt.CheckpointManager({str(loc)!r}).restore()"
     return CheckpointNotFoundError(
         f"{loc} is a run directory (e.g. of a CheckpointManager), not a checkpoint: it holds "

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import tensorstore as ts
 
 from jaxckpt._errors import CorruptChunkError, ManifestError
@@ -110,7 +111,11 @@ def open_item(loc: _location.Location, kv: ts.KvStore, doc: Any) -> tuple[Manife
 
 
 def _check_chunks(
-    loc: _location.Location, name: str, shape: tuple, chunks: tuple, itemsize: int
+    loc: _location.Location,
+    name: str,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    itemsize: int,
 ) -> None:
     """Refuse a chunk grid that would make tensorstore allocate what the array cannot hold:
     a chunk larger than the array (Orbax writes chunks of at most a shard) or absurdly large."""
@@ -127,7 +132,7 @@ def _start_opening(
 
     Returns ``(values, opening)``: values by key, and key -> (param name, value type, future).
     """
-    strings: dict | None = None
+    strings: object = None  # the JSON document, read on first use
     database = None
     opening: dict[str, tuple[str, str, Any]] = {}
     values: dict[str, Any] = {}
@@ -144,7 +149,7 @@ def _start_opening(
                 raise bad_metadata(loc, f"string leaf {key!r} has no string in {STRINGS}")
             values[key] = v
         elif vtype in _ARRAYS or vtype == "scalar":
-            spec = {
+            spec: dict[str, Any] = {
                 "driver": "zarr3" if item.zarr3 else "zarr",
                 "fill_missing_data_reads": item.fill_ok,
             }
@@ -209,7 +214,7 @@ def _database(loc: _location.Location) -> ts.KvStore:
         ) from e
 
 
-def _kvstore(loc: _location.Location, name: str) -> dict:
+def _kvstore(loc: _location.Location, name: str) -> dict[str, Any]:
     if loc.local is not None:
         root = os.path.realpath(loc.local)
         if not os.path.realpath(loc.local / name).startswith(root + os.sep):
@@ -230,7 +235,9 @@ def _opened(loc: _location.Location, key: str, name: str, fut: Any) -> Any:
         ) from e
 
 
-def _result(loc: _location.Location, key: str, name: str, fut: Any, nbytes: int = 0) -> np.ndarray:
+def _result(
+    loc: _location.Location, key: str, name: str, fut: Any, nbytes: int = 0
+) -> npt.NDArray[Any]:
     try:
         return _location.wait(fut, loc, f"reading array {name} (leaf {key!r})", nbytes)
     except ValueError as e:
@@ -257,11 +264,11 @@ class OrbaxReader:
         items: Iterable[ReadItem],
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
+    ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
         """Yield ``(item, data)`` for each item; tensorstore reads the chunks its box overlaps."""
         return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
 
-    def _start(self, item: ReadItem) -> Callable[[], np.ndarray]:
+    def _start(self, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
         store = self.stores[item.key]
         if item.sizes != tuple(store.shape):
             store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]

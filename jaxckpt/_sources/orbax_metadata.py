@@ -40,6 +40,10 @@ KEY_WORDS = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}
 _EMPTY = {"Dict": "dict", "List": "list", "Tuple": "list", "NamedTuple": "dict"}
 
 
+# A leaf of ``_METADATA``: (key path, key types, value metadata)
+_Leaf = tuple[list[str], list[int], dict[str, Any]]
+
+
 def bad_metadata(loc: _location.Location, what: str) -> ManifestError:
     return ManifestError(
         f"{loc}/{METADATA}: {what}. The Orbax metadata is damaged or of a layout jaxckpt does "
@@ -47,11 +51,11 @@ def bad_metadata(loc: _location.Location, what: str) -> ManifestError:
     )
 
 
-def _leaves(loc: _location.Location, doc: Any) -> list[tuple[list[str], list[int], dict]]:
+def _leaves(loc: _location.Location, doc: Any) -> list[_Leaf]:
     meta = doc.get("tree_metadata") if isinstance(doc, dict) else None
     if not isinstance(meta, dict):
         raise bad_metadata(loc, 'no "tree_metadata" object')
-    out = []
+    out: list[_Leaf] = []
     for raw_key, leaf in meta.items():
         kms = leaf.get("key_metadata") if isinstance(leaf, dict) else None
         vm = leaf.get("value_metadata") if isinstance(leaf, dict) else None
@@ -74,9 +78,9 @@ def _leaves(loc: _location.Location, doc: Any) -> list[tuple[list[str], list[int
     return out
 
 
-def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
+def _tree(loc: _location.Location, leaves: list[_Leaf], empty: dict[str, str]) -> dict[str, Any]:
     """jaxckpt's JSON tree from Orbax key paths (key_type 2: dict key, 1: sequence index)."""
-    root: dict = {"kind": "dict", "kids": {}}
+    root: dict[str, Any] = {"kind": "dict", "kids": {}}
     for parts, kinds, _ in leaves:
         node = root
         for i, (part, kind) in enumerate(zip(parts, kinds)):
@@ -101,7 +105,7 @@ def _tree(loc: _location.Location, leaves: list, empty: dict[str, str]) -> dict:
                 raise bad_metadata(loc, f"{key!r} is both a leaf and a subtree")
             node = child
 
-    def to_json(n: dict) -> dict:
+    def to_json(n: dict[str, Any]) -> dict[str, Any]:
         if "leaf" in n:
             return {"type": "leaf", "key": n["leaf"]}
         items = list(n["kids"].items())
@@ -122,7 +126,7 @@ class Stored(NamedTuple):
 
     name: str  # the parameter name: the array's folder (or OCDBT prefix)
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: np.dtype[Any]
     chunks: tuple[int, ...]  # the read chunk shape
     prng_impl: str | None = None  # a PRNG key array's implementation (shape ends in its words)
 
@@ -131,9 +135,9 @@ class Stored(NamedTuple):
 class OrbaxItem:
     """An item's ``_METADATA``, checked: its leaves, the tree they form, how arrays are stored."""
 
-    leaves: list[tuple[list[str], list[int], dict]]  # (key path, key types, value metadata)
+    leaves: list[_Leaf]
     empty: dict[str, str]  # key -> "dict" or "list": an empty container, not a leaf
-    tree: dict  # jaxckpt's JSON tree
+    tree: dict[str, Any]  # jaxckpt's JSON tree
     ocdbt: bool | None  # None: _METADATA does not say (Orbax < 0.11.31); see stored_in_ocdbt
     zarr3: bool
     fill_ok: bool  # chunks equal to the fill value may be missing
@@ -151,9 +155,7 @@ def parse_metadata(loc: _location.Location, doc: Any) -> OrbaxItem:
         raise bad_metadata(loc, f'"use_ocdbt" is {ocdbt!r}, not true or false')
     fill_ok = doc.get("store_array_data_equal_to_fill_value") is False
     empty = {
-        SEP.join(p): _EMPTY[vm.get("value_type")]
-        for p, _, vm in leaves
-        if vm.get("value_type") in _EMPTY
+        SEP.join(p): _EMPTY[kind] for p, _, vm in leaves if (kind := vm.get("value_type")) in _EMPTY
     }
     return OrbaxItem(leaves, empty, _tree(loc, leaves, empty), ocdbt, zarr3, fill_ok)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._format.entries import Entry
 from jaxckpt._format.manifest import Manifest, ValueEntry
 from jaxckpt._format.manifest_check import MAX_DEPTH
 from jaxckpt._format.names import SEP
@@ -161,12 +162,14 @@ def json_manifest(item: _location.Location, value: Any) -> Manifest:
       ManifestError: a dict key that cannot be a key path part ('', or holding '/'), or
         nesting deeper than a jaxckpt tree.
     """
-    entries: dict[str, ValueEntry] = {}
+    entries: dict[str, Entry] = {}
     tree = _json_node(item, value, "", entries, 0)
     return Manifest(tree=tree, entries=entries, created={"source": "orbax", "item": "json"})
 
 
-def _json_node(item: _location.Location, v: Any, key: str, entries: dict, depth: int) -> dict:
+def _json_node(
+    item: _location.Location, v: Any, key: str, entries: dict[str, Entry], depth: int
+) -> dict[str, Any]:
     if depth > MAX_DEPTH:
         raise _bad_json(item, f"is nested deeper than {MAX_DEPTH} levels")
     if isinstance(v, dict):

@@ -28,9 +28,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import tensorstore as ts
 
 from jaxckpt._errors import CorruptChunkError, ManifestError
+from jaxckpt._format.entries import Entry
 from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import location as _location
@@ -42,6 +44,8 @@ INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # larger headers are treated as damage, not allocated
 _MAX_INDEX = 100 << 20
 _SLACK = 1.1  # read whole rows when they hold at most this much more than the box
+# One read of a box: (begin, end, slot in the box, (rows shape, slice of the rows))
+_Run = tuple[int, int, tuple[int, ...], tuple[tuple[int, ...], tuple[slice, ...]]]
 DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
     "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
@@ -178,7 +182,7 @@ def _build(
                     f"copy, or restore one file at a time."
                 )
             tensors[name] = tensor
-    entries = {
+    entries: dict[str, Entry] = {
         name: _Entry(
             key=name,
             shape=t.shape,
@@ -257,7 +261,7 @@ def _tensor(where: str, f: str, name: str, d: Any, base: int) -> _Tensor:
 
     if not isinstance(d, dict):
         raise bad("is not an object")
-    dtype = DTYPES.get(d.get("dtype")) if isinstance(d.get("dtype"), str) else None
+    dtype = DTYPES.get(text) if isinstance(text := d.get("dtype"), str) else None
     if dtype is None:
         raise ManifestError(
             f"{where}: tensor {name!r} has dtype {d.get('dtype')!r}, which jaxckpt does not read "
@@ -315,11 +319,11 @@ class SafetensorsReader:
         items: Iterable[ReadItem],
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
+    ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
         """Yield ``(item, data)`` for each item, reading only the byte ranges its box needs."""
         return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
 
-    def _start(self, item: ReadItem) -> Callable[[], np.ndarray]:
+    def _start(self, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
         t = self.tensors[item.key]
         where = f"{self.loc}: tensor {item.key!r} in {t.file}"
         size = self.sizes.get(t.file)
@@ -337,14 +341,14 @@ class SafetensorsReader:
         with self._lock:
             self.bytes_read += sum(hi - lo for lo, hi, _, _ in reads)
 
-        def result() -> np.ndarray:
+        def result() -> npt.NDArray[Any]:
             out = np.empty(item.sizes, dtype)
             for (lo, hi, dest, view), fut in zip(reads, futures):
                 try:
                     got = _location.wait(fut, self.loc, where, hi - lo)
                     ok = got.state == "value" and len(got.value) == hi - lo
-                except ValueError as e:
-                    got, ok = str(e), False
+                except ValueError:
+                    ok = False
                 if not ok:
                     raise CorruptChunkError(
                         f"{where}: bytes {t.begin + lo}..{t.begin + hi} cannot be read (the file "
@@ -359,7 +363,7 @@ class SafetensorsReader:
 
 def _runs(
     shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int
-) -> Iterator[tuple[int, int, tuple, tuple]]:
+) -> Iterator[_Run]:
     """Byte ranges covering a box: ``(begin, end, slot in the box, (rows shape, slice))``.
 
     At the first dimension where whole rows (of all later dimensions) hold at most ``_SLACK``
@@ -369,7 +373,7 @@ def _runs(
         return
     strides = [math.prod(shape[i + 1 :]) * itemsize for i in range(len(shape))]
 
-    def walk(dim: int, base: int, prefix: tuple) -> Iterator[tuple[int, int, tuple, tuple]]:
+    def walk(dim: int, base: int, prefix: tuple[int, ...]) -> Iterator[_Run]:
         if dim == len(shape):  # a scalar
             yield base, base + itemsize, prefix, ((), ())
             return

@@ -193,7 +193,7 @@ def listing(loc: Location) -> dict[str, list[str]]:
     return out
 
 
-def _name_order(child: tuple[str, bool]) -> tuple:
+def _name_order(child: tuple[str, bool]) -> tuple[bool, int, str]:
     name = child[0]
     return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
 

@@ -30,13 +30,22 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from types import EllipsisType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._runtime import pools
+
+# Slices of a box or a chunk, ending in ``...`` so that indexing gives a view (see _pieces)
+_Slices = tuple[*tuple[slice, ...], EllipsisType]
+# (chunk index, slices of the box, slices of the chunk, whole): see _pieces
+_Piece = tuple[tuple[int, ...], _Slices, _Slices, bool]
+_Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
 
 try:
     import google_crc32c
@@ -68,12 +77,13 @@ def _native_extend() -> Callable[[int, int, int], int] | None:
 _extend = _native_extend() if _CRC else None
 
 
-def crc32c(buf: np.ndarray, crc: int = 0) -> int:
+def crc32c(buf: npt.NDArray[Any], crc: int = 0) -> int:
     """CRC-32C of a C-contiguous array's bytes, continuing ``crc`` (the CRC of what came
     before), without holding the GIL where possible."""
     if _extend is not None:
         return _extend(crc, buf.ctypes.data, buf.nbytes)
-    return google_crc32c.extend(crc, buf.reshape(-1).view(np.uint8))
+    value: int = google_crc32c.extend(crc, buf.reshape(-1).view(np.uint8))
+    return value
 
 
 # bool is left to tensorstore: a byte other than 0/1 is not a numpy bool.
@@ -121,12 +131,13 @@ class InPlace:
 
     def __init__(self, root: Path, describe: str) -> None:
         self.root, self.describe = root, describe
-        self._pieces: dict[tuple, list[tuple]] = {}  # box -> its pieces, from expect()
+        # box -> its pieces, from expect()
+        self._pieces: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[_Piece]] = {}
         self._due: dict[tuple[str, tuple[int, ...]], int] = {}  # chunk -> boxes yet to start
         self._gathering: dict[tuple[str, tuple[int, ...]], _Shared] = {}  # chunk -> its parts
         # Block buffers for partial chunks, reused (one per read running at once); list
         # append and pop are atomic under the GIL, which is all the pool threads need.
-        self._scratch: list[np.ndarray] = []
+        self._scratch: list[npt.NDArray[Any]] = []
 
     def expect(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
         """Note that the box will be started: the chunks it needs part of wait for it."""
@@ -137,8 +148,12 @@ class InPlace:
                 self._due[key] = self._due.get(key, 0) + 1
 
     def start(
-        self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], out: np.ndarray
-    ) -> Callable[[], np.ndarray]:
+        self,
+        entry: ArrayEntry,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        out: npt.NDArray[Any],
+    ) -> Callable[[], npt.NDArray[Any]]:
         """Start reading the box ``offsets``/``sizes`` of ``entry`` into ``out``; return a wait.
 
         Chunks the box needs whole are read by pool tasks straight into ``out``; the others
@@ -148,7 +163,7 @@ class InPlace:
         """
         pool = pools.read_pool()
         folder = self.root / entry.path
-        direct: list[Future] = []
+        direct: list[Future[None]] = []
         shared: list[_Shared] = []
         pieces = self._pieces.pop((entry.path, offsets, sizes), None)
         pieces = pieces if pieces is not None else list(_pieces(entry, offsets, sizes))
@@ -172,12 +187,13 @@ class InPlace:
                 self._due.pop(key, None)
                 self._submit(key)
 
-        def wait() -> np.ndarray:
+        def wait() -> npt.NDArray[Any]:
             for chunk in shared:
                 if chunk.future is None:  # its other boxes are not started yet: read it now
                     self._submit(chunk.key)
             error = None
-            for f in itertools.chain(direct, (c.future for c in shared)):
+            submitted = (c.future for c in shared if c.future is not None)  # all are, now
+            for f in itertools.chain(direct, submitted):
                 try:  # wait for all, so no task still writes into ``out`` after we raise
                     f.result()
                 except Exception as e:  # noqa: BLE001 - re-raised below, the first one
@@ -215,11 +231,14 @@ class _Shared:
     ) -> None:
         self.key = key  # (array path, chunk index)
         self.folder, self.entry, self.where = folder, entry, where
-        self.parts: list[tuple[np.ndarray, tuple]] = []  # (view in a box, slices of the chunk)
-        self.future: Future | None = None
+        # (view in a box, slices of the chunk)
+        self.parts: list[tuple[npt.NDArray[Any], tuple[slice, ...]]] = []
+        self.future: Future[None] | None = None
 
 
-def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[tuple]:
+def _pieces(
+    entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]
+) -> Iterator[_Piece]:
     """``(chunk index, slices of the box, slices of the chunk, whole)`` for each chunk the box
     touches; ``whole``: the box needs all of the chunk's stored elements. The slices end in
     ``...``, so indexing gives a view even for 0-d arrays (``a[()]`` would copy)."""
@@ -227,8 +246,8 @@ def _pieces(entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...])
         origin = [i * c for i, c in zip(idx, entry.chunks)]
         a = [max(o, g) for o, g in zip(offsets, origin)]  # the chunk's part in the box
         b = [min(o + s, g + c) for o, s, g, c in zip(offsets, sizes, origin, entry.chunks)]
-        dst = (*(slice(x - o, y - o) for x, y, o in zip(a, b, offsets)), ...)
-        src = (*(slice(x - g, y - g) for x, y, g in zip(a, b, origin)), ...)
+        dst: _Slices = (*(slice(x - o, y - o) for x, y, o in zip(a, b, offsets)), ...)
+        src: _Slices = (*(slice(x - g, y - g) for x, y, g in zip(a, b, origin)), ...)
         whole = all(x == g and y - x == c for x, y, g, c in zip(a, b, origin, entry.chunks))
         yield idx, dst, src, whole
 
@@ -263,14 +282,14 @@ _BLOCK = 4 << 20  # bytes of a partial chunk read, checksummed and copied out at
 
 
 def _read_file(
-    folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: np.ndarray, where: str
+    folder: Path, idx: tuple[int, ...], entry: ArrayEntry, buf: npt.NDArray[Any], where: str
 ) -> None:
     """Read chunk ``idx``'s file into ``buf`` (its stored shape, contiguous) and check it."""
     tail = 4 if entry.checksum == "crc32c" else 0
     stored = bytearray(tail)
     fd = _open_chunk(folder, idx, buf.nbytes + tail, where)
     try:
-        data = memoryview(buf.reshape(-1).view(np.uint8))
+        data = buf.reshape(-1).view(np.uint8).data  # memoryview(...), typed
         _pread(fd, [data, memoryview(stored)] if tail else [data], 0, where)
     finally:
         os.close(fd)
@@ -283,9 +302,9 @@ def _read_parts(
     folder: Path,
     idx: tuple[int, ...],
     entry: ArrayEntry,
-    parts: list[tuple[np.ndarray, tuple]],
+    parts: list[tuple[npt.NDArray[Any], tuple[slice, ...]]],
     where: str,
-    scratch: list[np.ndarray],
+    scratch: list[npt.NDArray[Any]],
 ) -> None:
     """Read chunk ``idx``'s file block by block into a scratch buffer, checksumming each block
     and copying its share of each part (``(view in a box, slices of the chunk)``) out while it
@@ -308,7 +327,7 @@ def _read_parts(
         for offset, region in _blocks(entry.chunks, dtype.itemsize, _BLOCK):
             shape = tuple(b - a for a, b in region)
             block = buf[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-            _pread(fd, [memoryview(block.reshape(-1).view(np.uint8))], offset, where)
+            _pread(fd, [block.reshape(-1).view(np.uint8).data], offset, where)
             if tail:
                 crc = crc32c(block, crc)
             for view, src in parts:
@@ -325,7 +344,7 @@ def _read_parts(
     _count(nbytes + tail)
 
 
-def _blocks(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple[int, tuple]]:
+def _blocks(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple[int, _Region]]:
     """The C-order blocks of a chunk of ``shape``, each one contiguous run of its file of at
     most ``limit`` bytes (or one element, if that is larger): ``(byte offset, region)`` with
     ``region`` a ``(start, stop)`` per axis. Blocks cut the outermost axes that do not fit."""
@@ -348,18 +367,21 @@ def _blocks(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple
 
 
 def _copy_overlap(
-    view: np.ndarray, src: tuple[slice, ...], block: np.ndarray, region: tuple
+    view: npt.NDArray[Any], src: tuple[slice, ...], block: npt.NDArray[Any], region: _Region
 ) -> None:
     """Copy what ``block`` (the chunk's ``region``) holds of ``src`` (the chunk's slices that
     ``view`` receives) into ``view``."""
-    to, of = [], []
+    to: list[slice] = []
+    of: list[slice] = []
     for s, (a, b) in zip(src, region):
         lo, hi = max(s.start, a), min(s.stop, b)
         if lo >= hi:
             return
         to.append(slice(lo - s.start, hi - s.start))
         of.append(slice(lo - a, hi - a))
-    view[(*to, ...)] = block[(*of, ...)]
+    into: _Slices = (*to, ...)  # typed: mypy infers (*list, ...) as tuple[object, ...]
+    part: _Slices = (*of, ...)
+    view[into] = block[part]
 
 
 def _open_chunk(folder: Path, idx: tuple[int, ...], size: int, where: str) -> int:

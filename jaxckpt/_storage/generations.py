@@ -103,7 +103,8 @@ def prepare(
         try:
             broadcast("generation", target.generation)
         except BaseException:
-            target.lease.release()
+            if target.lease is not None:
+                target.lease.release()
             raise
     return target
 

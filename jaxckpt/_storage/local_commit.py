@@ -155,10 +155,10 @@ def exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with renameat2(RENAME_EXCHANGE) where Linux allows."""
     at_fdcwd, rename_exchange = -100, 2
     try:
-        return (
-            libc().renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-            == 0
+        done: int = libc().renameat2(  # a C int: 0 on success
+            at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange
         )
+        return done == 0
     except (OSError, AttributeError):
         return False
 

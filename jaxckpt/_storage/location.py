@@ -14,13 +14,12 @@ import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from jaxckpt._format.manifest import MANIFEST
-from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX
+from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX, MANIFEST
 
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
 # Files are not fsynced one by one (that multiplies the cost of many small arrays,
@@ -101,7 +100,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
 class Location:
     """Where a checkpoint lives: a local directory or a tensorstore kvstore URL."""
 
-    def __init__(self, path: str | os.PathLike, *, one_operation: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, one_operation: bool = False) -> None:
         """``one_operation``: the location of one save or restore (see :func:`wait`)."""
         text = os.fspath(path)
         if "://" not in text:  # "~/ck" is the home directory's, as in a shell (not ./~/ck)
@@ -116,7 +115,7 @@ class Location:
         self.stalled: str | None = None  # why, once a wait missed its deadline: see wait
         if "://" in text:
             self.local: Path | None = None
-            self.kvstore = _kvstore_for_url(text)
+            self.kvstore: dict[str, Any] = _kvstore_for_url(text)
             if self.kvstore["driver"] != "memory":
                 self.io_timeout = io_timeout()
                 self.kvstore["context"] = _retries(self.kvstore["driver"], self.io_timeout)
@@ -134,7 +133,7 @@ class Location:
             return self.local.name
         return self.url.rstrip("/").rpartition("/")[2]
 
-    def child(self, name: str) -> dict:
+    def child(self, name: str) -> dict[str, Any]:
         """The kvstore spec of ``name`` under this location (for a zarr array: a folder)."""
         return {**self.kvstore, "path": self.kvstore["path"] + name + "/"}
 
@@ -160,7 +159,19 @@ class Location:
             return Location(self.url.rstrip("/") + "/" + name)
 
 
-def wait(fut: Any, loc: Location, what: str, nbytes: int = 0) -> Any:
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Pending(Protocol[T_co]):
+    """What :func:`wait` waits for: a tensorstore ``Future`` or ``WriteFutures``."""
+
+    def result(self, timeout: float | None = None) -> T_co: ...
+    def done(self) -> bool: ...
+    def cancel(self) -> bool: ...
+
+
+def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
     """``fut.result()``, within ``loc``'s deadline on object stores (plus a second per 8 MiB
     that ``fut`` transfers); past it the operation is cancelled.
 
@@ -196,7 +207,7 @@ def wait(fut: Any, loc: Location, what: str, nbytes: int = 0) -> Any:
     raise CheckpointError(message)
 
 
-def _endpoint(spec: dict) -> str:
+def _endpoint(spec: dict[str, Any]) -> str:
     """The server a kvstore spec talks to, for messages: an S3 spec's ``endpoint``; for GCS
     ``$TENSORSTORE_GCS_HTTP_URL`` (an emulator or proxy), else Google's.
 
@@ -205,13 +216,13 @@ def _endpoint(spec: dict) -> str:
       'http://127.0.0.1:9000'
     """
     if spec.get("endpoint"):
-        return spec["endpoint"]
+        return str(spec["endpoint"])
     if spec["driver"] == "gcs":
         return os.environ.get(GCS_HTTP_URL_ENV) or "https://storage.googleapis.com"
     return f"the {spec['driver']} service"
 
 
-def credentials_hint(spec: dict) -> str:
+def credentials_hint(spec: dict[str, Any]) -> str:
     """Where the credentials of an object store's spec come from, for messages.
 
     Example:
@@ -276,7 +287,7 @@ def _local_path(url: str, text: str) -> Path:
     return path
 
 
-def _kvstore_for_url(url: str) -> dict:
+def _kvstore_for_url(url: str) -> dict[str, Any]:
     scheme, rest = url.split("://", 1)
     if scheme == "memory":
         rest = rest.strip("/")
@@ -302,7 +313,7 @@ def _kvstore_for_url(url: str) -> dict:
     )
 
 
-def _retries(driver: str, seconds: float) -> dict:
+def _retries(driver: str, seconds: float) -> dict[str, Any]:
     """The store's retry policy, bounded by the deadline: tensorstore's default (32 retries,
     up to 32 s apart) would go on retrying an operation against a dead server for a quarter of
     an hour after jaxckpt gave it up, holding one of the process's request slots all along.
@@ -319,7 +330,7 @@ def _retries(driver: str, seconds: float) -> dict:
     return {f"{driver}_request_retries": policy}
 
 
-def _s3_options() -> dict:
+def _s3_options() -> dict[str, Any]:
     """Endpoint, region and credentials for ``s3://`` from the standard AWS variables.
 
     ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` select an S3-compatible server (MinIO,
@@ -342,7 +353,7 @@ def _s3_options() -> dict:
     return opts
 
 
-def kvstore(spec: dict, loc: Location | None = None) -> ts.KvStore:
+def kvstore(spec: dict[str, Any], loc: Location | None = None) -> ts.KvStore:
     """The open kvstore of ``spec`` (within ``loc``'s deadline, if given)."""
     fut = ts.KvStore.open(spec, context=CONTEXT)
     return wait(fut, loc, "opening the store") if loc is not None else fut.result()
@@ -356,7 +367,7 @@ def read_manifest(loc: Location) -> bytes:
 # What identifies one committed manifest: (device, inode, size, mtime, ctime) of a local file,
 # the object store's generation elsewhere. A save never brings back an older generation, so
 # a stamp unchanged after a read means every byte read came from the manifest's generation.
-Stamp = tuple
+Stamp = tuple[int, ...] | tuple[bytes]  # a local file's, an object's
 
 
 def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
@@ -399,8 +410,13 @@ def manifest_changed(loc: Location, stamp: Stamp) -> bool:
             return _file_stamp(os.stat(loc.local / MANIFEST, follow_symlinks=False)) != stamp
         except OSError:
             return True
+    generation = stamp[0]
+    if not isinstance(generation, bytes):  # a local file's stamp: not this manifest's
+        return True
     got = wait(
-        kvstore(loc.kvstore, loc).read(MANIFEST, if_not_equal=stamp[0]), loc, f"checking {MANIFEST}"
+        kvstore(loc.kvstore, loc).read(MANIFEST, if_not_equal=generation),
+        loc,
+        f"checking {MANIFEST}",
     )
     return got.state != "unspecified"  # "unspecified": still the generation of ``stamp``
 
@@ -421,7 +437,7 @@ def exists(loc: Location) -> bool:
         return False
 
 
-def read_small(kv: Any, loc: Location, name: str, limit: int) -> bytes | None:
+def read_small(kv: ts.KvStore, loc: Location, name: str, limit: int) -> bytes | None:
     """The bytes of a metadata file ``name`` under ``loc`` (``None`` if absent), at most ``limit``.
 
     Raises:

@@ -6,19 +6,26 @@ element ``offset`` in it. ``jaxckpt._planning.packing`` decides the packing on s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import PackEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 
+# A pack being read: (its entry, the items it serves, their lowest offset, its read's result)
+_Pack = tuple[PackEntry, list[ReadItem], int, Callable[[], npt.NDArray[Any]] | None]
 
-def split(entries: dict[str, Any], items: Iterable[ReadItem]) -> tuple[list, list]:
+
+def split(
+    entries: dict[str, Any], items: Iterable[ReadItem]
+) -> tuple[list[ReadItem], list[ReadItem]]:
     """``items`` as (unpacked, packed), each in the given order."""
-    plain, packed = [], []
+    plain: list[ReadItem] = []
+    packed: list[ReadItem] = []
     for item in items:
         (packed if getattr(entries[item.key], "pack", None) is not None else plain).append(item)
     return plain, packed
@@ -26,7 +33,7 @@ def split(entries: dict[str, Any], items: Iterable[ReadItem]) -> tuple[list, lis
 
 def read(
     reader: Any, entries: dict[str, Any], items: list[ReadItem], *, max_inflight_bytes: int
-) -> Iterator[tuple[ReadItem, np.ndarray]]:
+) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
     """Yield ``(item, data)`` for packed items, reading each needed pack once (the span of it
     the items need), at most ``max_inflight_bytes`` ahead.
 
@@ -35,7 +42,7 @@ def read(
     by_pack: dict[str, list[ReadItem]] = {}
     for item in items:
         by_pack.setdefault(entries[item.key].path, []).append(item)
-    pending: list[tuple[int, tuple]] = []
+    pending: list[tuple[int, _Pack]] = []
     inflight = 0
     for mine in by_pack.values():
         pack = entries[mine[0].key].pack
@@ -58,14 +65,19 @@ def read(
 
 
 def _slices(
-    reader: Any, entries: dict[str, Any], pack: PackEntry, items: list[ReadItem], lo: int, fut: Any
-) -> Iterator[tuple[ReadItem, np.ndarray]]:
+    reader: Any,
+    entries: dict[str, Any],
+    pack: PackEntry,
+    items: list[ReadItem],
+    lo: int,
+    fut: Callable[[], npt.NDArray[Any]] | None,
+) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
     data = np.empty(0, dtype_from_name(pack.storage_dtype))
     if fut is not None:
         try:
             data = fut()
-        except CorruptChunkError as e:
-            raise _corrupt(reader, pack, [i.key for i in items], e) from e
+        except CorruptChunkError as err:
+            raise _corrupt(reader, pack, [i.key for i in items], err) from err
     for item in items:
         e = entries[item.key]
         a = data[e.offset - lo : e.offset - lo + e.size].reshape(e.shape)

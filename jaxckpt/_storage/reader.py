@@ -14,9 +14,11 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointChangedError, CorruptChunkError, ManifestError
@@ -27,7 +29,14 @@ from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import holds
 from jaxckpt._storage import packs as _pack
 from jaxckpt._storage.catalog import list_keys
-from jaxckpt._storage.location import CONTEXT, Location, Stamp, manifest_changed, wait
+from jaxckpt._storage.location import (
+    CONTEXT,
+    Location,
+    Pending,
+    Stamp,
+    manifest_changed,
+    wait,
+)
 from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, array_spec
 
 _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
@@ -63,7 +72,7 @@ class Reader(Protocol):
         items: Iterable[ReadItem],
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
+    ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
         """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``."""
         ...
 
@@ -96,13 +105,13 @@ class CheckpointReader:
                 f"reads only on object stores. Restore it there, or `jaxckpt convert` it there "
                 f"into a self-contained checkpoint first."
             )
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, ts.TensorStore] = {}
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
         self._listing: dict[str, dict[str, set[str]]] = {}  # by step ("" for this one)
         self._inplace = _chunkfile.InPlace(loc.local, str(loc)) if loc.local is not None else None
 
-    def _store(self, entry: ArrayEntry) -> Any:
+    def _store(self, entry: ArrayEntry) -> ts.TensorStore:
         store = self._open.get(entry.path)
         if store is None:
             self._check_inside(entry)
@@ -132,7 +141,7 @@ class CheckpointReader:
             return
         parent, links = "", False
         for part in entry.path.split("/"):
-            links = links or part in self._links(parent)
+            links = links or part in self._links(self.loc.local, parent)
             parent = f"{parent}/{part}" if parent else part
         if not links:
             return
@@ -143,12 +152,13 @@ class CheckpointReader:
                 f"refusing to read it. Copy the checkpoint without links, or restore another."
             )
 
-    def _links(self, folder: str) -> set[str]:
-        """Names in ``folder`` (relative to the checkpoint) that are symlinks: one scandir."""
+    def _links(self, local: Path, folder: str) -> set[str]:
+        """Names in ``folder`` (relative to the checkpoint at ``local``) that are symlinks: one
+        scandir."""
         found = self._link_cache.get(folder)
         if found is None:
             try:
-                with os.scandir(self.loc.local / folder) as it:
+                with os.scandir(local / folder) as it:
                     found = {e.name for e in it if e.is_symlink()}
             except OSError:  # missing: the read reports it
                 found = set()
@@ -198,7 +208,7 @@ class CheckpointReader:
                 )
         self._chunks_ok.add(entry.path)
 
-    def _chunk_keys(self, entry: ArrayEntry) -> set[str] | dict[str, os.DirEntry]:
+    def _chunk_keys(self, entry: ArrayEntry) -> set[str] | dict[str, os.DirEntry[str]]:
         """Chunk keys (``c/i/j``, ``c`` for a scalar) of ``entry``'s array, as stored.
 
         Local: a dict of each key's directory entry (for its size, stat'ed only if asked).
@@ -206,8 +216,8 @@ class CheckpointReader:
         if self.loc.local is None:
             loc, path = self.holder(entry.path)
             return self._object_chunks(loc).get(path, set())
-        found: dict[str, os.DirEntry] = {}
-        stack = [(self.loc.local / entry.path, "")]
+        found: dict[str, os.DirEntry[str]] = {}
+        stack: list[tuple[str | Path, str]] = [(self.loc.local / entry.path, "")]
         while stack:  # one scandir per folder; is_symlink() needs no stat (d_type)
             folder, rel = stack.pop()
             try:
@@ -285,7 +295,7 @@ class CheckpointReader:
         items: Iterable[ReadItem],
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> Iterator[tuple[ReadItem, np.ndarray]]:
+    ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
         """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
 
         Packed items come first, each needed pack read once (``jaxckpt._storage.packs``). At most
@@ -297,8 +307,8 @@ class CheckpointReader:
             yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
             for item in items:  # every box first: a chunk shared by boxes is read once for all
                 entry = entries[item.key]
-                if self._in_place(entry):
-                    self._inplace.expect(entry, item.offsets, item.sizes)
+                if (inplace := self._in_place(entry)) is not None:
+                    inplace.expect(entry, item.offsets, item.sizes)
             yield from pipelined(
                 entries,
                 items,
@@ -328,17 +338,18 @@ class CheckpointReader:
             f"overwrites, save each step to its own path (CheckpointManager does)."
         ) from cause
 
-    def _in_place(self, entry: ArrayEntry) -> bool:
-        if not _chunkfile.supports(self.loc.local, entry):
-            return False
+    def _in_place(self, entry: ArrayEntry) -> _chunkfile.InPlace | None:
+        """The reader of ``entry``'s chunk files in place, if it can read them (local)."""
+        if self._inplace is None or not _chunkfile.supports(self.loc.local, entry):
+            return None
         self._check_inside(entry)
         self.check_chunks(entry)
-        return True
+        return self._inplace
 
-    def _start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], np.ndarray]:
-        if self._in_place(entry):  # local files: read in place, one copy
-            out = _aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
-            wait = self._inplace.start(entry, item.offsets, item.sizes, out)
+    def _start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
+        if (inplace := self._in_place(entry)) is not None:  # local files: in place, one copy
+            buf = _aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
+            wait = inplace.start(entry, item.offsets, item.sizes, buf)
             return lambda: self._view(entry, wait())
         store = self._store(entry)
         if item.sizes != entry.shape:
@@ -348,15 +359,15 @@ class CheckpointReader:
         if math.prod(item.sizes) * dtype.itemsize >= _ALIGNED_MIN_BYTES:
             # into an aligned buffer: CPU devices alias it, no copy
             out = _aligned_empty(item.sizes, dtype)
-            fut = ts.array(out, copy=False, write=True).write(store)
+            fut: Pending[Any] = ts.array(out, copy=False, write=True).write(store)
         else:
             fut = store.read()
         nbytes = math.prod(item.sizes) * dtype.itemsize
         return lambda: self._result(entry, fut, out, nbytes)
 
     def _result(
-        self, entry: ArrayEntry, fut: Any, out: np.ndarray | None, nbytes: int = 0
-    ) -> np.ndarray:
+        self, entry: ArrayEntry, fut: Pending[Any], out: npt.NDArray[Any] | None, nbytes: int = 0
+    ) -> npt.NDArray[Any]:
         try:
             data = wait(fut, self.loc, f"reading key {entry.key!r} ({entry.path})", nbytes)
         except ValueError as e:
@@ -364,7 +375,7 @@ class CheckpointReader:
         return self._view(entry, data if out is None else out)
 
     @staticmethod
-    def _view(entry: ArrayEntry, data: np.ndarray) -> np.ndarray:
+    def _view(entry: ArrayEntry, data: npt.NDArray[Any]) -> npt.NDArray[Any]:
         if entry.storage_dtype != entry.dtype:  # a carried dtype: same bytes, logical view
             data = data.view(dtype_from_name(entry.dtype))
         return data
@@ -373,10 +384,10 @@ class CheckpointReader:
 def pipelined(
     entries: dict[str, Any],
     items: Iterable[ReadItem],
-    start: Callable[[ReadItem], Callable[[], np.ndarray]],
+    start: Callable[[ReadItem], Callable[[], npt.NDArray[Any]]],
     *,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-) -> Iterator[tuple[ReadItem, np.ndarray]]:
+) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
     """Start each item's read in order (``start(item)`` returns a call that waits for its data),
     yielding the oldest first whenever starting the next would put more than
     ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader
@@ -384,7 +395,9 @@ def pipelined(
     box's bytes in flight (a partial chunk read in place adds a block per read thread, not per
     item: ``jaxckpt._storage.chunkfile``).
     """
-    pending: collections.deque = collections.deque()
+    pending: collections.deque[tuple[ReadItem, int, Callable[[], npt.NDArray[Any]]]] = (
+        collections.deque()
+    )
     inflight = 0
     for item in items:
         n = math.prod(item.sizes) * dtype_from_name(entries[item.key].storage_dtype).itemsize
@@ -402,7 +415,7 @@ def pipelined(
 _ALIGNED_MIN_BYTES = 1 << 20
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
@@ -414,7 +427,8 @@ def file_bytes_read() -> int:
     chunks read in place (``jaxckpt._storage.chunkfile``). Tests and benchmarks use it to check that a
     restore reads each region once."""
     found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return sum(v.get("value", 0) for m in found for v in m["values"]) + _chunkfile.bytes_read()
+    by_tensorstore: int = sum(v.get("value", 0) for m in found for v in m["values"])
+    return by_tensorstore + _chunkfile.bytes_read()
 
 
 def _chunk_error(entry: ArrayEntry, loc: Location, e: Exception) -> CorruptChunkError:

@@ -21,13 +21,16 @@ import asyncio
 import ctypes
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._runtime import pools
 from jaxckpt._storage.libc import libc
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 enabled = os.environ.get("JAXCKPT_EARLY_WRITEBACK", "1") != "0"
 _WRITE = 2  # SYNC_FILE_RANGE_WRITE: start write-back of dirty pages, do not wait for it
@@ -36,7 +39,7 @@ _lock = threading.Lock()
 _started = 0  # files whose write-back was started in this process: see started()
 
 
-def _load() -> object | None:
+def _load() -> Callable[[int, int, int, int], int] | None:
     try:
         fn = libc().sync_file_range
     except (OSError, AttributeError):
@@ -70,11 +73,11 @@ class Hints:
 
     def __init__(self, group_bytes: int = 8 << 20) -> None:
         self.group_bytes = group_bytes
-        self._group: list[tuple[Any, list[str]]] = []
+        self._group: list[tuple[ts.WriteFutures, list[str]]] = []
         self._bytes = 0
-        self._tasks: list[Future] = []
+        self._tasks: list[Future[None]] = []
 
-    def add(self, fut: Any, paths: list[str], nbytes: int) -> None:
+    def add(self, fut: ts.WriteFutures, paths: list[str], nbytes: int) -> None:
         """Hint ``paths`` once the write ``fut`` (of ``nbytes``) is done."""
         if not (enabled and _sync_file_range is not None and paths):
             return
@@ -100,7 +103,7 @@ class Hints:
             self._group, self._bytes = [], 0
 
 
-def _when_written(group: list[tuple[Any, list[str]]]) -> None:
+def _when_written(group: list[tuple[ts.WriteFutures, list[str]]]) -> None:
     for fut, paths in group:
         try:
             fut.result()
@@ -113,6 +116,9 @@ def _when_written(group: list[tuple[Any, list[str]]]) -> None:
 
 def _start(paths: list[str]) -> None:
     global _started
+    hint = _sync_file_range
+    if hint is None:  # Hints.add queues nothing then
+        return
     n = 0
     for path in paths:
         try:
@@ -120,7 +126,7 @@ def _start(paths: list[str]) -> None:
         except OSError:
             continue  # a failed write: the writer reports it, syncfs covers the rest
         try:
-            if _sync_file_range(fd, 0, 0, _WRITE) == 0:
+            if hint(fd, 0, 0, _WRITE) == 0:
                 n += 1
         finally:
             os.close(fd)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import numpy.typing as npt
 import tensorstore as ts
 
 from jaxckpt._format.manifest import ArrayEntry, Manifest
@@ -32,8 +32,8 @@ from jaxckpt._storage.messages import lost_error, write_error
 MAX_INFLIGHT_BYTES = 1 << 30
 
 
-def array_spec(kvstore: dict, entry: ArrayEntry) -> dict:
-    codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+def array_spec(kvstore: dict[str, Any], entry: ArrayEntry) -> dict[str, Any]:
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if entry.checksum == "crc32c":
         codecs.append({"name": "crc32c"})
     return {
@@ -146,13 +146,13 @@ class Writer:
             raise write_error(self.loc, what, err) from err
         return store
 
-    def _child(self, name: str) -> dict:
+    def _child(self, name: str) -> dict[str, Any]:
         return {**self.root, "path": self.root["path"] + name + "/"}
 
     def write(
         self,
         entries: dict[str, ArrayEntry],
-        items: Iterable[tuple[WriteItem, np.ndarray]],
+        items: Iterable[tuple[WriteItem, npt.NDArray[Any]]],
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     ) -> int:
@@ -160,7 +160,7 @@ class Writer:
 
         Returns the bytes written.
         """
-        pending: collections.deque = collections.deque()
+        pending: collections.deque[tuple[ts.WriteFutures, int, ArrayEntry]] = collections.deque()
         inflight = total = 0
         self._reference = self.loc.local is not None
         hints = writeback.Hints()  # early write-back of each written chunk file (local only)
