@@ -245,7 +245,7 @@ def test_s3_options_come_from_the_aws_variables(monkeypatch):
     ):
         monkeypatch.delenv(k, raising=False)
     spec = _location.Location("s3://bkt/p/q/").kvstore
-    retries = spec.pop("context")  # bounded by the deadline (location._retries)
+    retries = spec.pop("context")  # bounded by the deadline (urls.retries)
     assert spec == {"driver": "s3", "bucket": "bkt", "path": "p/q/"}
     assert retries["s3_request_retries"]["max_retries"] <= 8
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9/")

@@ -1,6 +1,6 @@
 """Plan items <-> bytes: where checkpoints live and how their arrays are written and read.
 
-Owns locations (``location``: path/URL -> tensorstore kvstore, the manifest's bytes, deadlines),
+Owns locations (``location``: the manifest's bytes, deadlines; ``urls``: path/URL -> kvstore spec),
 the writer (``writer``) and the two commit protocols (``local_commit``: a staging directory
 renamed into place; ``generations``: object stores, the manifest written last), the lease of a
 live save (``lease``), the ``held-by`` markers of incremental references (``holds``), hard

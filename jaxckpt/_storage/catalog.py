@@ -21,8 +21,9 @@ from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import Manifest
 from jaxckpt._format.names import HELD_BY, MANIFEST, is_own_key, staging_name
 from jaxckpt._storage import holds
-from jaxckpt._storage.location import Location, credentials_hint, kvstore, wait
+from jaxckpt._storage.location import Location, kvstore, wait
 from jaxckpt._storage.messages import not_ours_to_delete
+from jaxckpt._storage.urls import credentials_hint
 
 logger = logging.getLogger("jaxckpt")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,8 @@ from typing import Any, Protocol, TypeVar
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from jaxckpt._format.names import FILE_NAME_BYTES, LOCK_SUFFIX, MANIFEST
+from jaxckpt._format.names import MANIFEST
+from jaxckpt._storage import urls as _urls
 
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
 # Files are not fsynced one by one (that multiplies the cost of many small arrays,
@@ -34,7 +34,6 @@ ABSENT = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp
 IO_TIMEOUT_ENV = "JAXCKPT_IO_TIMEOUT"
 DEFAULT_IO_TIMEOUT = 30.0  # seconds: a stalled or dead server fails a save in well under a minute
 _MIN_RATE = 8 << 20  # bytes/s: a transfer of N bytes gets N / _MIN_RATE seconds more
-GCS_HTTP_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"  # tensorstore's GCS endpoint, read at each open
 _io_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "io_timeout", default=None
 )
@@ -108,19 +107,19 @@ class Location:
         self.url = text
         if text.startswith("file://"):
             text = text[len("file://") :]
-            _check_file_url(self.url, text)
+            _urls.check_file_url(self.url, text)
         # Object stores get a deadline per operation (see wait); local files and memory:// none.
         self.io_timeout: float | None = None
         self.one_operation = one_operation
         self.stalled: str | None = None  # why, once a wait missed its deadline: see wait
         if "://" in text:
             self.local: Path | None = None
-            self.kvstore: dict[str, Any] = _kvstore_for_url(text)
+            self.kvstore: dict[str, Any] = _urls.kvstore_spec(text)
             if self.kvstore["driver"] != "memory":
                 self.io_timeout = io_timeout()
-                self.kvstore["context"] = _retries(self.kvstore["driver"], self.io_timeout)
+                self.kvstore["context"] = _urls.retries(self.kvstore["driver"], self.io_timeout)
         else:
-            self.local = _local_path(self.url, text)
+            self.local = _urls.local_path(self.url, text)
             self.kvstore = {"driver": "file", "path": str(self.local) + "/"}
 
     def __str__(self) -> str:
@@ -194,7 +193,7 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         return fut.result(timeout=limit)
     except TimeoutError:
         fut.cancel()
-    server = _endpoint(loc.kvstore)
+    server = _urls.endpoint(loc.kvstore)
     message = (
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
         f"{loc.io_timeout:g} s): {server} is not answering, or too slowly. Check that it is up "
@@ -205,152 +204,6 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
     if loc.one_operation:
         loc.stalled = message
     raise CheckpointError(message)
-
-
-def _endpoint(spec: dict[str, Any]) -> str:
-    """The server a kvstore spec talks to, for messages: an S3 spec's ``endpoint``; for GCS
-    ``$TENSORSTORE_GCS_HTTP_URL`` (an emulator or proxy), else Google's.
-
-    Example:
-      >>> _endpoint({"driver": "s3", "endpoint": "http://127.0.0.1:9000"})
-      'http://127.0.0.1:9000'
-    """
-    if spec.get("endpoint"):
-        return str(spec["endpoint"])
-    if spec["driver"] == "gcs":
-        return os.environ.get(GCS_HTTP_URL_ENV) or "https://storage.googleapis.com"
-    return f"the {spec['driver']} service"
-
-
-def credentials_hint(spec: dict[str, Any]) -> str:
-    """Where the credentials of an object store's spec come from, for messages.
-
-    Example:
-      >>> credentials_hint({"driver": "gcs", "bucket": "b", "path": ""}).split(" or ")[0]
-      'GOOGLE_APPLICATION_CREDENTIALS'
-    """
-    if spec["driver"] == "gcs":
-        return (
-            f"GOOGLE_APPLICATION_CREDENTIALS or the application default credentials, "
-            f"{GCS_HTTP_URL_ENV} for an emulator"
-        )
-    return "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible server"
-
-
-def _path_error(url: str, what: str, fix: str) -> CheckpointError:
-    return CheckpointError(
-        f"Checkpoint path {url!r} {what}, which tensorstore's file driver reads differently "
-        f"from Python (its data would go elsewhere than its manifest). {fix}"
-    )
-
-
-def _check_file_url(url: str, text: str) -> None:
-    # tensorstore decodes a file:// URL (%XX escapes, no ?/# parts); jaxckpt takes it literally.
-    bad = [c for c in "%?#" if c in text]
-    if bad:
-        raise _path_error(
-            url,
-            f"contains {bad[0]!r} in a file:// URL",
-            "Pass the plain local path instead of a file:// URL.",
-        )
-    if text and not text.startswith("/"):
-        raise CheckpointError(
-            f"{url!r} is not an absolute file:// URL: write file:///ABSOLUTE/PATH or a plain path."
-        )
-
-
-def _local_path(url: str, text: str) -> Path:
-    """The absolute path, refusing what tensorstore's file driver would read differently."""
-    for c, name in (("\\", "a backslash (tensorstore reads it as '/')"), ("\0", "a NUL byte")):
-        if c in text:
-            raise _path_error(url, f"contains {name}", "Rename it without that character.")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _path_error(url, "is not valid UTF-8", "Rename it to a UTF-8 name.") from None
-    path = Path(text).absolute()
-    if ".." in path.parts:  # resolved as the kernel would (tensorstore refuses '..' outright)
-        keep = path.name != ".."
-        path = Path(os.path.realpath(path.parent if keep else path)) / (path.name if keep else "")
-    for part in path.parts:
-        if part.endswith(LOCK_SUFFIX):
-            raise _path_error(
-                url,
-                f"has a part ending in {LOCK_SUFFIX!r} (reserved by tensorstore)",
-                "Choose another name.",
-            )
-        if len(os.fsencode(part)) > FILE_NAME_BYTES:
-            raise CheckpointError(
-                f"Checkpoint path {url!r} has a part of {len(os.fsencode(part))} bytes; file "
-                f"names are limited to {FILE_NAME_BYTES} bytes. Choose a shorter name."
-            )
-    return path
-
-
-def _kvstore_for_url(url: str) -> dict[str, Any]:
-    scheme, rest = url.split("://", 1)
-    if scheme == "memory":
-        rest = rest.strip("/")
-        return {"driver": "memory", "path": rest + "/" if rest else ""}
-    if scheme in ("gs", "s3"):
-        bucket, _, prefix = rest.rstrip("/").partition("/")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}", bucket):
-            raise CheckpointError(
-                f"{url!r} names no valid bucket ({bucket!r}): write {scheme}://BUCKET/PREFIX with "
-                f"a bucket name of 3 or more letters, digits, '.', '-' or '_'."
-            )
-        spec: dict[str, Any] = {
-            "driver": "gcs" if scheme == "gs" else "s3",
-            "bucket": bucket,
-            "path": prefix.strip("/") + "/" if prefix else "",
-        }
-        if scheme == "s3":
-            spec.update(_s3_options())
-        return spec
-    raise CheckpointError(
-        f"Unsupported path scheme {scheme!r} in {url!r}: use a local path, file://, memory://, "
-        f"gs:// or s3://."
-    )
-
-
-def _retries(driver: str, seconds: float) -> dict[str, Any]:
-    """The store's retry policy, bounded by the deadline: tensorstore's default (32 retries,
-    up to 32 s apart) would go on retrying an operation against a dead server for a quarter of
-    an hour after jaxckpt gave it up, holding one of the process's request slots all along.
-
-    Example:
-      >>> _retries("s3", 30.0)["s3_request_retries"]
-      {'max_retries': 8, 'initial_delay': '0.25s', 'max_delay': '7.5s'}
-    """
-    policy = {
-        "max_retries": 8,
-        "initial_delay": "0.25s",
-        "max_delay": f"{max(0.5, seconds / 4):g}s",
-    }
-    return {f"{driver}_request_retries": policy}
-
-
-def _s3_options() -> dict[str, Any]:
-    """Endpoint, region and credentials for ``s3://`` from the standard AWS variables.
-
-    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` select an S3-compatible server (MinIO,
-    moto, ...; addressed path-style, ``ENDPOINT/BUCKET/KEY``); ``AWS_REGION`` or
-    ``AWS_DEFAULT_REGION`` the region (otherwise tensorstore asks the bucket). With
-    ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` set, those keys (and
-    ``AWS_SESSION_TOKEN``) are used; otherwise tensorstore's default chain (profile, instance
-    metadata).
-    """
-    env = os.environ
-    opts: dict[str, Any] = {}
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        opts["endpoint"] = endpoint.rstrip("/")
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-    if region:
-        opts["aws_region"] = region
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        opts["aws_credentials"] = {"type": "environment"}
-    return opts
 
 
 def kvstore(spec: dict[str, Any], loc: Location | None = None) -> ts.KvStore:
@@ -396,7 +249,7 @@ def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
             raise CheckpointError(
                 f"Cannot read {loc}/{MANIFEST}: {' '.join(str(e).split('[', 1)[0].split())}. "
                 f"Check that the bucket exists and that the credentials "
-                f"({credentials_hint(loc.kvstore)}) may read it."
+                f"({_urls.credentials_hint(loc.kvstore)}) may read it."
             ) from e
         if got.state == "value":
             return got.value, (got.stamp.generation,)
