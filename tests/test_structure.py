@@ -3,7 +3,8 @@
 Every import counts, function-level ones included. Rules:
   - ``_format`` (the on-disk vocabulary) imports neither jax nor tensorstore;
   - ``_planning`` never imports tensorstore or storage, sources, the manager or the CLI;
-  - ``_storage`` never imports jax or planning (of the runtime, only its thread pools);
+  - ``_storage`` never imports jax or planning (of the runtime, only its thread pools and
+    its libc);
   - ``_sources`` reach the load path only through storage's ``Reader`` protocol: no jax, no
     planning;
   - ``_runtime`` imports no tensorstore and nothing above it; of ``_format``, only ``grid``:
@@ -90,7 +91,7 @@ FORBIDDEN = {
 }  # fmt: skip
 # The exceptions to FORBIDDEN, by layer: modules of a forbidden layer that it may import.
 ALLOWED = {
-    "jaxckpt._storage": ("jaxckpt._runtime.pools",),
+    "jaxckpt._storage": ("jaxckpt._runtime.pools", "jaxckpt._runtime.libc"),
     "jaxckpt._runtime": ("jaxckpt._format.grid",),
 }
 

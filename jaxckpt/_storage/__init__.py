@@ -6,10 +6,11 @@ renamed into place; ``generations``: object stores, the manifest written last), 
 live save (``lease``), the ``held-by`` markers of incremental references (``holds``), hard
 links of unchanged boxes (``links``), the reader (``reader``) and in-place chunk reads
 (``chunkfile``), packed arrays on read (``packs``), early write-back (``writeback``),
-listing/deleting checkpoints (``catalog``), the errors about a save's target (``messages``)
-and the libc calls Python lacks (``libc``). The writer's call order and the ``Reader``
-protocol are written down in ``writer`` and ``reader``.
+listing/deleting checkpoints (``catalog``) and the errors about a save's target
+(``messages``). The writer's call order and the ``Reader`` protocol are written down in
+``writer`` and ``reader``.
 
 May import: tensorstore, numpy, ``jaxckpt._format``, ``jaxckpt._errors``,
-``jaxckpt._runtime.pools``. Never jax, never ``jaxckpt._planning``.
+``jaxckpt._runtime.pools`` and ``jaxckpt._runtime.libc`` (the C calls Python lacks). Never jax,
+never ``jaxckpt._planning``.
 """

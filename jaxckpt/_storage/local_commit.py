@@ -27,9 +27,9 @@ from pathlib import Path
 
 from jaxckpt._errors import CheckpointError, CheckpointExistsError
 from jaxckpt._format.names import ARRAYS, MANIFEST, parse_staging, staging_name
+from jaxckpt._runtime.libc import libc
 from jaxckpt._storage.catalog import fsync_dir
 from jaxckpt._storage.lease import Lease
-from jaxckpt._storage.libc import libc
 from jaxckpt._storage.location import Location
 from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._runtime import pools
-from jaxckpt._storage.libc import libc
+from jaxckpt._runtime.libc import libc
 
 if TYPE_CHECKING:
     import tensorstore as ts

@@ -1,5 +1,5 @@
-"""The C library, loaded once, for the calls Python does not wrap (``renameat2``, ``syncfs``,
-``sync_file_range``)."""
+"""The C library, loaded once, for the calls Python does not wrap (storage's ``renameat2``,
+``syncfs``, ``sync_file_range``; the staging pool's ``malloc_trim``)."""
 
 from __future__ import annotations
 
