@@ -82,12 +82,13 @@ def simulated_state(processes: int, per_process: int, arrays: int) -> dict:
 
 def run(processes: int, per_process: int = 8, arrays: int = 1000) -> dict:
     """Plan a save of ``arrays`` arrays as process 0 of ``processes`` x ``per_process``."""
+    from jaxckpt._planning import plan_cache as _plan_cache
     from jaxckpt._planning import save_planner as _save_planner
 
     tree = simulated_state(processes, per_process, arrays)
     gc.collect()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    _save_planner.clear_plan_cache()
+    _plan_cache.clear_plan_cache()
     planner = _save_planner.DefaultSavePlanner()
     t0 = time.perf_counter()
     planner.set_up_planner(tree, process_index=0, process_count=processes)

@@ -28,9 +28,9 @@ from jaxckpt._manager.manager import CheckpointManager as CheckpointManager
 from jaxckpt._planning.global_plan import GlobalSavePlan as GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner as DefaultLoadPlanner
 from jaxckpt._planning.load_planner import LoadPlanner as LoadPlanner
+from jaxckpt._planning.plan_cache import plan_cache_info as plan_cache_info
 from jaxckpt._planning.save_planner import DefaultSavePlanner as DefaultSavePlanner
 from jaxckpt._planning.save_planner import SavePlanner as SavePlanner
-from jaxckpt._planning.save_planner import plan_cache_info as plan_cache_info
 from jaxckpt._sources.convert import convert as convert
 from jaxckpt._version import __version__ as __version__
 

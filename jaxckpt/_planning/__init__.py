@@ -1,7 +1,8 @@
 """Pytrees and shardings -> plans: what to write where, and what to read for whom.
 
 Owns tree flattening (``tree``), shard boxes of a sharding (``layout``), packing decisions
-(``packing``), the global save plan with its validation and cache (``global_plan``),
+(``packing``), the global save plan with its validation (``global_plan``) and its cache
+(``plan_cache``),
 incremental reuse (``reuse``: which boxes a base already holds), the two planner protocols with their defaults
 (``save_planner``, ``load_planner``: the numbered call order is written on ``SavePlanner`` and
 ``LoadPlanner``), the checks and messages that say why a restore's target does not fit what is

@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,6 +29,7 @@ from jaxckpt._format.plan import (
     index_to_box,
 )
 from jaxckpt._planning import packing as _pack
+from jaxckpt._planning import plan_cache
 from jaxckpt._planning import tree as _tree
 from jaxckpt._planning.global_plan import (
     GlobalSavePlan,
@@ -98,44 +99,6 @@ class SavePlanner(abc.ABC):
         copy: ``i -> thunk`` returning the item's data (called later, in the writer's thread).
         The default detaches nothing."""
         return {}
-
-
-_CACHE: collections.OrderedDict[_Key, GlobalSavePlan] = collections.OrderedDict()
-_CACHE_SIZE = 16
-_stats = {"hits": 0, "misses": 0}
-
-
-class CacheInfo(NamedTuple):
-    """What :func:`plan_cache_info` returns."""
-
-    hits: int
-    misses: int
-    size: int
-
-
-class _Key:
-    """A cache key that hashes its (large) signature once, not on every dict operation."""
-
-    __slots__ = ("sig", "h")
-
-    def __init__(self, sig: tuple[object, ...]) -> None:
-        self.sig, self.h = sig, hash(sig)
-
-    def __hash__(self) -> int:
-        return self.h
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Key) and self.h == other.h and self.sig == other.sig
-
-
-def plan_cache_info() -> CacheInfo:
-    """Hits and misses of the save-plan cache (a miss is a full planning pass)."""
-    return CacheInfo(_stats["hits"], _stats["misses"], len(_CACHE))
-
-
-def clear_plan_cache() -> None:
-    _CACHE.clear()
-    _stats.update(hits=0, misses=0)
 
 
 class DefaultSavePlanner(SavePlanner):
@@ -250,21 +213,13 @@ class DefaultSavePlanner(SavePlanner):
 
     # 2.
     def create_global_plan(self) -> GlobalSavePlan:
-        cache_key = None
-        if self.enable_plan_caching:
-            try:
-                cache_key = _Key(self._signature())
-            except TypeError:  # an unhashable sharding or tree node: plan without the cache
-                cache_key = None
-        plan = _CACHE.get(cache_key) if cache_key is not None else None
-        if plan is not None and cache_key is not None:
-            _CACHE.move_to_end(cache_key)
-            _stats["hits"] += 1
+        cache_key = plan_cache.key(self._signature()) if self.enable_plan_caching else None
+        plan = plan_cache.lookup(cache_key)
+        if plan is not None:
             fresh = dataclasses.replace(plan, manifest=self._with_values(plan.manifest))
             object.__setattr__(fresh, "_local", plan._local)  # same arrays: same items
             self._built = fresh
             return fresh
-        _stats["misses"] += 1
         plan = create_global_save_plan(
             self.leaves,
             _tree.structure(self.tree),
@@ -274,10 +229,7 @@ class DefaultSavePlanner(SavePlanner):
             process_count=self.process_count,
             pack_bytes=self.pack_bytes,
         )
-        if cache_key is not None:
-            _CACHE[cache_key] = plan
-            while len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
+        plan_cache.store(cache_key, plan)
         self._built = plan
         return plan
 
