@@ -102,6 +102,16 @@ class Repeating:
         self._stopped.set()
 
 
+def after(seconds: float, fn: Callable[[], object]) -> threading.Timer:
+    """Call ``fn()`` once, ``seconds`` from now, on a daemon thread of its own, unless the
+    returned timer's ``cancel()`` comes first (the staging pool's release of idle arenas)."""
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.name = "jaxckpt-after"
+    timer.start()
+    return timer
+
+
 def repeat(seconds: float, fn: Callable[[], object]) -> Repeating:
     """Call ``fn()`` every ``seconds`` until the returned object's ``stop()``."""
     return Repeating(seconds, fn)

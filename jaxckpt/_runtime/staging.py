@@ -15,6 +15,13 @@ Reuse is only safe where the store is done with the bytes once the write has com
 writer lets tensorstore reference the staged arrays instead of copying them, and the
 ``memory://`` kvstore keeps such references as its contents, so saves there (and to any
 store other than a local file system) take an arena of their own that is never reused.
+
+The pool gives its memory back when no save needs it: free arenas are released once no save
+has taken one for :data:`RELEASE_AFTER_S` seconds, so a run that saves again soon reuses its
+arena and a process that saved once does not keep the arena's RSS (docs/manager.md). The C
+heap's free pages go back then too (``malloc_trim``): the device copies that a save on CPU
+devices makes come from ``malloc``, and glibc keeps freed chunks below its mmap threshold
+(which rises to the size of the chunks freed, up to 32 MiB) in the heap for reuse.
 """
 
 from __future__ import annotations
@@ -30,12 +37,17 @@ import numpy.typing as npt
 
 from jaxckpt._format.grid import ALIGN, ceil_div
 from jaxckpt._runtime import pools
+from jaxckpt._runtime.libc import libc
 
 _Job = tuple[npt.NDArray[Any], npt.NDArray[Any]]  # (destination, source) of one copy
 
 _GRANULE = 1 << 16  # arenas are sized in 64 KiB steps so small changes of state reuse one
 _MAPPED = 4 << 20  # arenas from this size on get a mapping of their own
 _SPLIT = 16 << 20  # a larger item is copied in row blocks of about this size, in parallel
+# Free arenas are released after this many seconds without a save taking one: long enough for
+# the saves of a loop that checkpoints every few seconds to reuse one, short enough that a
+# process does not keep a state-sized buffer between saves minutes apart.
+RELEASE_AFTER_S = 10.0
 
 
 def _aligned(n: int) -> int:
@@ -91,25 +103,43 @@ class Arena:
             out = self.buf[self.used : self.used + n].view(data.dtype).reshape(data.shape)
             self.used += _aligned(n)
             outs.append(out)
-            rows = math.ceil(n / _SPLIT) if data.ndim and n > _SPLIT else 1
-            step = max(1, ceil_div(data.shape[0], rows)) if data.ndim else 1
-            for r in range(0, data.shape[0] if data.ndim else 1, step):
-                part: slice | EllipsisType = slice(r, r + step) if data.ndim else ...
-                jobs.append((out[part], data[part]))
-        total = sum(o.nbytes for o, _ in jobs)
-        if total < _SPLIT or len(jobs) == 1:
-            for out, data in jobs:
-                np.copyto(out, data, casting="no")
-            return outs
-        bins: list[list[_Job]] = [[] for _ in range(pools.STAGE_THREADS)]  # near-equal bytes
-        size = [0] * pools.STAGE_THREADS
-        for job in sorted(jobs, key=lambda j: -j[0].nbytes):
-            i = size.index(min(size))
-            bins[i].append(job)
-            size[i] += job[0].nbytes
-        for f in [pools.stage_pool().submit(_copy, b) for b in bins if b]:
-            f.result()
+            jobs += _row_blocks(out, data)
+        _run(jobs)
         return outs
+
+
+def copy_into(out: npt.NDArray[Any], data: npt.NDArray[Any]) -> None:
+    """Copy ``data`` into ``out`` (same shape; the dtype may differ in byte order only), in
+    row blocks on the staging threads where it is large."""
+    _run(_row_blocks(out, np.asarray(data)))
+
+
+def _row_blocks(out: npt.NDArray[Any], data: npt.NDArray[Any]) -> list[_Job]:
+    """The copy of ``data`` into ``out`` as blocks of rows of about ``_SPLIT`` bytes."""
+    n = data.nbytes
+    rows = math.ceil(n / _SPLIT) if data.ndim and n > _SPLIT else 1
+    step = max(1, ceil_div(data.shape[0], rows)) if data.ndim else 1
+    jobs: list[_Job] = []
+    for r in range(0, data.shape[0] if data.ndim else 1, step):
+        part: slice | EllipsisType = slice(r, r + step) if data.ndim else ...
+        jobs.append((out[part], data[part]))
+    return jobs
+
+
+def _run(jobs: list[_Job]) -> None:
+    """Run the copies, spread over the staging threads by bytes where they are large."""
+    total = sum(o.nbytes for o, _ in jobs)
+    if total < _SPLIT or len(jobs) == 1:
+        _copy(jobs)
+        return
+    bins: list[list[_Job]] = [[] for _ in range(pools.STAGE_THREADS)]  # near-equal bytes
+    size = [0] * pools.STAGE_THREADS
+    for job in sorted(jobs, key=lambda j: -j[0].nbytes):
+        i = size.index(min(size))
+        bins[i].append(job)
+        size[i] += job[0].nbytes
+    for f in [pools.stage_pool().submit(_copy, b) for b in bins if b]:
+        f.result()
 
 
 class StagingPool:
@@ -117,6 +147,8 @@ class StagingPool:
 
     Args:
       keep: free arenas to keep for reuse (the largest ones); the others are released.
+      release_after: seconds after which free arenas are released when no save took one
+        meanwhile (on a daemon timer thread); ``None`` keeps them until :meth:`clear`.
 
     Example:
       >>> import numpy as np
@@ -128,10 +160,13 @@ class StagingPool:
       True
     """
 
-    def __init__(self, keep: int = 1) -> None:
+    def __init__(self, keep: int = 1, release_after: float | None = RELEASE_AFTER_S) -> None:
         self.keep = keep
+        self.release_after = release_after
         self._free: list[Arena] = []
         self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._generation = 0  # changed by every take, give_back and clear
 
     def take(self, nbytes: int, *, reuse: bool = True) -> Arena:
         """An empty arena of at least ``nbytes``: the smallest free one that fits, or a new one.
@@ -142,6 +177,7 @@ class StagingPool:
             return Arena(nbytes, reusable=False)
         nbytes = max(_GRANULE, ceil_div(nbytes, _GRANULE) * _GRANULE)
         with self._lock:
+            self._cancel_release()  # a save runs: what is free may serve the next one
             fits = [a for a in self._free if a.nbytes >= nbytes]
             if fits:
                 arena = min(fits, key=lambda a: a.nbytes)
@@ -151,18 +187,42 @@ class StagingPool:
         return Arena(nbytes)
 
     def give_back(self, arena: Arena) -> None:
-        """Return an arena whose data is no longer needed; keep the ``keep`` largest."""
-        if not arena.reusable:
-            return
+        """Return an arena whose data is no longer needed (a save has ended); keep the
+        ``keep`` largest, for ``release_after`` seconds unless a save takes one meanwhile."""
         with self._lock:
-            self._free.append(arena)
-            self._free.sort(key=lambda a: a.nbytes, reverse=True)
-            del self._free[self.keep :]
+            if arena.reusable:
+                self._free.append(arena)
+                self._free.sort(key=lambda a: a.nbytes, reverse=True)
+                del self._free[self.keep :]
+            self._cancel_release()
+            if self.release_after is not None:
+                generation = self._generation
+                self._timer = pools.after(self.release_after, lambda: self._release(generation))
 
     def clear(self) -> None:
-        """Release every free arena (arenas of saves in flight are released when they end)."""
+        """Release every free arena (arenas of saves in flight are released when they end),
+        and the C heap's free pages."""
         with self._lock:
+            self._cancel_release()
             self._free.clear()
+        trim()
+
+    def _cancel_release(self) -> None:
+        """(Under the lock) no release of what is free now: a save has used the pool since."""
+        self._generation += 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _release(self, generation: int) -> None:
+        """The timer's call: release the free arenas and the C heap's free pages, if no save
+        used the pool since."""
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._free.clear()
+            self._timer = None
+        trim()
 
     @property
     def free_bytes(self) -> int:
@@ -171,9 +231,18 @@ class StagingPool:
             return sum(a.nbytes for a in self._free)
 
 
+def trim() -> None:
+    """Give the C heap's free pages back to the kernel (glibc's ``malloc_trim``; nothing
+    where the C library has none)."""
+    try:
+        libc().malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _copy(jobs: list[_Job]) -> None:
     for out, data in jobs:
-        np.copyto(out, data, casting="no")
+        np.copyto(out, data, casting="equiv")
 
 
 def staged_bytes(sizes: list[int]) -> int:
