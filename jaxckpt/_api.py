@@ -10,15 +10,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
-from jaxckpt._format.plan import SavePlan, WriteItem
+from jaxckpt._format.plan import SavePlan
 from jaxckpt._incremental import Increment
 from jaxckpt._planning.abstract import CheckpointMetadata
 from jaxckpt._planning.global_plan import GlobalSavePlan
@@ -29,6 +27,7 @@ from jaxckpt._runtime import collector, pools
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
+from jaxckpt._staged import Staged, budget_arg, stage_all, stream
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
 
@@ -99,24 +98,53 @@ def save_async(
     planner: SavePlanner | None = None,
     base: PathLike | None = None,
     digests: bool = False,
+    max_host_bytes: int | None = None,
 ) -> SaveHandle:
-    """Like :func:`save`, but returns once the device data is staged on the host.
+    """Like :func:`save`, but returns once the state is copied off the caller's buffers.
 
     The caller may then donate or overwrite the arrays; storage writes and the commit run in
     a background thread. Call ``wait()`` on the handle before relying on the checkpoint.
 
+    Args:
+      max_host_bytes: the host memory this save may stage in at once, in bytes (this
+        process's; each process has its own). ``None`` (default): this process's whole share
+        is copied at once (device copies on CPU devices, else one host buffer), and the call
+        returns as soon as that copy is made. With a budget the chunks stream through a
+        buffer of at most this many bytes, reused as each chunk is written: the call then
+        returns once the last chunk is copied, after the writes of all but about
+        ``max_host_bytes`` of the share (docs/manager.md, "Asynchronous saves"). It must
+        hold this process's largest chunk (``DefaultSavePlanner(max_chunk_bytes=...)``).
+      overwrite, planner, base, digests: as for :func:`save`.
+
     Returns:
       A :class:`SaveHandle`; ``wait()`` re-raises any error of the save.
+
+    Raises:
+      ValueError: ``max_host_bytes`` is not a positive int.
+      CheckpointError: ``max_host_bytes`` cannot hold this process's largest chunk (nothing
+        is written), or any error of the save met before the call returns.
 
     Example:
       >>> import jax.numpy as jnp, jaxckpt, tempfile
       >>> h = jaxckpt.save_async(tempfile.mkdtemp() + "/c", {"w": jnp.zeros(4)})
       >>> h.wait(); h.done()
       True
+      >>> h = jaxckpt.save_async(tempfile.mkdtemp() + "/c", {"w": jnp.zeros(1 << 20)},
+      ...                        max_host_bytes=2 << 20)  # a 4 MiB state through 2 MiB
+      >>> h.wait(); h.nbytes
+      4194304
     """
+    budget = budget_arg(max_host_bytes)
     with collector.paused():  # the blocking part only, not the background write
         return _start_save(
-            path, tree, overwrite=overwrite, planner=planner, stage=True, base=base, digests=digests
+            path,
+            tree,
+            overwrite=overwrite,
+            planner=planner,
+            stage=True,
+            base=base,
+            digests=digests,
+            budget=budget,
         )
 
 
@@ -187,12 +215,14 @@ def _start_save(
     stage: bool,
     base: PathLike | None = None,
     digests: bool = False,
+    budget: int | None = None,
 ) -> SaveHandle:
-    """Plan on every process, stage (if ``stage``), then write and commit: in the background
-    when staged, else here."""
+    """Plan on every process, stage (if ``stage``: all at once, or streaming within
+    ``budget`` host bytes), then write and commit: in the background when staged, else here."""
     t0 = time.perf_counter()
     loc = _location.Location(path, one_operation=True)
     planner = planner if planner is not None else DefaultSavePlanner()
+    planner.max_host_bytes = budget  # before step 1 (SavePlanner)
     handle = SaveHandle(str(loc))
     # Made first, so that a failure on any process from here on reaches all of them.
     sync = _distributed.SaveSync(str(loc))
@@ -213,31 +243,40 @@ def _start_save(
     )
     t1 = time.perf_counter()
     order = local.items if increment is None else increment.order(local.items)
-    if stage:  # copy every item off the caller's buffers, which it may reuse once we return
-        data, arena = _stage(planner, order, loc, sync, writer)
+    args = (handle, loc, sync, writer, entries, global_plan, local)
+    if not stage:
+        data = Staged(((item, planner.resolve_data(item)) for item in order), None)
+        handle.timings["stage"] = time.perf_counter() - t1
+        _write_and_commit(*args, data, increment)
+        return handle
+    # Copy every item off the caller's buffers, which it may reuse once we return.
+    if budget is None:
+        staged = stage_all(planner, order, loc, sync, writer)
     else:
-        data = ((item, planner.resolve_data(item)) for item in order)
+        all_first = increment is not None and increment.hashes_all_first
+        staged = stream(planner, order, loc, sync, writer, budget=budget, hash_all_first=all_first)
+    _in_background(handle, staged, lambda: _write_and_commit(*args, staged, increment))
+    staged.wait()  # streaming: until the last item is staged, as the writes free the ring
     handle.timings["stage"] = time.perf_counter() - t1
-    pending = [data]  # popped by the writer, so nothing holds the staged bytes once written
-
-    def run() -> None:
-        _write_and_commit(
-            handle, loc, sync, writer, entries, global_plan, local, pending, increment
-        )
-
-    if stage:
-
-        def run_then_release() -> None:
-            handle._runner = threading.get_ident()
-            try:
-                run()
-            finally:
-                _staging.POOL.give_back(arena)
-
-        handle._future = pools.in_background(run_then_release)
-    else:
-        run()
+    if not staged.complete:  # the save failed before its last item was staged
+        handle.wait()  # its error
     return handle
+
+
+def _in_background(handle: SaveHandle, staged: Staged, run: Callable[[], None]) -> None:
+    """Run the write and commit of a staged save on a save thread; its staging arena goes
+    back to the pool when it ends."""
+
+    def run_then_release() -> None:
+        handle._runner = threading.get_ident()
+        try:
+            run()
+        finally:
+            staged.settle()
+            if staged.arena is not None:
+                _staging.POOL.give_back(staged.arena)
+
+    handle._future = pools.in_background(run_then_release)
 
 
 def _plan_everywhere(
@@ -256,38 +295,6 @@ def _plan_everywhere(
     return global_plan, local
 
 
-def _stage(
-    planner: SavePlanner,
-    items: Sequence[WriteItem],
-    loc: _location.Location,
-    sync: _distributed.SaveSync,
-    writer: _storage.Writer,
-) -> tuple[Iterator[tuple[WriteItem, Any]], _staging.Arena]:
-    """``(item, data)`` for each item, off the caller's buffers, and the arena holding them.
-
-    Items the planner cannot copy on the device go into a reused host arena. Never numpy views
-    of the caller's CPU-device buffers: XLA may donate them under our feet.
-    """
-    arena = None
-    try:
-        detached = planner.detach(items)  # the default: device copies on CPU devices
-        rest = [i for n, i in enumerate(items) if n not in detached]
-        nbytes = _staging.staged_bytes([i.nbytes for i in rest])
-        arena = _staging.POOL.take(nbytes, reuse=loc.local is not None)  # see _staging
-        staged = iter(arena.copy_all([np.asarray(planner.resolve_data(i)) for i in rest]))
-        # lazy: a detached copy is read (and waited for) in the writer's thread
-        data = ((i, detached[n]() if n in detached else next(staged)) for n, i in enumerate(items))
-    except BaseException as e:
-        err = sync.failed(e)  # the others stop too; returns once they stopped writing
-        writer.abort()
-        if arena is not None:
-            _staging.POOL.give_back(arena)
-        if err is e:
-            raise
-        raise err from e
-    return data, arena
-
-
 def _write_and_commit(
     handle: SaveHandle,
     loc: _location.Location,
@@ -296,16 +303,16 @@ def _write_and_commit(
     entries: dict[str, ArrayEntry],
     global_plan: GlobalSavePlan,
     local: SavePlan,
-    pending: list[Iterator[tuple[WriteItem, Any]]],
+    staged: Staged,
     increment: Increment | None = None,
 ) -> None:
     """Create the arrays, write this process's items, commit; errors go to ``handle``."""
     try:
         t2 = time.perf_counter()
-        items = pending.pop()  # popped: nothing holds the staged bytes once written
+        items, staged.items = staged.items, iter(())  # nothing else holds them once written
         skip: set[str] = set()
         if increment is not None:  # hash each box; the base's boxes are linked or referenced
-            items, skip = increment.to_write(items, sync, writer)
+            items, skip = increment.to_write(items, sync, writer, ahead_bytes=staged.ahead_bytes)
         if sync.is_coordinator:
             writer.open_arrays((e for k, e in entries.items() if k not in skip), create=True)
             if sync.count > 1:  # the others open them after the barrier
@@ -314,7 +321,7 @@ def _write_and_commit(
         if not sync.is_coordinator:
             own = {i.key for i in local.items} - skip
             writer.open_arrays((entries[k] for k in own), create=False)
-        handle.nbytes = writer.write(entries, items)
+        handle.nbytes = writer.write(entries, items, release_each=staged.release_each)
         writer.flush()
         payloads = sync.gather("written", increment.payload() if increment else "")
         t3 = time.perf_counter()

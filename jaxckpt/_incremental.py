@@ -96,18 +96,30 @@ class Increment:
             return None
         return None
 
+    @property
+    def hashes_all_first(self) -> bool:
+        """Whether :meth:`to_write` hashes every box before it hands one on (an object store
+        with a base), rather than lazily as the boxes pass."""
+        return self.loc.local is None and self.base is not None
+
     def to_write(
-        self, items: Items, sync: SaveSync, writer: _storage.Writer
+        self,
+        items: Items,
+        sync: SaveSync,
+        writer: _storage.Writer,
+        *,
+        ahead_bytes: int | None = None,
     ) -> tuple[Iterator[tuple[WriteItem, Any]], set[str]]:
         """The items ``writer`` still writes, and the keys of arrays nobody writes.
 
-        Local files: lazily, linking as the items pass. Object stores: every box is hashed
-        first, then one exchange settles which arrays changed on no process; those become
-        references and are neither created nor written.
+        Local files: lazily, linking as the items pass, hashing at most ``ahead_bytes`` ahead
+        (``None``: ``reuse.HASH_AHEAD``; a budgeted save's ring holds those boxes). Object
+        stores: every box is hashed first, then one exchange settles which arrays changed on
+        no process; those become references and are neither created nor written.
         """
         self.writer = writer
-        if self.loc.local is not None or self.base is None:  # no exchange without a base
-            return self.tracker.to_write(items), set()
+        if not self.hashes_all_first:  # no exchange without a base
+            return self.tracker.to_write(items, ahead_bytes=ahead_bytes), set()
         hashed = [(item, data, self.tracker.decide(item, data)) for item, data in items]
         changed = json.loads(sync.reduce("reuse", json.dumps(sorted(self.tracker.changed)), _union))
         whole = self.reuse.whole_arrays(changed) if self.refs_ok else set()

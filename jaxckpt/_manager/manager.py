@@ -38,6 +38,7 @@ from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
+from jaxckpt._staged import budget_arg
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
@@ -88,9 +89,14 @@ class CheckpointManager(RunReader):
         saves (each call lists them afresh), and never saves, cleans up or deletes anything,
         so it can run beside the trainer's (an evaluator; docs/manager.md). The directory
         need not exist yet.
+      max_host_bytes: the host memory each save of the directory may stage in at once, in
+        bytes, on each process (``jaxckpt.save_async``'s): ``save()`` then blocks until all
+        but about this much of the state is written (docs/manager.md, "Asynchronous
+        saves"). ``None``: the whole share at once. The local tier's copy is not bounded by
+        it (docs/tiers.md).
 
     Raises:
-      ValueError: an argument is out of range.
+      ValueError: an argument is out of range (``max_host_bytes`` not a positive int).
 
     Example:
       >>> import jax.numpy as jnp, jaxckpt, tempfile
@@ -120,6 +126,7 @@ class CheckpointManager(RunReader):
         local_max_to_keep: int = 2,
         local_replicas: int = 1,
         read_only: bool = False,
+        max_host_bytes: int | None = None,
     ) -> None:
         _check_counts(
             max_to_keep=max_to_keep,
@@ -133,6 +140,7 @@ class CheckpointManager(RunReader):
         self.policy = Policy(max_to_keep, keep_every_n_steps, best_fn, best_mode)
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
+        self.max_host_bytes = budget_arg(max_host_bytes)
         self.last_save: SaveHandle | None = None
         if io_timeout is not None:
             io_timeout = _location.positive_seconds(io_timeout, "io_timeout")
@@ -202,7 +210,13 @@ class CheckpointManager(RunReader):
         self._run.check_new(step, self.policy, record, steps)
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
         with _location.deadline(self._loc.io_timeout):
-            handle = save_async(str(loc), tree, base=base, digests=self.incremental)
+            handle = save_async(
+                str(loc),
+                tree,
+                base=base,
+                digests=self.incremental,
+                max_host_bytes=self.max_host_bytes,
+            )
         self.last_save = handle
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)

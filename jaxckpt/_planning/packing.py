@@ -177,11 +177,15 @@ def assign(packs: list[Candidate], proc_loads: IntArray, *, lowest: bool) -> lis
 
 
 def assemble(
-    pack: PackEntry, members: Iterable[tuple[ArrayEntry, Iterable[tuple[Any, Any]]]]
+    pack: PackEntry,
+    members: Iterable[tuple[ArrayEntry, Iterable[tuple[Any, Any]]]],
+    out: npt.NDArray[Any] | None = None,
 ) -> npt.NDArray[Any]:
     """The pack's bytes: each member's pieces ``(index, data)`` (an index into the member, in
-    its logical dtype; ``()`` for the whole) copied once, straight to its place in the pack."""
-    out = np.empty(pack.size, dtype_from_name(pack.storage_dtype))
+    its logical dtype; ``()`` for the whole) copied once, straight to its place in the pack;
+    into ``out`` (1-D, of the pack's size and storage dtype's itemsize) where given."""
+    storage = dtype_from_name(pack.storage_dtype)
+    out = np.empty(pack.size, storage) if out is None else out.view(storage)
     for e, pieces in members:
         logical = dtype_from_name(e.dtype)  # of the storage dtype's size: a view, no copy
         slot = out[e.offset : e.offset + e.size].view(logical).reshape(e.shape)

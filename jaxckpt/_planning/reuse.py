@@ -252,16 +252,22 @@ class Tracker:
         return self.check(item, data) if self.needs_digest(item, data) else None
 
     def to_write(
-        self, items: Iterable[tuple[WriteItem, npt.NDArray[Any]]]
+        self,
+        items: Iterable[tuple[WriteItem, npt.NDArray[Any]]],
+        *,
+        ahead_bytes: int | None = None,
     ) -> Iterator[tuple[WriteItem, npt.NDArray[Any]]]:
         """The items to write: every one whose box the base lacks or ``link`` cannot reuse.
 
         Boxes are hashed on the hash threads a few boxes ahead (the hash releases the GIL),
-        at most ``HASH_AHEAD`` bytes beyond the box being decided; each decided box is linked
-        here, while the next ones are hashed (a link is metadata only: a hard link per chunk
-        file, a folder per row of chunks). While the box being decided is still hashed, this
-        thread hashes a later one itself instead of idling (:class:`_Hashing`).
+        at most ``ahead_bytes`` (default ``HASH_AHEAD``) beyond the box being decided; each
+        decided box is linked here, while the next ones are hashed (a link is metadata only: a
+        hard link per chunk file, a folder per row of chunks). While the box being decided is
+        still hashed, this thread hashes a later one itself instead of idling
+        (:class:`_Hashing`). No box is referenced here while the next one is asked for beyond
+        those hashed ahead (a budgeted save reuses a box's memory once nothing holds it).
         """
+        limit = HASH_AHEAD if ahead_bytes is None else ahead_bytes
         pool = pools.hash_pool()
         ahead: collections.deque[_Hashing] = collections.deque()
         held = 0
@@ -269,10 +275,12 @@ class Tracker:
             for item, data in items:
                 if not self.needs_digest(item, data):  # changed: written without waiting
                     yield item, data
+                    del data
                     continue
                 ahead.append(_Hashing(item, data, pool.submit(digest, data)))
+                del data
                 held += item.nbytes
-                while ahead and (held > HASH_AHEAD or len(ahead) > HASH_AHEAD_ITEMS):
+                while ahead and (held > limit or len(ahead) > HASH_AHEAD_ITEMS):
                     held -= ahead[0].item.nbytes
                     yield from self._decide(ahead.popleft(), ahead)
             while ahead:

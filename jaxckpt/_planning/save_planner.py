@@ -37,7 +37,7 @@ from jaxckpt._planning.global_plan import (
     is_array,
     validate_global_plan,
 )
-from jaxckpt._runtime import pools
+from jaxckpt._runtime import pools, staging
 
 
 class SavePlanner(abc.ABC):
@@ -55,6 +55,13 @@ class SavePlanner(abc.ABC):
     ``save_async`` calls ``detach(items)`` between 3 and 4: a planner may take its own copy of
     some items there (returning how to read each later); the others ``save_async`` copies into
     host staging before it returns, so the caller may donate or overwrite its arrays.
+
+    ``save_async(..., max_host_bytes=N)`` sets :attr:`max_host_bytes` to N before step 1 (every
+    save sets it: ``None`` without a budget) and calls no ``detach``: instead of 4 it calls
+    ``resolve_into(item, out)`` for one item after the other, ``out`` a slot of a host buffer
+    of at most N bytes that is reused once the item is written. A planner keeps no host copy
+    of its own beyond the item being resolved then (the default starts no device-to-host
+    copies in 3).
 
     Invariants the global plan must keep (``jaxckpt._format.plan.validate_plan`` checks them): the
     items of each array tile it exactly once, along its chunk grid, in its dtype.
@@ -93,12 +100,22 @@ class SavePlanner(abc.ABC):
     def resolve_data(self, item: WriteItem) -> npt.NDArray[Any]:
         """4. The bytes of ``item`` as a numpy array of its box's shape and logical dtype."""
 
+    max_host_bytes: int | None = None
+    """The host-memory budget of the save in progress (``save_async``'s ``max_host_bytes``)."""
+
     def detach(self, items: Sequence[WriteItem]) -> dict[int, Callable[[], npt.NDArray[Any]]]:
         """(``save_async`` only) Copies of ``items[i]`` that the caller's later donation or
         writes cannot change, for the ``i`` this planner can copy more cheaply than a host
         copy: ``i -> thunk`` returning the item's data (called later, in the writer's thread).
         The default detaches nothing."""
         return {}
+
+    def resolve_into(self, item: WriteItem, out: npt.NDArray[Any]) -> None:
+        """(``save_async`` with ``max_host_bytes`` only) 4. Copy the bytes of ``item`` into
+        ``out``: host memory of the item's box shape and logical dtype, in the save's staging
+        buffer. The default copies :meth:`resolve_data`'s array, which may be a copy of its
+        own meanwhile (on the host: counted beyond the budget)."""
+        staging.copy_into(out, self.resolve_data(item))
 
 
 class DefaultSavePlanner(SavePlanner):
@@ -250,8 +267,9 @@ class DefaultSavePlanner(SavePlanner):
         self.global_plan = global_plan
         plan = global_plan.for_process(self.process_index)
         # Start every device-to-host copy now so they overlap (GPU/TPU); on CPU devices the
-        # host already holds the bytes and a copy would only cost memory.
-        for item in plan.items:
+        # host already holds the bytes and a copy would only cost memory. Not within a host
+        # budget: jax keeps each copy on the array until the array goes (resolve_into).
+        for item in plan.items if self.max_host_bytes is None else ():
             if item.key in global_plan.packs:  # written whole from the host: copy them all now
                 for k in global_plan.packs[item.key]:
                     leaf = self.leaves[k]
@@ -324,6 +342,33 @@ class DefaultSavePlanner(SavePlanner):
         ]
         return box
 
+    def resolve_into(self, item: WriteItem, out: npt.NDArray[Any]) -> None:
+        """Straight from the state into ``out``, holding no other host copy on CPU devices
+        (views of the shards) nor of packs (assembled in ``out``). On accelerators each
+        chunk is sliced on its device and copied to the host alone (one chunk of host memory
+        beyond the budget while it is copied, and of device memory), never a whole shard: jax
+        would keep that copy on the caller's array."""
+        if type(self).resolve_data is not DefaultSavePlanner.resolve_data:
+            return super().resolve_into(item, out)  # a subclass's bytes, as in save()
+        members = self.global_plan.packs.get(item.key)
+        if members is not None:
+            manifest = self.global_plan.manifest
+            arrays = [e for k in members if isinstance(e := manifest.entries[k], ArrayEntry)]
+            pieces = ((e, self._pieces(e.key, _uncached)) for e in arrays)
+            _pack.assemble(manifest.packs[arrays[0].path], pieces, out=out.reshape(-1))
+            return
+        leaf = self.leaves[item.key]
+        if isinstance(leaf, jax.Array) and _platform(leaf) != "cpu":
+            shard = self._shard(item.key, leaf, item.device)
+            offsets, _ = index_to_box(shard.index, leaf.shape)
+            local = tuple(
+                slice(o - so, o - so + s) for o, so, s in zip(item.offsets, offsets, item.sizes)
+            )
+            piece = shard.data[local]  # a new array, unless the chunk is the whole shard
+            staging.copy_into(out, _uncached(piece) if piece is shard.data else np.asarray(piece))
+            return
+        staging.copy_into(out, self.resolve_data(item))
+
     def _box(self, item: WriteItem, shard_data: jax.Array) -> npt.NDArray[Any]:
         """``item``'s box out of the shard (or its detached copy) that holds it."""
         leaf = self.leaves[item.key]
@@ -333,20 +378,22 @@ class DefaultSavePlanner(SavePlanner):
         )
         return np.asarray(shard_data)[local]
 
-    def _pieces(self, key: str) -> list[tuple[Any, Any]]:
+    def _pieces(
+        self, key: str, host: Callable[[Any], npt.NDArray[Any]] = np.asarray
+    ) -> list[tuple[Any, Any]]:
         """The whole array of ``key`` as ``(index, data)`` pieces on the host (this process
         holds every box of it): its shards, each box once, not an assembled copy (which jax
-        would also keep on the array)."""
+        would also keep on the array). ``host`` brings a shard to the host."""
         leaf = self.leaves[key]
         if not isinstance(leaf, jax.Array):
             return [((), leaf)]
         if leaf.is_fully_replicated:
-            return [((), np.asarray(leaf.addressable_data(0)))]
+            return [((), host(leaf.addressable_data(0)))]
         # The first shard of each box: its replicas here are not copied again.
         boxes: dict[tuple[tuple[int | None, int | None], ...], Any] = {}
         for shard in leaf.addressable_shards:
             boxes.setdefault(tuple((s.start, s.stop) for s in shard.index), shard)
-        return [(shard.index, np.asarray(shard.data)) for shard in boxes.values()]
+        return [(shard.index, host(shard.data)) for shard in boxes.values()]
 
     def _shard(self, key: str, leaf: jax.Array, device: int | None) -> Any:
         found = self._shards.get((key, device))
@@ -355,6 +402,15 @@ class DefaultSavePlanner(SavePlanner):
                 self._shards[(key, shard.device.id)] = shard
             found = self._shards[(key, device)]
         return found
+
+
+def _uncached(x: jax.Array) -> npt.NDArray[Any]:
+    """``x`` on the host without a copy kept on ``x``: on CPU devices a view; elsewhere the
+    host copy of a fresh device copy, which goes with it (``np.asarray`` of an accelerator's
+    array keeps its host copy on the array, here the caller's)."""
+    if _platform(x) == "cpu":
+        return np.asarray(x)
+    return np.asarray(jax.device_put(x, may_alias=False))
 
 
 def _platform(leaf: jax.Array) -> str:

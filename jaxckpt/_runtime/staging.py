@@ -22,6 +22,8 @@ arena and a process that saved once does not keep the arena's RSS (docs/manager.
 heap's free pages go back then too (``malloc_trim``): the device copies that a save on CPU
 devices makes come from ``malloc``, and glibc keeps freed chunks below its mmap threshold
 (which rises to the size of the chunks freed, up to 32 MiB) in the heap for reuse.
+A budgeted save (``save_async(..., max_host_bytes=N)``) takes an arena of at most N bytes and
+stages through it slot by slot (``jaxckpt._runtime.ring``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import queue
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,6 +24,7 @@ import tensorstore as ts
 
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.plan import WriteItem
+from jaxckpt._runtime import pools
 from jaxckpt._storage import generations, local_commit, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
@@ -155,8 +157,15 @@ class Writer:
         items: Iterable[tuple[WriteItem, npt.NDArray[Any]]],
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+        release_each: bool = False,
     ) -> int:
         """Write each item's box into the opened arrays; at most ``max_inflight_bytes`` queued.
+
+        With ``release_each``, each item's data is referenced until its write has completed
+        and dropped at once then, not at the end (:class:`Holder`): a budgeted save reuses
+        the memory of a staged item as soon as nothing references it
+        (``jaxckpt._runtime.ring``). Items are taken from ``items`` one at a time, and none is
+        referenced here while the next is asked for.
 
         Returns the bytes written.
         """
@@ -164,28 +173,17 @@ class Writer:
         inflight = total = 0
         self._reference = self.loc.local is not None
         hints = writeback.Hints()  # early write-back of each written chunk file (local only)
+        holder = Holder(self.loc) if release_each else None
         try:
             for item, data in items:
                 entry = entries[item.key]
-                store = self._array(item.key)
-                if entry.storage_dtype != entry.dtype:
-                    data = data.view(entry.storage_dtype)
-                if item.sizes == entry.shape:  # the whole array: skip building an indexed view
-                    target = store
-                else:
-                    target = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
-                # Blocking saves hold the caller's arrays and async saves their own staged
-                # copies until the write completes, so on files tensorstore may reference the
-                # bytes instead of copying; memory:// would keep the reference as the stored
-                # value, so it copies.
-                fut = target.write(data, can_reference_source_data_indefinitely=self._reference)
-                if self._reference:
-                    folder = self.root["path"] + entry.path
-                    files = writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
-                    hints.add(fut, files, data.nbytes)
+                fut = self._start(entry, item, data, hints)
                 pending.append((fut, data.nbytes, entry))
                 inflight += data.nbytes
                 total += data.nbytes
+                if holder is not None:
+                    holder.add(fut, data)
+                del data  # not held here while the next item is made (see release_each)
                 while inflight > max_inflight_bytes and pending:
                     fut, n, e = pending.popleft()
                     self._finish(fut, e, n)
@@ -200,7 +198,30 @@ class Writer:
                 except (Exception, asyncio.CancelledError):  # noqa: BLE001 - failed already
                     pass
             hints.wait()
+            if holder is not None:
+                holder.close()
         return total
+
+    def _start(
+        self, entry: ArrayEntry, item: WriteItem, data: npt.NDArray[Any], hints: writeback.Hints
+    ) -> Any:
+        """Start the write of ``data`` as ``item``'s box; its ``WriteFutures``."""
+        store = self._array(item.key)
+        if entry.storage_dtype != entry.dtype:
+            data = data.view(entry.storage_dtype)
+        if item.sizes == entry.shape:  # the whole array: skip building an indexed view
+            target = store
+        else:
+            target = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+        # Blocking saves hold the caller's arrays and async saves their own staged copies
+        # until the write completes, so on files tensorstore may reference the bytes instead
+        # of copying; memory:// would keep the reference as the stored value, so it copies.
+        fut = target.write(data, can_reference_source_data_indefinitely=self._reference)
+        if self._reference:
+            folder = self.root["path"] + entry.path
+            files = writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
+            hints.add(fut, files, data.nbytes)
+        return fut
 
     def _finish(self, fut: Any, entry: ArrayEntry, nbytes: int) -> None:
         try:
@@ -278,3 +299,51 @@ class Writer:
         lease = self._lease or (self._target.lease if self._target is not None else None)
         if lease is not None:
             lease.release(delete=delete)
+
+
+class Holder:
+    """Keeps each write's source data until tensorstore has completed the write, then drops it.
+
+    tensorstore may read a source array after ``write`` returned, holding no reference to it
+    (the array must stay unchanged until the write completes), so whoever reuses the memory
+    of a written array once nothing references it must find this reference. One task on a
+    save thread waits for the writes in order and drops each one's data as it completes: no
+    Python runs in tensorstore's threads (as in ``writeback.Hints``). Where no thread can be
+    started (at interpreter exit) each write is waited for as it is added.
+
+    Args:
+      loc: where the writes go (their deadlines: a write that misses it is dropped too, and
+        the writer reports it).
+    """
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
+        try:
+            self._task: Any = pools.save_pool().submit(self._run)
+        except RuntimeError:  # the interpreter is exiting: no new threads
+            self._task = None
+
+    def add(self, fut: Any, data: Any) -> None:
+        """Drop ``data`` once the write ``fut`` of it has completed."""
+        if self._task is None:
+            self._wait(fut)
+            return
+        self._queue.put((fut, data))
+
+    def close(self) -> None:
+        """Wait until every write added has completed and its data is dropped."""
+        if self._task is not None:
+            self._queue.put(None)
+            self._task.result()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._wait(job[0])
+            del job  # the last reference to the data, where nothing else holds it
+
+    def _wait(self, fut: Any) -> None:
+        try:
+            wait(fut, self.loc, "writing")
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the writer reports it
+            pass
