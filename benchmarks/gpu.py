@@ -1,11 +1,15 @@
 """jaxckpt and Orbax on whatever backend jax finds (a GPU on a lent machine): one table.
 
 Per library, in a fresh process each: how long ``save_async`` blocks against the
-device-to-host floor (``jax.device_get`` of fresh copies of the same arrays), blocking and
-async save GB/s, restore GB/s onto the saving mesh and onto a resharded one, and peak host RSS
-growth. Medians of ``--runs`` calls after a first (cold) one, the range in brackets.
+device-to-host floor (``jax.device_get`` of fresh copies of the same arrays) and the state's
+bytes ÷ that time (the rate at which it comes off the devices), blocking and async save GB/s,
+restore GB/s onto the saving mesh and onto a resharded one, and peak host RSS growth. Then
+jaxckpt's ``save_async(..., max_host_bytes=N)`` for each ``--budget-mib`` (default: an eighth
+of the state; chunks of at most a quarter of it), in a fresh process each: its blocking time,
+that rate, the whole save and the peak host RSS growth, which the budget bounds (docs/manager.md, "Asynchronous saves"). Medians
+of ``--runs`` calls after a first (cold) one, the range in brackets.
 
-    python benchmarks/gpu.py --out docs/gpu-h100.md        # a lent GPU: ~2 GiB, 3 runs
+    python benchmarks/gpu.py --out docs/gpu-h100.md        # a lent GPU: ~2 GiB, 3 runs, N=256 MiB
     python benchmarks/gpu.py                               # CPU: short mode, a smoke test
 
 On the CPU backend it runs in a short mode (16 MiB, 1 run, 8 simulated devices): the table's
@@ -104,7 +108,8 @@ def _timed(fn, runs: int) -> list[float]:
     return times
 
 
-def _saves(lib, state, root: str, runs: int) -> dict:
+def _saves(lib, state, root: str, runs: int, budget: int | None = None) -> dict:
+    """Blocking saves, then async ones (only these, within ``budget`` host bytes, if given)."""
     out, blocked = {}, []
 
     def save(r: int) -> None:
@@ -113,14 +118,22 @@ def _saves(lib, state, root: str, runs: int) -> dict:
 
     def save_async(r: int) -> None:
         t = time.perf_counter()
-        wait = lib.save_async(f"{root}/async-{r}", state)
+        if budget is None:
+            wait = lib.save_async(f"{root}/async-{r}", state)
+        else:
+            # chunks of at most a quarter of the budget: a few in the ring at once, so that
+            # copies off the devices overlap the writes (docs/manager.md)
+            planner = lib.mod.DefaultSavePlanner(max_chunk_bytes=min(64 << 20, budget // 4))
+            path = f"{root}/async-{r}"
+            wait = lib.mod.save_async(path, state, planner=planner, max_host_bytes=budget).wait
         blocked.append(time.perf_counter() - t)
         wait()
         shutil.rmtree(f"{root}/async-{r}")
 
-    with _Peak() as p:
-        out["save"] = _timed(save, runs)
-    out["rss_save"] = p.growth
+    if budget is None:
+        with _Peak() as p:
+            out["save"] = _timed(save, runs)
+        out["rss_save"] = p.growth
     with _Peak() as p:
         out["async_total"] = _timed(save_async, runs)
     out["async_blocks"], out["rss_async"], out["rss_reset"] = blocked, p.growth, p.reset
@@ -193,6 +206,12 @@ def worker(spec: dict) -> dict:
     out = {"mib": mib, "runs": runs, "short": short, "backend": backend}
     out["devices"] = f"{jax.device_count()} × {jax.devices()[0].device_kind}"
     out["bytes"] = sum(x.nbytes for x in state.values())
+    budget = spec.get("budget_mib")
+    if budget:  # save_async within a host budget only: the rest is the row without one
+        out.update(_saves(lib, state, root, runs, budget=budget * 2**20))
+        out["rss_peak"] = _vm("VmHWM")
+        shutil.rmtree(root, ignore_errors=True)
+        return out
     if spec["lib"] == "jaxckpt":
         out["device_get"] = _device_get(state, runs)
     out.update(_saves(lib, state, root, runs))
@@ -237,6 +256,7 @@ COLUMNS = (
     "library",
     "save_async blocks, s",
     "÷ device_get floor",
+    "state ÷ blocking time, GB/s",
     "save GB/s",
     "save_async GB/s (whole save)",
     "restore GB/s",
@@ -249,19 +269,22 @@ COLUMNS = (
 def _row(lib: str, r: dict, floor: float | None) -> str:
     b, mib = r["bytes"], 2**20
     blocks = statistics.median(r["async_blocks"][1:] or r["async_blocks"])
-    rss = " / ".join(f"{r[k] / mib:.0f}" for k in ("rss_save", "rss_async", "rss_restore_save")) + (
+    keys = ("rss_save", "rss_async", "rss_restore_save")
+    rss = " / ".join(f"{r[k] / mib:.0f}" if k in r else "—" for k in keys) + (
         "" if r["rss_reset"] else " (peak since start)"
     )
+    first = " / ".join(f"{r[k][0]:.3f}" if k in r else "—" for k in ("save", "restore_save"))
     cells = [
         lib,
         _t(r["async_blocks"]),
         f"{blocks / floor:.2f}" if floor else "—",
-        _gbps(b, r["save"]),
+        _gbps(b, r["async_blocks"]),
+        _gbps(b, r.get("save")),
         _gbps(b, r["async_total"]),
-        _gbps(b, r["restore_save"]),
+        _gbps(b, r.get("restore_save")),
         _gbps(b, r.get("restore_reshard")),
         rss,
-        f"{r['save'][0]:.3f} / {r['restore_save'][0]:.3f}",
+        first,
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -298,13 +321,20 @@ def table(results: dict, command: str) -> str:
             lines.append(_row(lib, r, floor_s))
     if floor:
         cells = ["`jax.device_get` of fresh copies (floor)", _t(floor), "1.00"]
-        cells += [_gbps(head["bytes"], floor)] + ["—"] * (len(COLUMNS) - 4)
+        cells += [_gbps(head["bytes"], floor)] * 2 + ["—"] * (len(COLUMNS) - 5)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines += [r.get("missing") or r["failed"] for r in results.values() if "bytes" not in r]
     if not done:
         lines.insert(1, "No library ran.  ")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _budgets(arg: str | None, state_mib: int) -> list[int]:
+    """The budgets of ``--budget-mib`` in MiB (default: an eighth of ``state_mib``)."""
+    if arg is None:
+        return [max(1, state_mib // 8)]
+    return [int(x) for x in arg.split(",") if x and int(x) > 0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, help="warm calls per measurement (default: 3, 1 on CPU)")
     p.add_argument("--short", action="store_true", help="short mode on any backend")
     p.add_argument("--libs", default=",".join(LIBS), help=f"comma list of {', '.join(LIBS)}")
+    p.add_argument(
+        "--budget-mib",
+        help="comma list of save_async(max_host_bytes=...) budgets in MiB, a row each "
+        "(default: an eighth of the state; 0: none)",
+    )
     p.add_argument("--dir", help="where checkpoints go (default: a new temporary folder)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -333,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             results[lib] = _spawn({**spec, "lib": lib, "root": f"{root}/{lib}"})
             print(f"  {lib}: done", file=sys.stderr)
             spec.update({k: results[lib][k] for k in ("mib", "runs") if k in results[lib]})
+        for mib in _budgets(args.budget_mib, spec["mib"]) if "jaxckpt" in libs else []:
+            name = f"jaxckpt, max_host_bytes={mib} MiB"
+            run = {**spec, "lib": "jaxckpt", "budget_mib": mib, "root": f"{root}/budget-{mib}"}
+            results[name] = _spawn(run)
+            print(f"  {name}: done", file=sys.stderr)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -1,8 +1,8 @@
 """benchmarks/gpu.py, the benchmark kept ready for a lent GPU, still runs: a smoke test.
 
 On the CPU backend it runs in short mode (16 MiB, one warm call). Only the table's shape is
-checked: a row per library (or Orbax's "not installed" line), every cell filled; no time is
-asserted, because this machine's times mean nothing for a GPU.
+checked: a row per library (or Orbax's "not installed" line) and one for jaxckpt within a
+host-memory budget, every cell filled; no time is asserted, because this machine's times mean nothing for a GPU.
 """
 
 import os
@@ -43,8 +43,10 @@ def test_gpu_benchmark_prints_one_row_per_library_in_short_mode(tmp_path):
     header, rows = _table(proc.stdout)
     assert header[0] == "library" and "save_async blocks, s" in header
     assert "resharded restore GB/s" in header and any("RSS" in h for h in header)
+    assert "state ÷ blocking time, GB/s" in header  # the rate off the devices while it blocks
     names = [r[0] for r in rows]
     assert names[0] == "jaxckpt" and names[-1].startswith("`jax.device_get`")
+    assert "jaxckpt, max_host_bytes=2 MiB" in names  # the budget: an eighth of the 16 MiB state
     assert "orbax" in names or "orbax: not installed" in proc.stdout
     for row in rows:
         assert len(row) == len(header) and all(row), row
