@@ -1,7 +1,7 @@
 """save_async(max_host_bytes=N): staging streams through at most N host bytes.
 
 The bound is measured where it matters, as the peak RSS (VmHWM) of a fresh process saving a
-256 MiB state (tests/budget_worker.py); the rest runs here on smaller states: exact bytes
+256 MiB state (the worker of benchmarks/host_budget.py); the rest runs here on smaller states: exact bytes
 under donation, what save_async waits for, the errors, the manager's option and the pool
 giving its memory back.
 """
@@ -26,18 +26,18 @@ from jaxckpt._runtime import ring as _ring
 from jaxckpt._runtime import staging as _staging
 
 MiB = 1 << 20
-WORKER = Path(__file__).with_name("budget_worker.py")
 ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "benchmarks" / "host_budget.py"
 
 
 def _worker(tmp_path, budget: int | None) -> dict:
-    """tests/budget_worker.py: one save_async of a 256 MiB state in a fresh process."""
+    """One save_async of a 256 MiB state in a fresh process (benchmarks/host_budget.py)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "256", str(budget or "none")],
+        [sys.executable, str(WORKER), "--worker", str(tmp_path), "256", str(budget or "none")],
         capture_output=True,
         text=True,
         env=env,
