@@ -11,8 +11,8 @@ arrays. Two ways, chosen by ``max_host_bytes`` (docs/manager.md, "Asynchronous s
   copies an item into a slot, the writer writes it, and the slot is reused once the write
   has completed. What fits is staged here before the background write starts; the rest is
   staged by the writer's thread as slots free up, and ``save_async`` waits until the last
-  item is staged. Nothing is detached: on CPU devices a device copy is host memory too, and
-  the ring bounds it instead.
+  item is staged. Only where the whole share fits in N at once does the planner detach
+  items as without a budget (on CPU devices a device copy is host memory too: within N then).
 
 The smallest unit is one item (one chunk): a budget smaller than this process's largest chunk
 is an error before anything is written.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -110,19 +110,27 @@ def stage_all(
 
 
 class Stream(Staged):
-    """The items of a budgeted save, staged in order through a ring of ``capacity`` bytes."""
+    """The items of a budgeted save, in order: those ``detached`` (index -> thunk, as
+    ``SavePlanner.detach`` returns them), the others staged through ``ring``."""
 
-    def __init__(self, planner: SavePlanner, items: Sequence[WriteItem], ring: _ring.Ring) -> None:
-        super().__init__(self._stream(), ring.arena)
-        self.planner, self.ring = planner, ring
+    def __init__(
+        self,
+        planner: SavePlanner,
+        items: Sequence[WriteItem],
+        ring: _ring.Ring,
+        detached: dict[int, Callable[[], Any]],
+    ) -> None:
+        super().__init__(self._merged(items), ring.arena)
+        self.planner, self.ring, self._detached = planner, ring, detached
         self.release_each = True
-        largest = max((_ring.slot_bytes(i.nbytes) for i in items), default=0)
+        rest = [i for n, i in enumerate(items) if n not in detached]
+        largest = max((_ring.slot_bytes(i.nbytes) for i in rest), default=0)
         # Boxes hashed ahead stay in the ring: leave room for a box after them (_ring).
         self.ahead_bytes = min(HASH_AHEAD, max(0, ring.capacity - 3 * largest))
-        self._todo = collections.deque(items)
+        self._todo = collections.deque(rest)
         self._ready: collections.deque[tuple[WriteItem, Any]] = collections.deque()
         self._settled = threading.Event()  # every item staged, or the save ended
-        self.complete = not items
+        self.complete = not rest
         if self.complete:
             self._settled.set()
 
@@ -135,6 +143,15 @@ class Stream(Staged):
                 return
             self._ready.append(self._fill(self._todo.popleft(), out))
             del out
+
+    def _merged(self, items: Sequence[WriteItem]) -> Items:
+        """Every item in order: a detached one read from its copy (in the writer's thread),
+        the others from the ring."""
+        staged = self._stream()
+        for n, item in enumerate(items):
+            thunk = self._detached.pop(n, None)
+            yield (item, thunk()) if thunk is not None else next(staged)
+            del thunk
 
     def _stream(self) -> Items:
         """The items in order (in the writer's thread): the prefilled ones, then each staged
@@ -172,6 +189,9 @@ def stream(
 ) -> Stream:
     """A :class:`Stream` of ``items`` within ``budget`` host bytes, prefilled.
 
+    Where every item fits in the budget at once the planner detaches what it can
+    (``SavePlanner.detach``: device copies on CPU devices, which are host memory there and
+    which ``save_async`` need not wait for), and the ring holds the rest.
     ``hash_all_first``: an incremental save to an object store, which hashes every item
     before it writes one, so they must all fit at once.
 
@@ -181,9 +201,12 @@ def stream(
     """
     arena = None
     try:
-        capacity = check_budget(budget, items, hash_all_first=hash_all_first)
+        whole = sum(_ring.slot_bytes(i.nbytes) for i in items)
+        detached = planner.detach(items) if whole <= budget else {}
+        rest = [i for n, i in enumerate(items) if n not in detached]
+        capacity = check_budget(budget, rest, hash_all_first=hash_all_first)
         arena = _staging.POOL.take(capacity, reuse=loc.local is not None)
-        out = Stream(planner, items, _ring.Ring(arena, capacity))
+        out = Stream(planner, items, _ring.Ring(arena, capacity), detached)
         out.prefill()
     except BaseException as e:
         _failed(e, sync, writer, arena)

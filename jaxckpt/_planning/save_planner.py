@@ -57,9 +57,10 @@ class SavePlanner(abc.ABC):
     host staging before it returns, so the caller may donate or overwrite its arrays.
 
     ``save_async(..., max_host_bytes=N)`` sets :attr:`max_host_bytes` to N before step 1 (every
-    save sets it: ``None`` without a budget) and calls no ``detach``: instead of 4 it calls
-    ``resolve_into(item, out)`` for one item after the other, ``out`` a slot of a host buffer
-    of at most N bytes that is reused once the item is written. A planner keeps no host copy
+    save sets it: ``None`` without a budget) and calls ``detach`` only where this process's
+    whole share fits in N: instead of 4 it calls ``resolve_into(item, out)`` for one item
+    after the other, ``out`` a slot of a host buffer of at most N bytes (less what was
+    detached) that is reused once the item is written. A planner keeps no host copy
     of its own beyond the item being resolved then (the default starts no device-to-host
     copies in 3).
 
