@@ -109,11 +109,13 @@ def save_async(
       max_host_bytes: the host memory this save may stage in at once, in bytes (this
         process's; each process has its own). ``None`` (default): this process's whole share
         is copied at once (device copies on CPU devices, else one host buffer), and the call
-        returns as soon as that copy is made. With a budget the chunks stream through a
-        buffer of at most this many bytes, reused as each chunk is written: the call then
-        returns once the last chunk is copied, after the writes of all but about
-        ``max_host_bytes`` of the share (docs/manager.md, "Asynchronous saves"). It must
-        hold this process's largest chunk (``DefaultSavePlanner(max_chunk_bytes=...)``).
+        returns as soon as that copy is made (device copies: dispatched). With a budget
+        that holds the whole share the same happens within it; with a smaller one the
+        chunks stream through a buffer of at most this many bytes, reused as each chunk is
+        written: the call then returns once the last chunk is copied, after the writes of
+        all but about ``max_host_bytes`` of the share (docs/manager.md, "Asynchronous
+        saves"). It must hold this process's largest chunk
+        (``DefaultSavePlanner(max_chunk_bytes=...)``).
       overwrite, planner, base, digests: as for :func:`save`.
 
     Returns:
