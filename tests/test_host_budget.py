@@ -63,7 +63,9 @@ def test_a_budgeted_save_holds_at_most_its_budget_of_host_memory(tmp_path):
 def test_without_a_budget_the_whole_share_is_copied_at_once(tmp_path):
     got = _worker(tmp_path, None)  # today's behaviour: device copies of the whole state
     assert got["exact"]
-    assert got["peak_growth"] > 0.75 * got["state_bytes"], got
+    # most of it at once (the device copies are dispatched together; each is freed once
+    # written, so how much more depends on the disk): far above the budgeted save's bound
+    assert got["peak_growth"] > got["state_bytes"] // 2, got
     assert got["rss_released"] < 16 * MiB, got  # ... given back once no save needs them
 
 
