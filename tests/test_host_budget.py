@@ -122,7 +122,12 @@ def _host(tree):
     return jax.tree.map(copy, tree)
 
 
-def test_the_saved_bytes_are_exact_when_the_caller_donates_right_after(tmp_path, monkeypatch):
+# 1 MiB: a twelfth of the state, save_async writes most of it before returning; 64 MiB: the
+# whole share fits, the planner detaches (device copies) and save_async returns at once.
+@pytest.mark.parametrize("budget", [1 * MiB, 64 * MiB])
+def test_the_saved_bytes_are_exact_when_the_caller_donates_right_after(
+    tmp_path, monkeypatch, budget
+):
     spy = Spy(monkeypatch)
     m = mesh((4, 2), ("data", "model"))
     state = _state(m)
@@ -130,7 +135,6 @@ def test_the_saved_bytes_are_exact_when_the_caller_donates_right_after(tmp_path,
     arrays = ("w", "big", "b")
     clobber = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 7, s), donate_argnums=0)
     clobber({k: state[k] + 0 for k in arrays})  # compiled now
-    budget = 1 * MiB  # a twelfth of the state: save_async writes most of it before returning
     planner = Recording(max_chunk_bytes=256 << 10)
     h = jaxckpt.save_async(tmp_path / "c", state, planner=planner, max_host_bytes=budget)
     out = clobber({k: state[k] for k in arrays})  # donated: XLA rewrites the same buffers

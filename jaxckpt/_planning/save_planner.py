@@ -269,10 +269,12 @@ class DefaultSavePlanner(SavePlanner):
         plan = global_plan.for_process(self.process_index)
         # Start every device-to-host copy now so they overlap (GPU/TPU); on CPU devices the
         # host already holds the bytes and a copy would only cost memory. Not within a host
-        # budget: jax keeps each copy on the array until the array goes (resolve_into).
-        for item in plan.items if self.max_host_bytes is None else ():
+        # budget: jax keeps each copy on the array until the array goes (resolve_into). The
+        # shards are looked up either way: their boxes are needed after a donation too.
+        prefetch = self.max_host_bytes is None
+        for item in plan.items:
             if item.key in global_plan.packs:  # written whole from the host: copy them all now
-                for k in global_plan.packs[item.key]:
+                for k in global_plan.packs[item.key] if prefetch else ():
                     leaf = self.leaves[k]
                     if isinstance(leaf, jax.Array) and _platform(leaf) != "cpu":
                         leaf.copy_to_host_async()
@@ -280,7 +282,7 @@ class DefaultSavePlanner(SavePlanner):
             leaf = self.leaves[item.key]
             if isinstance(leaf, jax.Array) and item.device is not None:
                 shard = self._shard(item.key, leaf, item.device)
-                if shard.device.platform != "cpu":
+                if prefetch and shard.device.platform != "cpu":
                     shard.data.copy_to_host_async()
         return plan
 
