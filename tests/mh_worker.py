@@ -287,6 +287,13 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         h.wait()
         check_state(jaxckpt.restore(work / "lowest", target("four")))
 
+    def save_async_budget():
+        # Within 48 KiB of host memory per process (chunks of 16 KiB): each process streams
+        # its share through its own ring while the others do, with the barriers between.
+        h = jaxckpt.save_async(work / "budget", state, planner=_planner(), max_host_bytes=48 << 10)
+        h.wait()
+        check_state(jaxckpt.restore(work / "budget", target("four")))
+
     def exists():
         want = (jaxckpt.CheckpointExistsError, "A checkpoint already exists")
         if pid != 0:  # only the coordinator checks the path; the others hear why it failed
@@ -408,6 +415,7 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
     checks.run("save_4", save_4)
     checks.run("save_lowest", save_lowest)
     checks.run("save_async_overwrite", save_async_overwrite)
+    checks.run("save_async_budget", save_async_budget)
     checks.run("exists", exists)
     checks.run("mismatch", mismatch)
     checks.run("failure", failure)

@@ -69,6 +69,7 @@ def test_restore_two_to_four_processes_bit_exact(groups):
 def test_round_trip_four_processes_bit_exact(groups):
     _ok(groups["four"], "save_4")
     _ok(groups["four"], "save_async_overwrite")
+    _ok(groups["four"], "save_async_budget")
     assert jaxckpt.metadata(groups["work"] / "ckpt4").created["process_count"] == 4
 
 
