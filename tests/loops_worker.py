@@ -1,12 +1,12 @@
-"""One process of a 2-process JAX group for tests/test_schedule.py.
+"""One process of a 2-process JAX group for tests/test_schedule.py and tests/test_iterators.py.
 
     python tests/loops_worker.py two PROCESS_ID 2 PORT WORKDIR
 
 Stage ``two`` runs, in order: a training loop with continuous checkpointing
 (``save_interval_secs=0``) whose commits process 0 holds for a few steps (so some steps find a
-save in flight), one saving by time with ``should_save`` asked first, and the count of schedule
-answers left in the key-value store. Each process sleeps its own random times, so their clocks
-and commits differ.
+save in flight), one saving by time with ``should_save`` asked first, the count of schedule
+answers left in the key-value store, and sharded Grain pipelines saved and restored with
+``iterators=``. Each process sleeps its own random times, so their clocks and commits differ.
 The record goes to ``WORKDIR/two-PID.json`` (``groups.run_group``).
 """
 
@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+import grain
 import groups
 import numpy as np
 from jax.experimental import multihost_utils
@@ -72,6 +73,39 @@ def timed(work: Path, pid: int, rng: np.random.Generator) -> dict:
     return {"steps": steps, "asked": asked, "saved": saved, "committed": mgr.all_steps()}
 
 
+def _loader(pid: int) -> grain.DataLoader:
+    shards = grain.sharding.ShardOptions(shard_index=pid, shard_count=2)
+    sampler = grain.samplers.IndexSampler(40, shards, shuffle=True, seed=3, num_epochs=1)
+    return grain.DataLoader(
+        data_source=list(range(40)),
+        sampler=sampler,
+        operations=[grain.transforms.Batch(batch_size=2)],
+        worker_count=0,
+    )
+
+
+def iterators(work: Path, pid: int) -> dict:
+    it = iter(_loader(pid))
+    with jaxckpt.CheckpointManager(work / "iterators") as mgr:
+        for step in range(1, 7):
+            next(it)  # the batches differ from process to process; the saved state does not
+            mgr.save(step, {"x": np.arange(4), "step": step}, iterators={"train": it})
+        mgr.wait()
+        expected = [next(it).tolist() for _ in range(3)]
+        again = iter(_loader(pid))
+        mgr.restore(6, iterators={"train": again})
+        got = [next(again).tolist() for _ in range(3)]
+    saved = jaxckpt.metadata(work / "iterators" / "00000006").iterators["train"]
+    out = {"expected": expected, "got": got, "saved": [saved.process_count, sorted(saved.states)]}
+    names = {"train": it} if pid == 0 else {"eval": it}
+    try:
+        jaxckpt.save(work / "mismatch", {"x": 1}, iterators=names)
+        out["mismatch"] = "saved"
+    except jaxckpt.CheckpointError as e:
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     assert stage == "two" and n == 2
@@ -85,6 +119,7 @@ def main(argv: list[str]) -> None:
         record["answers_left"] = len(left)
         # Process 0 hosts the key-value store: it stays until the other has read every answer.
         multihost_utils.sync_global_devices("timed done")
+        record["iterators"] = iterators(work, pid)
     except Exception:
         record["error"] = traceback.format_exc()
         print(record["error"], flush=True)

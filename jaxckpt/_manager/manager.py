@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from jaxckpt._api import SaveHandle, save_async
 from jaxckpt._errors import CheckpointError
+from jaxckpt._iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
 from jaxckpt._manager.reading import RunReader
@@ -179,6 +180,7 @@ class CheckpointManager(RunReader):
         *,
         metrics: Mapping[str, Any] | None = None,
         force: bool = False,
+        iterators: Mapping[str, Checkpointable] | None = None,
     ) -> bool:
         """Save ``tree`` as ``step`` if the step is due; call it at every step.
 
@@ -190,6 +192,9 @@ class CheckpointManager(RunReader):
             allowed), stored in ``metrics.json`` and used by ``best_fn``.
           force: save even if ``step`` is not due (a step already saved is never replaced,
             ``force`` or not).
+          iterators: data iterators by name (Grain's, or any with ``get_state()`` and
+            ``set_state()``) whose positions go into the step, each process its own, as they
+            are during the call; ``restore(..., iterators=)`` sets them back.
 
         Returns:
           Whether a save was started, in either tier (committed when ``wait()`` returns).
@@ -206,14 +211,14 @@ class CheckpointManager(RunReader):
         preempted = self.reached_preemption(step)
         tier = self._local if self._local is not None and step % self._local.interval == 0 else None
         if tier is not None:  # before the persistent save: the faster copy is staged first
-            tier.save(step, tree)
+            tier.save(step, tree, iterators)
         if not (force or preempted or self._schedule.due(step, self._in_flight)):
             return tier is not None
         record = json_metrics(step, metrics)
         if self.policy.best_fn is not None and record is not None:
             float(self.policy.best_fn(record))  # fail here, not in the background
         self._wait_persistent()
-        self._start(step, tree, record, preempted)
+        self._start(step, tree, record, iterators, preempted)
         return True
 
     def _start(
@@ -221,6 +226,7 @@ class CheckpointManager(RunReader):
         step: int,
         tree: Any,
         record: dict[str, Any] | None,
+        iterators: Mapping[str, Checkpointable] | None,
         preempted: bool,
     ) -> None:
         """Save ``step`` to the directory: staged here, committed in the background (here
@@ -232,7 +238,9 @@ class CheckpointManager(RunReader):
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
         began = self._schedule.clock()
         with _location.deadline(self._loc.io_timeout):
-            handle = save_async(str(loc), tree, base=base, digests=self.incremental)
+            handle = save_async(
+                str(loc), tree, base=base, digests=self.incremental, iterators=iterators
+            )
         self._schedule.began(began)
         self.last_save = handle
         if preempted:

@@ -102,7 +102,7 @@ class Run:
     def restore(self, step: int | None, target: Any, **kwargs: Any) -> tuple[Any, int]:
         """Restore ``step`` (``None``: the newest); returns the tree and the step.
 
-        ``kwargs``: ``keys``, ``strict``, ``planner`` of :func:`jaxckpt.restore`.
+        ``kwargs``: ``keys``, ``strict``, ``planner``, ``iterators`` of :func:`jaxckpt.restore`.
 
         Raises:
           CheckpointNotFoundError: no committed step (or not ``step``).
