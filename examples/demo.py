@@ -98,7 +98,7 @@ class Sequences:
     """A random-access source of learnable token sequences: record ``i`` is a function of ``i``."""
 
     def __len__(self) -> int:
-        return 4096
+        return 1 << 16  # 4096 batches: enough for long runs (benchmarks/lost_work.py)
 
     def __getitem__(self, i: int) -> np.ndarray:
         start = (i * 2654435761) % VOCAB
