@@ -39,7 +39,7 @@ def continuous(work: Path, pid: int, rng: np.random.Generator) -> dict:
     release = threading.Event()
     finish = mgr._finish
 
-    def held(*args):  # process 0: a save stays in flight until the loop is 3 steps further
+    def held(*args):  # process 0: a save stays in flight until the loop is 3 steps on
         release.wait(timeout=120)
         finish(*args)
 
@@ -51,9 +51,11 @@ def continuous(work: Path, pid: int, rng: np.random.Generator) -> dict:
         if mgr.save(step, _state(step)):
             saved.append(step)
             began = step
-            release.clear()
-        if began is not None and step >= began + 3:
+        if began is not None and step == began + 3:
             release.set()
+            if pid == 0:
+                mgr.wait()  # so that step began + 4 finds it committed, however slow the disk
+            release.clear()  # (after the wait: the held save has gone past it) for the next
     release.set()
     mgr.close()
     return {"steps": steps, "saved": saved, "committed": mgr.all_steps()}
