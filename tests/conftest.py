@@ -6,6 +6,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _settled():
+    """Each test ends once the clean-ups its commits left to the background are done, so none
+    runs on into the next test, or past the server of a store fixture."""
+    yield
+    pools = sys.modules.get("jaxckpt._runtime.pools")
+    if pools is not None:
+        pools.settle()
+
+
 @pytest.fixture(scope="session")
 def loops_group(tmp_path_factory):
     """One real 2-process group (tests/loops_worker.py) for the schedule and iterator tests:
