@@ -6,15 +6,16 @@ reader can follow ``save()`` to the byte written in three hops.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from jaxckpt._errors import CheckpointError
+from jaxckpt import _iterators
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import SavePlan
 from jaxckpt._incremental import Increment
@@ -30,6 +31,7 @@ from jaxckpt._sources import detect as _sources
 from jaxckpt._staged import Staged, budget_arg, stage_all, stream
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
+from jaxckpt._storage.messages import typed_os_error
 
 logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike[str]
@@ -43,6 +45,7 @@ def save(
     planner: SavePlanner | None = None,
     base: PathLike | None = None,
     digests: bool = False,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
 ) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
@@ -65,6 +68,9 @@ def save(
       digests: record the content digests of what is written even without ``base`` (always
         with one), so that a later save against this one compares without reading it back:
         the first step of an incremental run. Costs hashing the state once.
+      iterators: data iterators whose position goes into the checkpoint, by name (objects
+        with ``get_state()``/``set_state()``: Grain's ``DataLoader`` iterators and
+        ``DatasetIterator``s), each process its own; their states are taken during the call.
 
     Raises:
       CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite=False``.
@@ -86,6 +92,7 @@ def save(
             stage=False,
             base=base,
             digests=digests,
+            records=_iterators.capture(iterators),  # the positions now, not at the write
         )
     handle.wait()
 
@@ -98,25 +105,25 @@ def save_async(
     planner: SavePlanner | None = None,
     base: PathLike | None = None,
     digests: bool = False,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     max_host_bytes: int | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied off the caller's buffers.
 
-    The caller may then donate or overwrite the arrays; storage writes and the commit run in
-    a background thread. Call ``wait()`` on the handle before relying on the checkpoint.
+    The caller may then donate or overwrite the arrays and advance the ``iterators``; storage
+    writes and the commit run in a background thread. Call ``wait()`` on the handle before
+    relying on the checkpoint.
 
     Args:
-      max_host_bytes: the host memory this save may stage in at once, in bytes (this
-        process's; each process has its own). ``None`` (default): this process's whole share
-        is copied at once (device copies on CPU devices, else one host buffer), and the call
-        returns as soon as that copy is made (device copies: dispatched). With a budget
-        that holds the whole share the same happens within it; with a smaller one the
-        chunks stream through a buffer of at most this many bytes, reused as each chunk is
-        written: the call then returns once the last chunk is copied, after the writes of
-        all but about ``max_host_bytes`` of the share (docs/manager.md, "Asynchronous
-        saves"). It must hold this process's largest chunk
-        (``DefaultSavePlanner(max_chunk_bytes=...)``).
-      overwrite, planner, base, digests: as for :func:`save`.
+      max_host_bytes: the host memory this save may stage in at once, in bytes (each
+        process its own). ``None`` (default): this process's whole share is copied at once
+        (device copies on CPU devices, dispatched; else one host buffer), as with a budget
+        that holds the whole share. With a smaller budget the chunks stream through a
+        buffer of at most this many bytes, reused as each is written: the call returns once
+        the last chunk is copied, after the writes of all but about ``max_host_bytes`` of
+        the share (docs/manager.md, "Within a host-memory budget"). It must hold this
+        process's largest chunk (``DefaultSavePlanner(max_chunk_bytes=...)``).
+      overwrite, planner, base, digests, iterators: as for :func:`save`.
 
     Returns:
       A :class:`SaveHandle`; ``wait()`` re-raises any error of the save.
@@ -146,6 +153,7 @@ def save_async(
             stage=True,
             base=base,
             digests=digests,
+            records=_iterators.capture(iterators),  # the positions now, not at the write
             budget=budget,
         )
 
@@ -217,6 +225,7 @@ def _start_save(
     stage: bool,
     base: PathLike | None = None,
     digests: bool = False,
+    records: dict[str, Any] | None = None,
     budget: int | None = None,
 ) -> SaveHandle:
     """Plan on every process, stage (if ``stage``: all at once, or streaming within
@@ -249,7 +258,7 @@ def _start_save(
     if not stage:
         data = Staged(((item, planner.resolve_data(item)) for item in order), None)
         handle.timings["stage"] = time.perf_counter() - t1
-        _write_and_commit(*args, data, increment)
+        _write_and_commit(*args, data, increment, records)
         return handle
     # Copy every item off the caller's buffers, which it may reuse once we return.
     if budget is None:
@@ -257,7 +266,7 @@ def _start_save(
     else:
         all_first = increment is not None and increment.hashes_all_first
         staged = stream(planner, order, loc, sync, writer, budget=budget, hash_all_first=all_first)
-    _in_background(handle, staged, lambda: _write_and_commit(*args, staged, increment))
+    _in_background(handle, staged, lambda: _write_and_commit(*args, staged, increment, records))
     staged.wait()  # streaming: until the last item is staged, as the writes free the ring
     handle.timings["stage"] = time.perf_counter() - t1
     if not staged.complete:  # the save failed before its last item was staged
@@ -307,6 +316,7 @@ def _write_and_commit(
     local: SavePlan,
     staged: Staged,
     increment: Increment | None = None,
+    records: dict[str, Any] | None = None,
 ) -> None:
     """Create the arrays, write this process's items, commit; errors go to ``handle``."""
     try:
@@ -325,11 +335,13 @@ def _write_and_commit(
             writer.open_arrays((entries[k] for k in own), create=False)
         handle.nbytes = writer.write(entries, items, release_each=staged.release_each)
         writer.flush()
-        payloads = sync.gather("written", increment.payload() if increment else "")
+        done = _iterators.payload(records or {}, increment.payload() if increment else "")
+        payloads = sync.gather("written", done)
         t3 = time.perf_counter()
-        if sync.is_coordinator:
-            manifest = global_plan.manifest
-            if increment is not None and payloads is not None:  # (gathered: the coordinator)
+        if sync.is_coordinator and payloads is not None:  # (gathered: the coordinator)
+            saved, payloads = _iterators.collect(payloads, sync.count, str(loc))
+            manifest = dataclasses.replace(global_plan.manifest, iterators=saved)
+            if increment is not None:
                 manifest = increment.manifest(manifest, payloads)
             writer.commit(manifest)
         sync.barrier("committed", wait_for_all=False)
@@ -344,22 +356,11 @@ def _write_and_commit(
             {k: round(v, 3) for k, v in handle.timings.items()},
         )
     except BaseException as e:  # re-raised by wait()
-        handle._error = sync.failed(_typed(e, loc))  # first: returns once the others stopped
+        # failed() first: it returns once the others stopped
+        handle._error = sync.failed(typed_os_error(e, loc))
         writer.abort()
     finally:
         handle._finished.set()
-
-
-def _typed(e: BaseException, loc: _location.Location) -> BaseException:
-    """An OS error (e.g. ``EIO`` from a flush) as the ``CheckpointError`` a caller catches."""
-    if not isinstance(e, OSError) or isinstance(e, CheckpointError):
-        return e
-    err = CheckpointError(
-        f"Save to {loc} failed: {type(e).__name__}: {e}. Check the storage (disk errors, "
-        f"permissions, free space), then save again."
-    )
-    err.__cause__ = e
-    return err
 
 
 def restore(
@@ -369,6 +370,7 @@ def restore(
     keys: str | Sequence[str] | None = None,
     strict: bool = True,
     planner: LoadPlanner | None = None,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
 ) -> Any:
     """Restore a checkpoint onto ``target``'s shardings, or onto the host.
 
@@ -388,6 +390,8 @@ def restore(
         ``ShapeDtypeStruct`` or ``Sharding`` leaf stays abstract), with a warning on the
         ``jaxckpt`` logger naming the target's keys the checkpoint lacks.
       planner: a :class:`LoadPlanner`; default :class:`DefaultLoadPlanner`.
+      iterators: data iterators saved with the checkpoint (``save(..., iterators=)``), by
+        name: each is set to the state this process saved, before any array is read.
 
     Returns:
       The restored tree, with ``target``'s structure (or the saved one when ``target=None``).
@@ -406,6 +410,7 @@ def restore(
     """
     with collector.paused():
         manifest, reader = _open(path)
+        _iterators.restore_states(iterators, manifest.iterators, str(path))
         planner = planner if planner is not None else DefaultLoadPlanner()
         planner.set_up_planner(target, manifest, keys=keys, strict=strict)
         plan = planner.create_local_plan()
