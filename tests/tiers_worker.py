@@ -180,7 +180,7 @@ def stage_train(rec: Record, work: Path, pid: int, n: int) -> None:
 
 
 def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
-    from jaxckpt._runtime import replication
+    from jaxckpt._runtime import streams
 
     mine = work / "local" / f"p{pid}"
     rec.data["tmp_before"] = sorted(str(p) for p in mine.rglob(".part-*"))
@@ -198,7 +198,7 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
 
     rec.run("b", b)
     # several chunks per part, so a kill lands between two
-    replication.CHUNK_BYTES = replication.TRANSFER_CHUNK_BYTES = 16 << 10
+    streams.CHUNK_BYTES = streams.TRANSFER_CHUNK_BYTES = 16 << 10
     mgr = manager(work, pid)
 
     die = []
@@ -214,7 +214,7 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
                 die.append(True)
             mgr.save(step, make_state(step, n))
 
-    flush = replication._Stream.flush
+    flush = streams._Stream.flush
 
     def flush_or_die(self):  # process 2 dies after the first chunk of its step-9 replica
         if pid == 2 and die and "/2-3/" in self.prefix and self.seq == 1:
@@ -223,7 +223,7 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
             _die()
         return flush(self)
 
-    replication._Stream.flush = flush_or_die
+    streams._Stream.flush = flush_or_die
     rec.run("again", lambda: (again(), mgr.wait()))
     rec.flush()
 
@@ -299,7 +299,7 @@ def stage_memory(rec: Record, work: Path, pid: int, n: int) -> None:
     peak RSS growth (VmHWM reset through /proc/self/clear_refs) during the transfer."""
     import numpy as np
 
-    from jaxckpt._runtime import replication, transfer
+    from jaxckpt._runtime import agreement, replication, streams, transfer
 
     src, rng = work / "mem-src", np.random.default_rng(0)
     if pid == 0:
@@ -309,7 +309,7 @@ def stage_memory(rec: Record, work: Path, pid: int, n: int) -> None:
                 for _ in range(50 // 5):
                     f.write(rng.bytes(5 << 20))
     transfer.server()  # started before the measurement, as by any earlier replica
-    replication.decide("memory-ready", "", lambda _: "")
+    agreement.decide("memory-ready", "", lambda _: "")
     for mode in ("transfer", "kv"):
         os.environ["JAXCKPT_REPLICATION"] = mode
 
@@ -322,13 +322,13 @@ def stage_memory(rec: Record, work: Path, pid: int, n: int) -> None:
             else:
                 replication.receive_dir(f"memory/{mode}/", work / f"mem-{mode}", max_bytes=1 << 40)
             rec.data[f"growth_{mode}"] = _vm("VmHWM") - base
-            replication.decide(f"memory-{mode}", "", lambda _: "")
+            agreement.decide(f"memory-{mode}", "", lambda _: "")
 
         rec.run(f"memory_{mode}", move)
     rec.data["chunks"] = [
-        replication.WINDOW,
-        replication.TRANSFER_CHUNK_BYTES,
-        replication.CHUNK_BYTES,
+        streams.WINDOW,
+        streams.TRANSFER_CHUNK_BYTES,
+        streams.CHUNK_BYTES,
     ]
 
 

@@ -47,6 +47,7 @@ from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.names import parse_staging, parse_step, staging_name, step_name
 from jaxckpt._manager import local_part as _part
 from jaxckpt._manager.tier_choice import RestoredFrom, choose
+from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import replication as _replication
@@ -84,7 +85,7 @@ class LocalTier:
         if self.process == 0:
             manager = f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}"  # later ones sort later
             primary = json.dumps([_run_id(persistent), manager])
-        self.run, self.manager = json.loads(_replication.decide("run", primary, lambda v: v[0]))
+        self.run, self.manager = json.loads(_agreement.decide("run", primary, lambda v: v[0]))
         self.root = Path(os.path.expanduser(os.fspath(directory))) / f"jaxckpt-{self.run}"
         self.mine = self.root / f"p{self.process}"
         self.mine.mkdir(parents=True, exist_ok=True)
@@ -245,9 +246,7 @@ class LocalTier:
                 choose(count, {p: json.loads(v) for p, v in posted.items()}, step=step)
             )
 
-        chosen: dict[str, Any] = json.loads(
-            _replication.decide("holdings", json.dumps(mine), decide)
-        )
+        chosen: dict[str, Any] = json.loads(_agreement.decide("holdings", json.dumps(mine), decide))
         return chosen
 
     def restore_newest(
@@ -312,7 +311,7 @@ class LocalTier:
         except Exception as e:  # every process hears of it and falls back together
             error = f"process {self.process}: {type(e).__name__}: {e}"
             logger.warning("local step %d cannot be restored here: %s", step, error)
-        verdict = _replication.decide(
+        verdict = _agreement.decide(
             "rebuilt", error, lambda got: "; ".join(v for _, v in sorted(got.items()) if v)
         )
         if verdict:

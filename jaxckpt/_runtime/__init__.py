@@ -1,10 +1,10 @@
 """Processes, threads and host memory.
 
 Owns the distributed agreement of a save (``distributed``: barriers, deadlines, failure
-broadcast), moving bytes between processes and one decision for all of them
-(``replication``: the local tier's replicas; bulk bytes peer to peer through each process's
-``jax.experimental.transfer`` server, ``transfer``, or relayed by the key-value store where there
-is none), preemption notices (``preemption``), the host staging arena of async saves
+broadcast), moving bytes between processes (``streams``: bulk bytes peer to peer through each
+process's ``jax.experimental.transfer`` server, ``transfer``, or relayed by the key-value store
+where there is none; ``replication``: a local part's directory over a stream), one decision for
+all of them (``agreement``), preemption notices (``preemption``), the host staging arena of async saves
 (``staging``), placement of host boxes onto devices (``placement``) and the library's thread
 pools (``pools``, the one place threads are made).
 
