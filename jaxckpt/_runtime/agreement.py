@@ -58,16 +58,19 @@ def decide(
     return verdict
 
 
-def decide_each(name: str, value: str, fn: _Decision) -> tuple[str, str]:
+def decide_each(
+    name: str, value: str, fn: _Decision, *, survivors: bool = False
+) -> tuple[str, str]:
     """As :func:`decide`, but ``fn`` returns ``(verdict, {process: its own value})``: every
     process gets the verdict and its own value ("" where ``fn`` gives it none). For decisions
     too large to send whole to every process (a plan of which process sends what to whom).
+    ``survivors`` as for :func:`decide`.
 
     Example:
       >>> decide_each("example", "x", lambda posted: ("all", {0: posted[0] * 2}))
       ('all', 'xx')
     """
-    return _agree(name, value, fn, False, each=True)
+    return _agree(name, value, fn, survivors, each=True)
 
 
 def _agree(name: str, value: str, fn: _Decision, survivors: bool, each: bool) -> tuple[str, str]:
