@@ -328,7 +328,11 @@ def stage_el_two(rec: Record, work: Path, pid: int, n: int) -> None:
 
 
 def stage_el_four(rec: Record, work: Path, pid: int, n: int) -> None:
-    """4 processes, 2 of them with empty disks: step 8 of the 2 processes, resharded."""
+    """4 processes, 2 of them with empty disks: step 8 of the 2 processes, resharded; each
+    process's share of the plan comes in pieces of 256 characters."""
+    from jaxckpt._runtime import agreement
+
+    agreement.PIECE = 256
     work = work / "el"
     with manager(work, pid, replicas=2) as mgr:
         rec.run("el_grow", lambda: restored(rec, "el_grow", mgr, target(n), 8, n))

@@ -7,7 +7,8 @@ coordination service, hosted by process 0):
 
 1. (every process) posts its value under ``<key>/at/<process>``;
 2. (process 0) waits for all of them, applies the decision function once and posts the verdict
-   under ``<key>/go`` (and with :func:`decide_each` one more value per process under
+   under ``<key>/go`` (and with :func:`decide_each` one more value per process, in pieces of at
+   most ``PIECE`` characters under ``<key>/go/<process>/<i>`` and their number under
    ``<key>/go/<process>``, which that process deletes once read);
 3. (every process) reads the verdict; a verdict that starts with ``!`` is an error, raised on
    every process.
@@ -28,6 +29,7 @@ from jaxckpt._runtime import distributed as _distributed
 
 PREFIX = "jaxckpt/tiers/decide"
 _POLL_S = 0.2
+PIECE = 1 << 20  # characters of one value in the store: far below its gRPC message limit
 _decisions = itertools.count()
 _lock = threading.Lock()
 
@@ -91,7 +93,8 @@ def _agree(name: str, value: str, fn: _Decision, survivors: bool, each: bool) ->
             raise DistributedError(got[1:])
         if not each:
             return got, ""
-        own = _get(kv, f"{key}/go/{process}", timeout + 5, name)
+        pieces = int(_get(kv, f"{key}/go/{process}", timeout + 5, name))
+        own = "".join(_get(kv, f"{key}/go/{process}/{i}", 5, name) for i in range(pieces))
         kv.key_value_delete(f"{key}/go/{process}")
         return got, own
     posted = _collect(kv, key, name, count, timeout, survivors)
@@ -102,10 +105,19 @@ def _agree(name: str, value: str, fn: _Decision, survivors: bool, each: bool) ->
         raise
     if each:  # before the verdict: a process that reads the verdict finds its own value
         for p in range(1, count):
-            kv.key_value_set(f"{key}/go/{p}", owns.get(p, ""))
+            _post_long(kv, f"{key}/go/{p}", owns.get(p, ""))
     kv.key_value_set(f"{key}/go", verdict)
     kv.key_value_delete(f"{key}/at")
     return verdict, owns.get(0, "")
+
+
+def _post_long(kv: _distributed.KeyValueClient, key: str, value: str) -> None:
+    """Post ``value`` under ``key/<i>`` in pieces of at most ``PIECE`` characters (a process's
+    share of a plan may exceed the store's message limit), then their number under ``key``."""
+    pieces = [value[i : i + PIECE] for i in range(0, len(value), PIECE)] or [""]
+    for i, piece in enumerate(pieces):
+        kv.key_value_set(f"{key}/{i}", piece)
+    kv.key_value_set(key, str(len(pieces)))
 
 
 def _collect(
