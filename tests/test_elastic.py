@@ -300,3 +300,38 @@ def test_two_to_four_processes_with_empty_disks(elastic_job):
     assert _data(four, "el_grow") == [["local", 8, []]] * 4
     assert _data(four, "el_grow_resharded") == [2] * 4
     assert [m["read"] for m in _data(four, "el_grow_stats")][2:] == [0, 0]
+
+
+def test_a_part_whose_boxes_do_not_tile_falls_back_with_the_reason(tmp_path, caplog):
+    # A hostile (or damaged) description on disk: part 0 of step 6 lists one box of "w" less.
+    import dataclasses
+
+    from jaxckpt._manager import local_part
+
+    kw = dict(save_interval_steps=5, local_directory=tmp_path / "local")
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt", **kw) as mgr:
+        for step in range(7):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        path = next((tmp_path / "local").glob("jaxckpt-*/p0/00000006/part-0-of-1"))
+        info = local_part.read_info(path)
+        snap = local_part.snapshot(_state(6), step=6, save=info.save, process=0, count=1)
+        i = [li.key for li in snap.info.leaves].index("w")
+        leaves = list(snap.info.leaves)
+        leaves[i] = dataclasses.replace(leaves[i], boxes=leaves[i].boxes[:-1])
+        snap.info = dataclasses.replace(snap.info, leaves=tuple(leaves))
+        del snap.copies[(i, len(leaves[i].boxes))]
+        local_part.write_part(path, snap, overwrite=True)
+        other = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+        target = {
+            "w": NamedSharding(other, PartitionSpec("b", "a")),
+            "b": NamedSharding(other, PartitionSpec()),
+            "key": _state(0)["key"].sharding,
+            "host": None,
+            "step": None,
+        }
+        with caplog.at_level(logging.INFO, logger="jaxckpt"):
+            got = mgr.restore(target=target)
+        assert mgr.restored_from == tier_choice.RestoredFrom("persistent", 5)
+        assert got["step"] == 5 and _bytes(got["w"]) == _bytes(_state(5)["w"])
+        assert "the saved boxes do not tile the array" in caplog.text
