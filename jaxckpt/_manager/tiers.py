@@ -19,12 +19,13 @@ persistent directory since deleted) is never used and never deleted; neither is 
 
 Every save has its own id (the manager's, made by process 0, and the save's number), so a step
 saved again (after a rollback, or by a restart) replaces its parts and their replicas. A local
-step counts as complete only when every process's part, or a replica of it, is committed
-somewhere, all from the step's newest save (an older save of a step is never used) and cut for
-the restore target's layout; that is decided once, at the restore, by process 0 from what
-every process reports through the key-value store (:func:`choose`), never by a shared file
-system. Retention keeps the newest ``local_max_to_keep`` step directories of each process,
-replicas included.
+step counts as complete only when every part of the process count that saved it, or a replica
+of it, is committed on some process's disk (in any process directory of the run there), all
+from the step's newest save (an older save of a step is never used); that is decided once, at
+the restore, by process 0 from what every process reports through the key-value store
+(:func:`choose`), never by a shared file system. A step cut for the target's layout is rebuilt
+part by part; any other is resharded (``elastic_restore``). Retention keeps the newest
+``local_max_to_keep`` step directories of each process, replicas included.
 """
 
 from __future__ import annotations
