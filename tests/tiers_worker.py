@@ -439,6 +439,10 @@ def main(argv: list[str]) -> None:
     stages[stage](rec, work, pid, n)
     rec.data["transport"] = transport()
     rec.flush()
+    if stage in ("el_train", "el_four"):  # process 0 hosts the coordination service: it exits
+        from jaxckpt._runtime import agreement  # last, or the others die with it (jax 0.6.2)
+
+        agreement.decide("end", "", lambda _: "")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
