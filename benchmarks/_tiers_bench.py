@@ -312,36 +312,29 @@ def _elastic_report(elastic: list[dict]) -> list[str]:
     ]
 
 
-def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8) -> dict:
-    """The elastic plan process 0 computes for ``leaves`` FSDP leaves saved by ``n_old``
-    processes x ``devices`` and restored onto ``n_new`` (each part held by its owner and the
-    next process, the old processes 0..n_new-1 surviving): seconds, and the bytes of the
-    shares sent (JSON)."""
+def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts: int = 4) -> dict:
+    """The elastic plan process 0 computes for ``leaves`` FSDP leaves (of ``layouts`` distinct
+    widths, as a model's layers share a few shapes) saved by ``n_old`` processes x ``devices``
+    and restored onto ``n_new`` (each part held by its owner and the next process, the old
+    processes 0..n_new-1 surviving): seconds, and the bytes of the shares sent (JSON)."""
     from jaxckpt._manager import elastic
 
     rows = n_old * n_new * devices  # one row per box on both sides at least
-    shape = (rows, 1024)
     per_old, per_new = rows // (n_old * devices), rows // (n_new * devices)
-    saved = {
-        i: {
-            q: [((r * per_old, 0), (per_old, 1024)) for r in range(q * devices, (q + 1) * devices)]
-            for q in range(n_old)
-        }
-        for i in range(leaves)
-    }
+    width = {i: 256 * (1 + i % layouts) for i in range(leaves)}
+
+    def boxes(i: int, first: int, per: int) -> list:
+        return [
+            ((r * per, 0), (per, width[i])) for r in range(first * devices, (first + 1) * devices)
+        ]
+
+    saved = {i: {q: boxes(i, q, per_old) for q in range(n_old)} for i in range(leaves)}
     holders = {q: [h for h in (q, (q + 1) % n_old) if h < n_new] for q in range(n_old)}
     holders = {q: h or [q % n_new] for q, h in holders.items()}  # the rest: on some survivor
-    needs = {
-        p: {
-            i: [((r * per_new, 0), (per_new, 1024)) for r in range(p * devices, (p + 1) * devices)]
-            for i in range(leaves)
-        }
-        for p in range(n_new)
-    }
+    needs = {p: {i: boxes(i, p, per_new) for i in range(leaves)} for p in range(n_new)}
+    shapes = {i: (rows, width[i]) for i in range(leaves)}
     t0 = time.perf_counter()
-    plans = elastic.plan(
-        {i: shape for i in range(leaves)}, saved, holders, needs, dict.fromkeys(range(leaves), 4)
-    )
+    plans = elastic.plan(shapes, saved, holders, needs, dict.fromkeys(range(leaves), 4))
     seconds = time.perf_counter() - t0
     share = sum(len(json.dumps(p.to_json())) for p in plans.values())
     return {
@@ -353,7 +346,7 @@ def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8) -> dict
 
 def plan_report() -> str:
     lines = [
-        "Elastic plan on simulated jobs (process 0's work; 16 leaves, 8 devices per process, "
+        "Elastic plan on simulated jobs (process 0's work; 16 leaves of 4 layouts, 8 devices per process, "
         "every part on 2 disks):",
         "",
         "| processes old -> new | boxes per leaf (old) | plan (s) | shares sent (KiB) |",

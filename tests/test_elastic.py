@@ -335,3 +335,21 @@ def test_a_part_whose_boxes_do_not_tile_falls_back_with_the_reason(tmp_path, cap
         assert mgr.restored_from == tier_choice.RestoredFrom("persistent", 5)
         assert got["step"] == 5 and _bytes(got["w"]) == _bytes(_state(5)["w"])
         assert "the saved boxes do not tile the array" in caplog.text
+
+
+def test_plan_leaves_of_one_layout_are_planned_once_and_each_still_moves():
+    shape = (16, 8)
+    rows = _rows(4, *shape)
+    saved = {i: {q: [b] for q, b in enumerate(rows)} for i in range(3)}
+    saved[2] = {q: [((q * 4, 0), (4, 8))] for q in range(4)}  # the same boxes: one layout
+    holders = {0: [0, 1], 1: [1], 2: [0], 3: [0, 1]}
+    grid = _grid(2, 2, shape)
+    needs = {0: {i: grid[:2] for i in range(3)}, 1: {i: grid[2:] for i in range(3)}}
+    plans = elastic.plan(dict.fromkeys(range(3), shape), saved, holders, needs, {0: 4, 1: 4, 2: 4})
+    assert _check(plans, saved, holders, needs) == {i: 2 * 4 * 8 for i in range(3)}
+    for plan in plans.values():  # leaf by leaf, each leaf's reads alike
+        assert [r.leaf for r in plan.reads] == sorted(r.leaf for r in plan.reads)
+        per_leaf = {
+            i: [(r.part, r.box, r.pieces) for r in plan.reads if r.leaf == i] for i in range(3)
+        }
+        assert per_leaf[0] == per_leaf[1] == per_leaf[2]

@@ -18,7 +18,8 @@ from another host's disk). Each target box is cut along the saved boxes it overl
    box anyway), else the holder with the fewest bytes to send so far (ties: the lowest
    process number).
 
-So no process reads a box twice, the box is read once for all the processes that lack it,
+Leaves of one layout (shape, element size, saved and target boxes) are planned once and take
+the same readers: a model's many layers share a few layouts. So no process reads a box twice, the box is read once for all the processes that lack it,
 nothing crosses the network that its destination holds, and the sending is spread over the
 holders. The bytes move in *slabs* (:func:`slabs`): runs of a saved box of at most one
 transfer chunk, so neither side holds more than a few chunks of a box at a time.
@@ -169,13 +170,53 @@ def plan(
       >>> [r.part for r in p[1].incoming[0]], p[1].reads
       ([0, 1], ())
     """
+    reads = _reads_of_all(shapes, saved, holders, needs, itemsize)
+    incoming = _incoming(reads)
+    everyone = sorted(set(reads) | set(needs) | set(incoming))
+    return {
+        p: Plan(tuple(reads.get(p, ())), {h: tuple(r) for h, r in incoming.get(p, {}).items()})
+        for p in everyone
+    }
+
+
+def _reads_of_all(
+    shapes: Mapping[int, tuple[int, ...]],
+    saved: Mapping[int, Mapping[int, Sequence[Box]]],
+    holders: Mapping[int, Sequence[int]],
+    needs: Mapping[int, Mapping[int, Sequence[Box]]],
+    itemsize: Mapping[int, int],
+) -> dict[int, list[Read]]:
+    """Per reader, its reads, leaf by leaf (as :func:`plan`'s arguments)."""
     load: dict[int, int] = collections.defaultdict(int)  # bytes each process sends
     reads: dict[int, list[Read]] = collections.defaultdict(list)
+    # Leaves of one layout (shape, element size, saved and target boxes: most leaves of a
+    # model share a few) are planned once; the others take the same readers.
+    planned: dict[Any, tuple[list[tuple[int, Read]], dict[int, int]]] = {}
     for i in sorted(shapes):
-        for reader, read in _leaf(
-            i, shapes[i], saved.get(i, {}), holders, needs, itemsize[i], load
-        ):
+        layout = (
+            shapes[i],
+            itemsize[i],
+            tuple((q, tuple(b)) for q, b in sorted(saved.get(i, {}).items())),
+            tuple((p, tuple(needs[p].get(i, ()))) for p in sorted(needs)),
+        )
+        if layout in planned:
+            done, added = planned[layout]
+            for h, n in added.items():
+                load[h] += n
+            for reader, r in done:
+                reads[reader].append(Read(i, r.part, r.index, r.box, r.pieces))
+            continue
+        before = dict(load)
+        done = list(_leaf(i, shapes[i], saved.get(i, {}), holders, needs, itemsize[i], load))
+        planned[layout] = done, {h: n - before.get(h, 0) for h, n in load.items()}
+        for reader, read in done:
             reads[reader].append(read)
+    return reads
+
+
+def _incoming(reads: Mapping[int, Sequence[Read]]) -> dict[int, dict[int, list[Read]]]:
+    """Per receiver, per sender, the sender's reads restricted to the receiver's pieces, in
+    the sender's order."""
     incoming: dict[int, dict[int, list[Read]]] = collections.defaultdict(dict)
     for h in sorted(reads):
         for read in reads[h]:
@@ -185,13 +226,9 @@ def plan(
                     mine[c.process].append(c)
             for p, pieces in mine.items():
                 incoming[p].setdefault(h, []).append(
-                    dataclasses.replace(read, pieces=tuple(pieces))
+                    Read(read.leaf, read.part, read.index, read.box, tuple(pieces))
                 )
-    everyone = sorted(set(reads) | set(needs) | set(incoming))
-    return {
-        p: Plan(tuple(reads.get(p, ())), {h: tuple(r) for h, r in incoming.get(p, {}).items()})
-        for p in everyone
-    }
+    return incoming
 
 
 def _leaf(
