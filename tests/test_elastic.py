@@ -235,6 +235,9 @@ def test_local_step_onto_another_mesh_and_bare_shardings(tmp_path, caplog):
         }
         got = mgr.restore(target=abstract)
         assert mgr.restored_from.resharded_from == 1 and _bytes(got["w"]) == _bytes(want["w"])
+        arrays = {**abstract, "w": jax.device_put(jnp.zeros((64, 32)), bare["w"])}  # jax.Array
+        got = mgr.restore(target=arrays)
+        assert mgr.restored_from.resharded_from == 1 and _bytes(got["w"]) == _bytes(want["w"])
         # A target that does not fit the step (another dtype) falls back, with the reason.
         wrong = {**abstract, "w": jax.ShapeDtypeStruct((64, 32), jnp.int32, sharding=bare["w"])}
         caplog.clear()
