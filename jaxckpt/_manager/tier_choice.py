@@ -123,7 +123,7 @@ def _why_not(
     if complete and any(step in (None, k[0]) for k in complete):
         return (
             "no complete local step fits (the target has no shardings, the processes' targets "
-            "differ, or keys=/planner= were given)"
+            "differ, keys=/planner= were given, or iterators= with another layout)"
         )
     wanted = sorted(k for k in holders if step in (None, k[0]))
     if not wanted:

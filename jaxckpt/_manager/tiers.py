@@ -43,7 +43,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from jaxckpt._api import restore
+from jaxckpt import _iterators
+from jaxckpt._api import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.names import parse_staging, parse_step, staging_name, step_name
 from jaxckpt._manager import elastic_restore as _elastic
@@ -103,13 +104,21 @@ class LocalTier:
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def save(self, step: int, tree: Any) -> None:
-        """Copy this process's part of ``tree`` off its buffers, then write and replicate it in
-        the background (at most one local save in flight)."""
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        iterators: Mapping[str, _iterators.Checkpointable] | None = None,
+    ) -> None:
+        """Copy this process's part of ``tree`` off its buffers (and take the ``iterators``'
+        states), then write and replicate it in the background (one local save in flight)."""
         self.wait()
         n = self._saves  # the same on every process: all of them call save() alike
         save = f"{self.manager}-{n:012d}"  # this save's id; later saves sort later
-        snap = _part.snapshot(tree, step=step, save=save, process=self.process, count=self.count)
+        records = _iterators.capture(iterators)
+        snap = _part.snapshot(
+            tree, step=step, save=save, process=self.process, count=self.count, records=records
+        )
         self._saves = n + 1
         self._pending = pools.in_background(self._finish, step, snap, n)
 
@@ -233,13 +242,17 @@ class LocalTier:
 
     # -- restoring ------------------------------------------------------------------------------
 
-    def agree(self, target: Any, persistent: list[int], step: int | None) -> dict[str, Any]:
-        """:func:`choose` on every process's holdings (every process calls it)."""
+    def agree(
+        self, target: Any, persistent: list[int], step: int | None, *, elastic: bool = True
+    ) -> dict[str, Any]:
+        """:func:`choose` on every process's holdings (every process calls it); ``elastic``:
+        whether a step of another layout may be resharded (not with data iterators, whose
+        positions belong to the processes that saved them)."""
         self._held = self._holdings(everywhere=True)
         mine = {
             "parts": [[*k, layout] for k, (layout, _) in self._held.items()],
             "target": _part.target_layout(target, self.count),
-            "elastic": _elastic.target_digest(target),
+            "elastic": _elastic.target_digest(target) if elastic else None,
             "persistent": persistent if self.process == 0 else [],
         }
         count = self.count
@@ -261,6 +274,7 @@ class LocalTier:
         keys: str | Sequence[str] | None = None,
         strict: bool = True,
         planner: Any = None,
+        iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     ) -> tuple[Any, RestoredFrom]:
         """The newest step (or ``step``) that some tier holds whole: the local tier when it is
         as new as the persistent one (the faster copy), else ``persistent`` (the committed
@@ -270,9 +284,9 @@ class LocalTier:
           CheckpointNotFoundError: no tier holds a whole step (or ``step``).
         """
         usable = keys is None and planner is None  # the local tier rebuilds whole targets only
-        choice = self.agree(target if usable else None, persistent, step)
+        choice = self.agree(target if usable else None, persistent, step, elastic=not iterators)
         if choice["tier"] == "local":
-            restored = self.restore(choice, target)
+            restored = self.restore(choice, target, iterators)
             if restored is not None:
                 return restored
             choice = {"tier": "persistent", "step": choice["fallback"], "why": "see above"}
@@ -287,14 +301,20 @@ class LocalTier:
             "restored step %d from the persistent tier (%s)", choice["step"], choice.get("why")
         )
         path = str(self.persistent.join(step_name(choice["step"])))
-        tree = restore(path, target, keys=keys, strict=strict, planner=planner)
+        tree = restore(path, target, keys=keys, strict=strict, planner=planner, iterators=iterators)
         return tree, RestoredFrom("persistent", choice["step"])
 
-    def restore(self, choice: Mapping[str, Any], target: Any) -> tuple[Any, RestoredFrom] | None:
+    def restore(
+        self,
+        choice: Mapping[str, Any],
+        target: Any,
+        iterators: Mapping[str, _iterators.Checkpointable] | None = None,
+    ) -> tuple[Any, RestoredFrom] | None:
         """Restore the chosen local step: on its own layout (fetch the parts their owners
-        lack, rebuild from the own part) or resharded (``elastic_restore``); ``None`` on every
-        process if any process could not, or died meanwhile (then the caller falls back to
-        the persistent tier)."""
+        lack, set the ``iterators`` to this process's states in its part, rebuild from it) or
+        resharded (``elastic_restore``, never with ``iterators``); ``None`` on every process if
+        any process could not, or died meanwhile (then the caller falls back to the persistent
+        tier)."""
         step, n = choice["step"], self._restores
         self._restores += 1
         prefix = f"{_replication.PREFIX}/r{n}"
@@ -305,7 +325,7 @@ class LocalTier:
                 choice, target, paths, prefix, self.process, self.count
             )
         else:
-            tree, error = self._rebuild(choice, target, prefix)
+            tree, error = self._rebuild(choice, target, prefix, iterators)
         if error:
             logger.warning("local step %d cannot be restored here: %s", step, error)
         if not self._verdict(step, error):
@@ -323,7 +343,13 @@ class LocalTier:
             )
         return tree, got
 
-    def _rebuild(self, choice: Mapping[str, Any], target: Any, prefix: str) -> tuple[Any, str]:
+    def _rebuild(
+        self,
+        choice: Mapping[str, Any],
+        target: Any,
+        prefix: str,
+        iterators: Mapping[str, _iterators.Checkpointable] | None,
+    ) -> tuple[Any, str]:
         """The chosen step on its own layout: the tree, or why not (for every process)."""
         step, save = choice["step"], choice["save"]
         fetch = {int(q): h for q, h in choice["fetch"].items()}
@@ -335,6 +361,8 @@ class LocalTier:
             info = _part.read_info(path)
             if info is None or info.save != save:
                 raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
+            if iterators:
+                _iterators.restore_states(iterators, metadata(str(path)).iterators, str(path))
             return _part.rebuild(path, info, target), ""
         except Exception as e:  # every process hears of it and falls back together
             return None, f"process {self.process}: {type(e).__name__}: {e}"
