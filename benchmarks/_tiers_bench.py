@@ -10,7 +10,13 @@ slowest, which is what the training loop waits for):
 * blocking time (``save()`` returns) and total time (``wait()`` returns) of a persistent save,
   of a local save without replicas, and of one with ``local_replicas=1``;
 * recovery time: from the own local parts, with one process's local directory wiped (its part
-  comes from its peer's replica through the key-value store), and from the persistent tier.
+  comes from its peer's replica), and from the persistent tier;
+* elastic recovery (issue 46): a local step saved by the 4 processes with ``local_replicas=2``
+  restored by a new group of 2 processes on the disks of processes 0 and 1, onto a (2, 8)
+  mesh; beside it the same 2 processes restoring the persistent step; the bytes each moved and
+  its peak RSS growth beyond the state it restores (VmHWM, reset before the restore);
+* the elastic plan (``jaxckpt._manager.elastic.plan``, what process 0 computes) on simulated
+  jobs of up to 1,000 processes: its time and the bytes it sends (``simulate_plan``).
 
 Then the expected work lost per failure, computed from the intervals (see docs/tiers.md).
 """
@@ -29,6 +35,7 @@ import time
 from pathlib import Path
 
 N = 4
+M = 2  # the elastic restart's process count
 
 
 def _state(mib: int):
@@ -119,29 +126,96 @@ def worker(pid: int, port: int, work: Path, mib: int, runs: int) -> dict:
         m.restore(target=_abstract(state))
     recovery["persistent"] = time.perf_counter() - t0
     out["recovery"] = recovery
+    # Last (the recoveries above wipe process 1's disk): the step the elastic group restores.
+    kw = dict(local_directory=local, local_replicas=2, local_max_to_keep=2)
+    with jaxckpt.CheckpointManager(work / "p-2", save_interval_steps=never, **kw) as m:
+        m.save(0, state)  # the persistent step 0, for the elastic phase to compare
+        out["local + 2 replicas"] = _timed_saves(m, state, 1, runs)
     out["bytes"] = sum(x.nbytes for x in state.values())
     return out
 
 
-def run(work: Path, runs: int) -> list[dict]:
-    mib = int(os.environ.get("JAXCKPT_TIERS_MIB", "256"))
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) << 10
+    raise KeyError(field)
+
+
+def elastic_worker(pid: int, port: int, work: Path, mib: int) -> dict:
+    """One of the M processes restarted on the disks of processes 0..M-1: the newest local step
+    of ``p-2`` (saved by N) resharded onto an (M, 8) mesh, then the persistent step."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", M, pid, initialization_timeout=120)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxckpt
+
+    mesh = Mesh(np.array(jax.devices()).reshape(M, -1), ("fsdp", "tp"))
+    shapes = {k: v.shape for k, v in _abstract_shapes(mib).items()}
+    target = {
+        k: jax.ShapeDtypeStruct(
+            shape, np.float32, sharding=NamedSharding(mesh, P() if k == "w7" else P("fsdp", "tp"))
+        )
+        for k, shape in shapes.items()
+    }
+    out: dict = {}
+    kw = dict(local_directory=work / "local" / f"p{pid}", local_replicas=2)
+    for name, directory, tier in (("elastic", "p-2", "local"), ("persistent", "p-2", None)):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        base = _vm("VmRSS")
+        t0 = time.perf_counter()
+        with jaxckpt.CheckpointManager(work / directory, **(kw if tier else {})) as m:
+            got = m.restore(target=target)
+            assert m.restored_from.tier == (tier or "persistent"), m.restored_from
+            stats = m._local.last_elastic if tier else None
+        out[name] = time.perf_counter() - t0
+        mine = sum(s.data.nbytes for v in got.values() for s in v.addressable_shards)
+        out[f"{name}_growth"] = [_vm("VmHWM") - base, mine]
+        for k, v in got.items():
+            assert all(float(np.asarray(s.data).max()) == int(k[1:]) for s in v.addressable_shards)
+        if stats is not None:
+            out["moved"] = {"sent": stats.sent_bytes, "received": stats.received_bytes}
+            out["moved"]["read_here"] = stats.read_bytes
+        del got
+    return out
+
+
+def _abstract_shapes(mib: int) -> dict:
+    rows = max(64, int((mib << 20) / (7.125 * 4096)) // 64 * 64)
+    import jax
+    import numpy as np
+
+    return {
+        f"w{i}": jax.ShapeDtypeStruct((rows // 8 if i == 7 else rows, 1024), np.float32)
+        for i in range(8)
+    }
+
+
+def _group(n: int, work: Path, extra: list[str], name: str) -> list[dict]:
+    """Start ``n`` processes of this script with ``extra`` arguments; their results."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={16 // n}"}
     env["JAX_PLATFORMS"] = "cpu"
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    logs = [open(work.parent / f"tiers-bench-{i}.log", "w") for i in range(N)]  # noqa: SIM115
+    logs = [open(work.parent / f"{name}-{i}.log", "w") for i in range(n)]  # noqa: SIM115
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(i), str(port), str(work), str(mib), str(runs)],
+            [sys.executable, __file__, str(i), str(port), str(work), *extra],
             env=env,
             stdout=subprocess.PIPE,
             stderr=logs[i],
             text=True,
         )
-        for i in range(N)
+        for i in range(n)
     ]
     results = []
     for i, p in enumerate(procs):
@@ -156,6 +230,15 @@ def run(work: Path, runs: int) -> list[dict]:
     return results
 
 
+def run(work: Path, runs: int) -> list[dict]:
+    mib = int(os.environ.get("JAXCKPT_TIERS_MIB", "256"))
+    results = _group(N, work, [str(mib), str(runs)], "tiers-bench")
+    elastic = _group(M, work, [str(mib), "0", "--elastic"], "tiers-elastic")
+    for r in results:
+        r["elastic"] = elastic
+    return results
+
+
 def lost_seconds(step_s: float, interval: int, save_total_s: float, recover_s: float) -> float:
     """Expected seconds of work lost per failure when restarting from a tier saved every
     ``interval`` steps: failures uniform in time land on average half an interval after the
@@ -167,7 +250,7 @@ def lost_seconds(step_s: float, interval: int, save_total_s: float, recover_s: f
 def report(results: list[dict], runs: int) -> str:
     worst = {
         k: {m: max(r[k][m] for r in results) for m in ("blocking", "total")}
-        for k in ("persistent", "local, no replica", "local + 1 replica")
+        for k in ("persistent", "local, no replica", "local + 1 replica", "local + 2 replicas")
     }
     mib = results[0]["bytes"] / 2**20
     lines = [
@@ -181,6 +264,7 @@ def report(results: list[dict], runs: int) -> str:
     for k in results[0]["recovery"]:
         lines.append(f"| {k} | {max(r['recovery'][k] for r in results):.2f} |")
     rec = {k: max(r["recovery"][k] for r in results) for k in results[0]["recovery"]}
+    lines += _elastic_report(results[0]["elastic"])
     local_total = worst["local + 1 replica"]["total"]
     part = max(r.get("part_bytes", 0) for r in results) / 2**20
     repl = local_total - worst["local, no replica"]["total"]
@@ -205,12 +289,84 @@ def report(results: list[dict], runs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _elastic_report(elastic: list[dict]) -> list[str]:
+    """The elastic rows. Peak RSS growth is measured for the elastic restore only, the first
+    thing its processes do: the persistent restore after it reuses the memory it freed."""
+    mib = 1 << 20
+    sent = " / ".join(f"{r['moved']['sent'] / mib:.0f}" for r in elastic)
+    growth = " / ".join(
+        f"{g / mib:.0f} ({s / mib:.0f})" for g, s in (r["elastic_growth"] for r in elastic)
+    )
+    return [
+        "",
+        f"Elastic recovery: the local step of the {N} processes (`local_replicas=2`) restored by "
+        f"{M} processes on the disks of processes 0..{M - 1}, onto an ({M}, {16 // M}) mesh:",
+        "",
+        "| recovery, 4 -> 2 processes | time (s) |",
+        "|---|---:|",
+        f"| local, resharded | {max(r['elastic'] for r in elastic):.2f} |",
+        f"| persistent | {max(r['persistent'] for r in elastic):.2f} |",
+        "",
+        f"Per process: MiB sent {sent}; peak RSS growth of the elastic restore, MiB (the state "
+        f"it restored, counted per device): {growth}.",
+    ]
+
+
+def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts: int = 4) -> dict:
+    """The elastic plan process 0 computes for ``leaves`` FSDP leaves (of ``layouts`` distinct
+    widths, as a model's layers share a few shapes) saved by ``n_old`` processes x ``devices``
+    and restored onto ``n_new`` (each part held by its owner and the next process, the old
+    processes 0..n_new-1 surviving): seconds, and the bytes of the shares sent (JSON)."""
+    from jaxckpt._manager import elastic
+
+    rows = n_old * n_new * devices  # one row per box on both sides at least
+    per_old, per_new = rows // (n_old * devices), rows // (n_new * devices)
+    width = {i: 256 * (1 + i % layouts) for i in range(leaves)}
+
+    def boxes(i: int, first: int, per: int) -> list:
+        return [
+            ((r * per, 0), (per, width[i])) for r in range(first * devices, (first + 1) * devices)
+        ]
+
+    saved = {i: {q: boxes(i, q, per_old) for q in range(n_old)} for i in range(leaves)}
+    holders = {q: [h for h in (q, (q + 1) % n_old) if h < n_new] for q in range(n_old)}
+    holders = {q: h or [q % n_new] for q, h in holders.items()}  # the rest: on some survivor
+    needs = {p: {i: boxes(i, p, per_new) for i in range(leaves)} for p in range(n_new)}
+    shapes = {i: (rows, width[i]) for i in range(leaves)}
+    t0 = time.perf_counter()
+    plans = elastic.plan(shapes, saved, holders, needs, dict.fromkeys(range(leaves), 4))
+    seconds = time.perf_counter() - t0
+    share = sum(len(json.dumps(p.to_json())) for p in plans.values())
+    return {
+        "seconds": seconds,
+        "share_bytes": share,
+        "reads": sum(len(p.reads) for p in plans.values()),
+    }
+
+
+def plan_report() -> str:
+    lines = [
+        "Elastic plan on simulated jobs (process 0's work; 16 leaves of 4 layouts, 8 devices per process, "
+        "every part on 2 disks):",
+        "",
+        "| processes old -> new | boxes per leaf (old) | plan (s) | shares sent (KiB) |",
+        "|---|---:|---:|---:|",
+    ]
+    for n_old, n_new in ((4, 2), (64, 32), (256, 128), (1000, 500)):
+        got = simulate_plan(n_old, n_new, 16)
+        lines.append(
+            f"| {n_old} -> {n_new} | {n_old * 8} | {got['seconds']:.2f} | "
+            f"{got['share_bytes'] / 1024:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(args) -> str:
     work = Path(args.dir or "/tmp") / "tiers-bench"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        text = report(run(work, max(1, args.runs)), max(1, args.runs))
+        text = report(run(work, max(1, args.runs)), max(1, args.runs)) + "\n" + plan_report()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(text)
@@ -227,7 +383,11 @@ if __name__ == "__main__":
     ap.add_argument("work", type=Path, help="the folder the checkpoints go under")
     ap.add_argument("mib", type=int, help="the state's size in MiB")
     ap.add_argument("runs", type=int, help="timed saves per kind")
+    ap.add_argument("--elastic", action="store_true", help=f"be one of the {M} restarted ones")
     a = ap.parse_args()
-    result = worker(a.pid, a.port, a.work, a.mib, a.runs)
+    if a.elastic:
+        result = elastic_worker(a.pid, a.port, a.work, a.mib)
+    else:
+        result = worker(a.pid, a.port, a.work, a.mib, a.runs)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)

@@ -8,9 +8,10 @@ its own local directory and one shared persistent directory:
 1. ``train`` (4 processes): steps 0..7; process 3 is killed during its local save of step 8;
 2. ``restart`` (4): (a)+(e) local step 7, whole; (b) process 1's local dir wiped: step 7 from
    its peer's replica; steps 8, 9 again; process 2 killed while replicating step 9;
-3. ``replaced`` (4, process 2's local dir wiped): (d) another mesh gets persistent step 5;
-   (e) step 8, part 2 from its replica; (c) processes 1 and 2 wiped: persistent step 5;
-4. ``two`` (2): (d) another process count gets persistent step 5.
+3. ``replaced`` (4, process 2's local dir wiped): (d) another mesh gets local step 8,
+   resharded (issue 46; tests/test_elastic.py has the other elastic cases); (e) step 8, part 2
+   from its replica; (c) processes 1 and 2 wiped: persistent step 5;
+4. ``two`` (2): (d) another process count, parts 1 and 2 held by no one: persistent step 5.
 
 These move replicas peer to peer (``jax.experimental.transfer``, the default). Two more groups:
 ``kv`` (2) forces the key-value relay (``JAXCKPT_REPLICATION=kv``), recovers a wiped process
@@ -33,7 +34,7 @@ from groups import run_group
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxckpt
-from jaxckpt._manager import local_part, tier_choice, tiers
+from jaxckpt._manager import local_part, local_run, tier_choice
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
 GROUP_TIMEOUT_S = 240
@@ -101,16 +102,23 @@ def test_c_part_and_its_replica_lost_falls_back_to_persistent(job):
     assert _data(job["replaced"], "c") == [["persistent", 5, []]] * 4
 
 
-def test_d_other_mesh_or_process_count_uses_persistent(job):
+def test_d_other_mesh_reshards_the_local_step(job):
+    # Issue 46: another mesh no longer falls back to the persistent tier. Step 9 lacks part 2
+    # (its disk wiped, its replica never completed); step 8's part 2 is on process 3.
     _ok(job["replaced"], "d_mesh")
-    assert _data(job["replaced"], "d_mesh") == [["persistent", 5, []]] * 4
+    assert _data(job["replaced"], "d_mesh") == [["local", 8, []]] * 4
+    assert _data(job["replaced"], "d_mesh_resharded") == [4] * 4
+
+
+def test_d_fewer_processes_without_every_part_use_persistent(job):
+    # Processes 0 and 1 of 4 (disk 1 wiped in (c)): parts 1 and 2 are held by no one.
     _ok(job["two"], "d_count")
     assert _data(job["two"], "d_count") == [["persistent", 5, []]] * 2
 
 
 def test_f_foreign_files_and_other_runs_are_kept(job):
     work = job["work"]
-    run = json.loads((work / "persistent" / tiers.RUN_FILE).read_text())["run"]
+    run = json.loads((work / "persistent" / local_run.RUN_FILE).read_text())["run"]
     for p in (0, 3):  # the local disks of processes 1 and 2 were wiped whole, (b) and (c)
         local = work / "local" / f"p{p}"
         assert (local / "notes.txt").read_text() == "not jaxckpt's"
@@ -236,8 +244,15 @@ def test_hostile_part_description_is_ignored(tmp_path):
 
 
 def _posted(parts, target="L", persistent=(0,)):
+    """What each process posts; ``parts`` per process as ``[step, part, save, layout]``, all
+    saved by as many processes as there are now."""
+    n = len(parts)
     return {
-        p: {"parts": held, "target": target, "persistent": list(persistent) if p == 0 else []}
+        p: {
+            "parts": [[s, q, n, save, layout] for s, q, save, layout in held],
+            "target": target,
+            "persistent": list(persistent) if p == 0 else [],
+        }
         for p, held in enumerate(parts)
     }
 
@@ -277,7 +292,10 @@ def test_choose_counts_only_the_newest_save_of_a_step():
     )
     assert (c["tier"], c["step"], c["save"], c["local_steps"]) == ("local", 4, "a", [4])
     c = tier_choice.choose(2, _posted(parts, persistent=[]), step=5)
-    assert c["tier"] is None and c["why"] == "no complete local step"
+    assert c["tier"] is None and c["why"] == (
+        "no complete local step: the parts of processes [1] of local step 5 (saved by 2) are "
+        "held by no process"
+    )
     # "b" whole too: it wins, and only its holders send.
     parts = [[*old, [5, 0, "b", "L"]], [[5, 1, "b", "L"]]]
     c = tier_choice.choose(2, _posted(parts))
@@ -316,8 +334,8 @@ def test_manager_local_tier_single_process(tmp_path, caplog):
         assert mgr.restore()["step"] == 5
         assert mgr.restored_from == tier_choice.RestoredFrom("persistent", 5)
         assert mgr.restore(6, target=_abstract(_state(0)))["step"] == 6
-    run = json.loads((tmp_path / "ckpt" / tiers.RUN_FILE).read_text())["run"]
-    marker = json.loads((tmp_path / "local" / f"jaxckpt-{run}" / tiers.MARKER).read_text())
+    run = json.loads((tmp_path / "ckpt" / local_run.RUN_FILE).read_text())["run"]
+    marker = json.loads((tmp_path / "local" / f"jaxckpt-{run}" / local_run.MARKER).read_text())
     assert marker["persistent"] == str(tmp_path / "ckpt")
 
 

@@ -12,12 +12,15 @@ persistent step every 5. Stages, each a restart of the whole group:
   step 7 again, its part from its peer's replica; then steps 8 and 9 again, and process 2 is
   killed while it sends its replica of step 9;
 * ``replaced`` (4, process 2's local directory wiped before the start): (d) a different mesh
-  gets persistent step 5; (e) step 8 (step 9 lacks a whole part 2), part 2 from its replica;
+  gets local step 8, resharded; (e) step 8 (step 9 lacks a whole part 2), part 2 from its replica;
   (c) processes 1 and 2 (its replica holder) wiped: persistent step 5;
-* ``two`` (2): (d) fewer processes get persistent step 5;
+* ``two`` (2): (d) fewer processes, parts 1 and 2 held by no one: persistent step 5;
 * ``kv`` (2): the key-value relay; process 1's directory wiped, its part from its peer; then
   step 1 saved again by one manager: its part and its replica are replaced;
-* ``memory`` (2): one large part sent by each transport, the peak memory of both sides.
+* ``memory`` (2): one large part sent by each transport, the peak memory of both sides;
+* ``el_train`` (4), ``el_two`` (2), ``el_four`` (4): elastic recovery for tests/test_elastic.py
+  (issue 46), in ``WORKDIR/el``: 4 -> 2 processes onto a (2, 2) mesh, a process killed in an
+  elastic restore, 2 -> 4 processes with empty disks.
 
 Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``mh_worker.py``.
 """
@@ -58,10 +61,18 @@ def _mesh(n: int):
     return Mesh(np.array(jax.devices()).reshape(n, len(jax.devices()) // n), ("a", "b"))
 
 
-def _sharding(key: str, specs: dict, n: int):
+def _small_mesh(n: int):
+    """A (n, 2) mesh of the first two devices of each process (the others stay unused)."""
+    from jax.sharding import Mesh
+
+    devices = [[d for d in jax.devices() if d.process_index == p][:2] for p in range(n)]
+    return Mesh(np.array(devices), ("a", "b"))
+
+
+def _sharding(key: str, specs: dict, n: int, mesh=None):
     from jax.sharding import NamedSharding, PartitionSpec
 
-    return NamedSharding(_mesh(n), PartitionSpec(*specs[key]))
+    return NamedSharding(mesh or _mesh(n), PartitionSpec(*specs[key]))
 
 
 def make_state(step: int, n: int) -> dict:
@@ -76,11 +87,11 @@ def make_state(step: int, n: int) -> dict:
     return state
 
 
-def target(n: int, specs: dict = SPECS) -> dict:
+def target(n: int, specs: dict = SPECS, mesh=None, *, bare: bool = False) -> dict:
     out = {}
     for key, (shape, _) in ARRAYS.items():
-        dtype = value(key, 0).dtype
-        out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(key, specs, n))
+        dtype, sharding = value(key, 0).dtype, _sharding(key, specs, n, mesh)
+        out[key] = sharding if bare else jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     return {**out, "step": None, "host": None}
 
 
@@ -113,21 +124,36 @@ class Record:
         self.flush()
 
 
-def manager(work: Path, pid: int) -> jaxckpt.CheckpointManager:
+def manager(work: Path, pid: int, replicas: int = 1) -> jaxckpt.CheckpointManager:
     return jaxckpt.CheckpointManager(
         work / "persistent",
         save_interval_steps=5,
         local_directory=work / "local" / f"p{pid}",
         local_save_interval_steps=1,
         local_max_to_keep=3,
-        local_replicas=1,
+        local_replicas=replicas,
     )
 
 
 def restored(rec: Record, name: str, mgr, tgt, step: int, n: int) -> None:
-    check_state(mgr.restore(target=tgt), step)
+    tree = mgr.restore(target=tgt)
+    check_state(tree, step)
     got = mgr.restored_from
     rec.data[name] = [got.tier, got.step, list(got.from_peers)]
+    rec.data[f"{name}_resharded"] = got.resharded_from
+    stats = mgr._local.last_elastic
+    if got.resharded_from is not None and stats is not None:
+        needed = sum(
+            s.data.nbytes
+            for key in ARRAYS
+            for s in {str(s.index): s for s in tree[key].addressable_shards}.values()
+        )
+        rec.data[f"{name}_stats"] = {
+            "read": len(stats.read),
+            "sent": stats.sent_bytes,
+            "received": stats.received_bytes,
+            "needed": needed,
+        }
 
 
 def _die() -> None:
@@ -180,7 +206,7 @@ def stage_train(rec: Record, work: Path, pid: int, n: int) -> None:
 
 
 def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
-    from jaxckpt._runtime import replication
+    from jaxckpt._runtime import streams
 
     mine = work / "local" / f"p{pid}"
     rec.data["tmp_before"] = sorted(str(p) for p in mine.rglob(".part-*"))
@@ -198,7 +224,7 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
 
     rec.run("b", b)
     # several chunks per part, so a kill lands between two
-    replication.CHUNK_BYTES = replication.TRANSFER_CHUNK_BYTES = 16 << 10
+    streams.CHUNK_BYTES = streams.TRANSFER_CHUNK_BYTES = 16 << 10
     mgr = manager(work, pid)
 
     die = []
@@ -214,7 +240,7 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
                 die.append(True)
             mgr.save(step, make_state(step, n))
 
-    flush = replication._Stream.flush
+    flush = streams._Stream.flush
 
     def flush_or_die(self):  # process 2 dies after the first chunk of its step-9 replica
         if pid == 2 and die and "/2-3/" in self.prefix and self.seq == 1:
@@ -223,14 +249,14 @@ def stage_restart(rec: Record, work: Path, pid: int, n: int) -> None:
             _die()
         return flush(self)
 
-    replication._Stream.flush = flush_or_die
+    streams._Stream.flush = flush_or_die
     rec.run("again", lambda: (again(), mgr.wait()))
     rec.flush()
 
 
 def stage_replaced(rec: Record, work: Path, pid: int, n: int) -> None:
     mgr = manager(work, pid)
-    rec.run("d_mesh", lambda: restored(rec, "d_mesh", mgr, target(n, OTHER_SPECS), 5, n))
+    rec.run("d_mesh", lambda: restored(rec, "d_mesh", mgr, target(n, OTHER_SPECS), 8, n))
     rec.run("e", lambda: restored(rec, "e", mgr, target(n), 8, n))
     mgr.close()
 
@@ -246,6 +272,70 @@ def stage_replaced(rec: Record, work: Path, pid: int, n: int) -> None:
 def stage_two(rec: Record, work: Path, pid: int, n: int) -> None:
     with manager(work, pid) as mgr:
         rec.run("d_count", lambda: restored(rec, "d_count", mgr, target(n), 5, n))
+
+
+def stage_el_train(rec: Record, work: Path, pid: int, n: int) -> None:
+    """Issue 46: 4 processes, each part kept by 2 peers: local steps 5, 6, 7, persistent 5."""
+    work = work / "el"
+
+    def train():
+        with manager(work, pid, replicas=2) as mgr:
+            for step in range(8):
+                mgr.save(step, make_state(step, n))
+
+    rec.run("train", train)
+
+
+def stage_el_two(rec: Record, work: Path, pid: int, n: int) -> None:
+    """2 processes on the disks of processes 0 and 1 of ``el_train``: local step 7 onto a
+    (2, 2) mesh (abstract target, then bare shardings); then step 8 saved by the 2; then
+    process 1 dies during an elastic restore of it (another layout): process 0 falls back."""
+    from jaxckpt._manager import elastic_restore
+
+    work = work / "el"
+    mgr = manager(work, pid, replicas=2)
+    small = _small_mesh(n)
+    rec.run("el_sds", lambda: restored(rec, "el_sds", mgr, target(n, mesh=small), 7, n))
+    bare = target(n, mesh=small, bare=True)
+    rec.run("el_bare", lambda: restored(rec, "el_bare", mgr, bare, 7, n))
+    rec.run("el_save", lambda: (mgr.save(8, make_state(8, n)), mgr.wait()))
+    carry_out = elastic_restore.carry_out
+
+    def carry_out_or_die(*args, **kwargs):
+        if pid == 1:
+            rec.data["killed"] = True
+            rec.flush()
+            _die()
+        return carry_out(*args, **kwargs)
+
+    elastic_restore.carry_out = carry_out_or_die
+    os.environ["JAXCKPT_SYNC_TIMEOUT"] = "8"
+    # Onto process 0's devices only, so that its fallback reads the persistent step alone (a
+    # restore onto devices of the dead process would wait for it in jax's device_put).
+    from jax.sharding import Mesh
+
+    mesh = Mesh(
+        np.array([d for d in jax.devices() if d.process_index == 0]).reshape(2, 2), ("a", "b")
+    )
+    import logging
+
+    class Log(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            rec.data.setdefault("el_die_log", []).append(record.getMessage())
+
+    logging.getLogger("jaxckpt").addHandler(Log(logging.WARNING))
+    rec.run("el_die", lambda: restored(rec, "el_die", mgr, target(n, OTHER_SPECS, mesh), 5, n))
+
+
+def stage_el_four(rec: Record, work: Path, pid: int, n: int) -> None:
+    """4 processes, 2 of them with empty disks: step 8 of the 2 processes, resharded; each
+    process's share of the plan comes in pieces of 256 characters."""
+    from jaxckpt._runtime import agreement
+
+    agreement.PIECE = 256
+    work = work / "el"
+    with manager(work, pid, replicas=2) as mgr:
+        rec.run("el_grow", lambda: restored(rec, "el_grow", mgr, target(n), 8, n))
 
 
 def transport() -> str:
@@ -299,7 +389,7 @@ def stage_memory(rec: Record, work: Path, pid: int, n: int) -> None:
     peak RSS growth (VmHWM reset through /proc/self/clear_refs) during the transfer."""
     import numpy as np
 
-    from jaxckpt._runtime import replication, transfer
+    from jaxckpt._runtime import agreement, replication, streams, transfer
 
     src, rng = work / "mem-src", np.random.default_rng(0)
     if pid == 0:
@@ -309,7 +399,7 @@ def stage_memory(rec: Record, work: Path, pid: int, n: int) -> None:
                 for _ in range(50 // 5):
                     f.write(rng.bytes(5 << 20))
     transfer.server()  # started before the measurement, as by any earlier replica
-    replication.decide("memory-ready", "", lambda _: "")
+    agreement.decide("memory-ready", "", lambda _: "")
     for mode in ("transfer", "kv"):
         os.environ["JAXCKPT_REPLICATION"] = mode
 
@@ -322,13 +412,13 @@ def stage_memory(rec: Record, work: Path, pid: int, n: int) -> None:
             else:
                 replication.receive_dir(f"memory/{mode}/", work / f"mem-{mode}", max_bytes=1 << 40)
             rec.data[f"growth_{mode}"] = _vm("VmHWM") - base
-            replication.decide(f"memory-{mode}", "", lambda _: "")
+            agreement.decide(f"memory-{mode}", "", lambda _: "")
 
         rec.run(f"memory_{mode}", move)
     rec.data["chunks"] = [
-        replication.WINDOW,
-        replication.TRANSFER_CHUNK_BYTES,
-        replication.CHUNK_BYTES,
+        streams.WINDOW,
+        streams.TRANSFER_CHUNK_BYTES,
+        streams.CHUNK_BYTES,
     ]
 
 
@@ -339,13 +429,20 @@ def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     if stage == "replaced" and pid == 2:
         shutil.rmtree(work / "local" / "p2")  # a replaced node: its local disk is empty
+    if stage == "el_four" and pid >= 2:
+        shutil.rmtree(work / "el" / "local" / f"p{pid}")  # new nodes: empty disks
     groups.join(pid, n, port)
     rec = Record(work / f"{stage}-{pid}.json")
     stages = {"train": stage_train, "restart": stage_restart, "replaced": stage_replaced}
     stages.update(two=stage_two, kv=stage_kv, memory=stage_memory)
+    stages.update(el_train=stage_el_train, el_two=stage_el_two, el_four=stage_el_four)
     stages[stage](rec, work, pid, n)
     rec.data["transport"] = transport()
     rec.flush()
+    if stage in ("el_train", "el_four"):  # process 0 hosts the coordination service: it exits
+        from jaxckpt._runtime import agreement  # last, or the others die with it (jax 0.6.2)
+
+        agreement.decide("end", "", lambda _: "")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -8,6 +8,7 @@ for a 0-d array: zarr v3's default ``/`` key encoding). Host buffers start on ``
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -19,6 +20,18 @@ import numpy.typing as npt
 ALIGN = 64
 
 _N = TypeVar("_N", int, npt.NDArray[np.integer[Any]])
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """An uninitialised array of ``shape`` whose data starts on ``ALIGN`` bytes.
+
+    >>> aligned_empty((3, 5), np.dtype(np.float32)).ctypes.data % ALIGN
+    0
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def ceil_div(a: _N, b: _N | int) -> _N:

@@ -339,7 +339,10 @@ def rebuild(path: Path, info: PartInfo, target: Any) -> Any:
             shardings["boxes"].setdefault(str(i), {})[str(j)] = jax.sharding.SingleDeviceSharding(
                 device
             )
-    got = restore(str(path), shardings)
+    try:
+        got = restore(str(path), shardings)
+    except CheckpointError as e:
+        raise user_error(e, path, [li.key for li in info.leaves]) from e
     out = []
     for i, (li, t) in enumerate(zip(info.leaves, leaves)):
         if li.kind == "value":
@@ -352,3 +355,26 @@ def rebuild(path: Path, info: PartInfo, target: Any) -> Any:
             arrays.append(jax.random.wrap_key_data(box, impl=li.prng) if li.prng else box)
         out.append(jax.make_array_from_single_device_arrays(li.shape, t.sharding, arrays))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+_INTERNAL = re.compile(r"""(['"])(?:boxes/([0-9]+)/([0-9]+)|values/([0-9]+))\1""")
+
+
+def user_error(e: CheckpointError, path: Path, keys: list[str]) -> CheckpointError:
+    """``e``, an error reading the part at ``path``, naming the user's key paths (``keys``,
+    per leaf) instead of the part's own (``'boxes/3/0'`` is box 0 of the fourth leaf).
+
+    Example:
+      >>> user_error(CheckpointError("Key 'boxes/1/0': chunk 0 is damaged."), Path("p"), ["a", "b"])
+      CheckpointError("Local part p: Key 'b' (box 0 of it in the part): chunk 0 is damaged.")
+    """
+
+    def name(m: re.Match[str]) -> str:
+        i = int(m[2] or m[4])
+        if i >= len(keys):
+            return m[0]
+        return f"{m[1]}{keys[i]}{m[1]}" + (f" (box {m[3]} of it in the part)" if m[3] else "")
+
+    err = type(e)(f"Local part {path}: {_INTERNAL.sub(name, str(e))}")
+    err.__cause__ = e
+    return err

@@ -102,9 +102,12 @@ class RunReader:
 
         With a local tier (``local_directory``), every process must call it: the processes
         agree on the newest step that some tier holds whole (a local step wins over an equally
-        new persistent one) and fetch missing local parts from their replicas; the local tier
-        is used with a ``target`` whose arrays carry shardings and without ``keys``/``planner``.
-        ``restored_from`` then says which tier and step (also logged).
+        new persistent one) and fetch missing local parts from their replicas; a local step
+        saved by another process count or for another mesh is resharded, each box read once
+        from a process that holds it. The local tier is used with a ``target`` whose arrays
+        carry shardings (``jax.Array``, ``ShapeDtypeStruct`` with a sharding, or a bare
+        ``Sharding``) and without ``keys``/``planner``. ``restored_from`` then says which tier
+        and step (also logged).
 
         Returns:
           The restored tree.

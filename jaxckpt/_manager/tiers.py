@@ -19,12 +19,13 @@ persistent directory since deleted) is never used and never deleted; neither is 
 
 Every save has its own id (the manager's, made by process 0, and the save's number), so a step
 saved again (after a rollback, or by a restart) replaces its parts and their replicas. A local
-step counts as complete only when every process's part, or a replica of it, is committed
-somewhere, all from the step's newest save (an older save of a step is never used) and cut for
-the restore target's layout; that is decided once, at the restore, by process 0 from what
-every process reports through the key-value store (:func:`choose`), never by a shared file
-system. Retention keeps the newest ``local_max_to_keep`` step directories of each process,
-replicas included.
+step counts as complete only when every part of the process count that saved it, or a replica
+of it, is committed on some process's disk (in any process directory of the run there), all
+from the step's newest save (an older save of a step is never used); that is decided once, at
+the restore, by process 0 from what every process reports through the key-value store
+(:func:`choose`), never by a shared file system. A step cut for the target's layout is rebuilt
+part by part; any other is resharded (``elastic_restore``). Retention keeps the newest
+``local_max_to_keep`` step directories of each process, replicas included.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,12 @@ from jaxckpt import _iterators
 from jaxckpt._api import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.names import parse_staging, parse_step, staging_name, step_name
+from jaxckpt._manager import elastic_restore as _elastic
 from jaxckpt._manager import local_part as _part
+from jaxckpt._manager.elastic_moves import Stats
+from jaxckpt._manager.local_run import MARKER, run_id, write_marker
 from jaxckpt._manager.tier_choice import RestoredFrom, choose
+from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import replication as _replication
@@ -56,9 +61,8 @@ from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
-RUN_FILE = "local-tier.json"  # in the persistent directory
-MARKER = "run.json"
-_RUN = re.compile(r"[0-9a-f]{16}")
+_PROCESS = re.compile(r"p[0-9]+")
+_Held = tuple[int, int, int, str]  # a committed part: (step, part, process count, save)
 
 
 class LocalTier:
@@ -84,16 +88,18 @@ class LocalTier:
         primary = ""
         if self.process == 0:
             manager = f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}"  # later ones sort later
-            primary = json.dumps([_run_id(persistent), manager])
-        self.run, self.manager = json.loads(_replication.decide("run", primary, lambda v: v[0]))
+            primary = json.dumps([run_id(persistent), manager])
+        self.run, self.manager = json.loads(_agreement.decide("run", primary, lambda v: v[0]))
         self.root = Path(os.path.expanduser(os.fspath(directory))) / f"jaxckpt-{self.run}"
         self.mine = self.root / f"p{self.process}"
         self.mine.mkdir(parents=True, exist_ok=True)
-        _write_marker(self.root / MARKER, self.run, str(persistent))
+        write_marker(self.root / MARKER, self.run, str(persistent))
         self._clean_up()
         self._pending: Future[None] | None = None
         self._error: BaseException | None = None
         self._saves = self._restores = 0
+        self._held: dict[_Held, tuple[str, Path]] = {}  # as the last agreement found them
+        self.last_elastic: Stats | None = None  # what the last elastic restore did
         self._lock = threading.Lock()
 
     # -- saving ---------------------------------------------------------------------------------
@@ -216,35 +222,37 @@ class LocalTier:
 
     def steps(self) -> list[int]:
         """The steps whose own part this process holds, committed (no other process asked)."""
-        return sorted(s for s, q, _, _ in self._holdings() if q == self.process)
+        mine = (k[0] for k in self._holdings() if k[1:3] == (self.process, self.count))
+        return sorted(set(mine))
 
-    def _holdings(self) -> list[tuple[int, int, str, str]]:
-        """``(step, part, save, layout)`` of every committed part (own or replica) here."""
-        out: list[tuple[int, int, str, str]] = []
-        for sd in sorted(self.mine.iterdir()) if self.mine.is_dir() else []:
-            step = parse_step(sd.name)
-            if step is None or not sd.is_dir():
-                continue
-            for pd in sorted(sd.iterdir()):
-                part = _part.parse_part(pd.name)
-                if part is None or part[1] != self.count:
-                    continue
-                info = _part.read_info(pd)
-                if info is not None and (info.step, info.process, info.process_count) == (
-                    step,
-                    part[0],
-                    self.count,
-                ):
-                    out.append((info.step, info.process, info.save, info.layout))
+    def _holdings(self, *, everywhere: bool = False) -> dict[_Held, tuple[str, Path]]:
+        """``{(step, part, count, save): (layout, path)}`` of every committed part here (own,
+        replicas, parts of another process count): in this process's directory, or with
+        ``everywhere`` also in the other process directories of the run on this disk (after a
+        restart a process may get another's old disk), its own directory first."""
+        dirs = [self.mine]
+        if everywhere:
+            dirs += [d for d in sorted(self.root.iterdir()) if _PROCESS.fullmatch(d.name)]
+        out: dict[_Held, tuple[str, Path]] = {}
+        for d in dirs:
+            for sd in sorted(d.iterdir()) if d.is_dir() else []:
+                for key, layout, pd in _parts_in(sd):
+                    out.setdefault(key, (layout, pd))
         return out
 
     # -- restoring ------------------------------------------------------------------------------
 
-    def agree(self, target: Any, persistent: list[int], step: int | None) -> dict[str, Any]:
-        """:func:`choose` on every process's holdings (every process calls it)."""
+    def agree(
+        self, target: Any, persistent: list[int], step: int | None, *, elastic: bool = True
+    ) -> dict[str, Any]:
+        """:func:`choose` on every process's holdings (every process calls it); ``elastic``:
+        whether a step of another layout may be resharded (not with data iterators, whose
+        positions belong to the processes that saved them)."""
+        self._held = self._holdings(everywhere=True)
         mine = {
-            "parts": self._holdings(),
+            "parts": [[*k, layout] for k, (layout, _) in self._held.items()],
             "target": _part.target_layout(target, self.count),
+            "elastic": _elastic.target_digest(target) if elastic else None,
             "persistent": persistent if self.process == 0 else [],
         }
         count = self.count
@@ -254,9 +262,7 @@ class LocalTier:
                 choose(count, {p: json.loads(v) for p, v in posted.items()}, step=step)
             )
 
-        chosen: dict[str, Any] = json.loads(
-            _replication.decide("holdings", json.dumps(mine), decide)
-        )
+        chosen: dict[str, Any] = json.loads(_agreement.decide("holdings", json.dumps(mine), decide))
         return chosen
 
     def restore_newest(
@@ -278,17 +284,11 @@ class LocalTier:
           CheckpointNotFoundError: no tier holds a whole step (or ``step``).
         """
         usable = keys is None and planner is None  # the local tier rebuilds whole targets only
-        choice = self.agree(target if usable else None, persistent, step)
+        choice = self.agree(target if usable else None, persistent, step, elastic=not iterators)
         if choice["tier"] == "local":
-            tree = self.restore(choice, target, iterators)
-            if tree is not None:
-                peers = tuple(sorted(int(q) for q in choice["fetch"]))
-                logger.info(
-                    "restored step %d from the local tier%s",
-                    choice["step"],
-                    f" (parts of processes {list(peers)} from their replicas)" if peers else "",
-                )
-                return tree, RestoredFrom("local", choice["step"], peers)
+            restored = self.restore(choice, target, iterators)
+            if restored is not None:
+                return restored
             choice = {"tier": "persistent", "step": choice["fallback"], "why": "see above"}
         if choice["tier"] is None or choice["step"] is None:
             raise CheckpointNotFoundError(
@@ -309,42 +309,86 @@ class LocalTier:
         choice: Mapping[str, Any],
         target: Any,
         iterators: Mapping[str, _iterators.Checkpointable] | None = None,
-    ) -> Any | None:
-        """Fetch the missing parts of the chosen local step, set the ``iterators`` to this
-        process's states in its part and rebuild ``target`` from it; ``None`` on every process
-        if any process could not (then the caller falls back to the persistent tier)."""
-        step, fetch = choice["step"], {int(q): h for q, h in choice["fetch"].items()}
-        n, self._restores = self._restores, self._restores + 1
+    ) -> tuple[Any, RestoredFrom] | None:
+        """Restore the chosen local step: on its own layout (fetch the parts their owners
+        lack, set the ``iterators`` to this process's states in its part, rebuild from it) or
+        resharded (``elastic_restore``, never with ``iterators``); ``None`` on every process if
+        any process could not, or died meanwhile (then the caller falls back to the persistent
+        tier)."""
+        step, n = choice["step"], self._restores
+        self._restores += 1
         prefix = f"{_replication.PREFIX}/r{n}"
-        tree, error = None, ""
+        if choice["mode"] == "elastic":
+            key = (step, choice["count"], choice["save"])
+            paths = {k[1]: v[1] for k, v in self._held.items() if (k[0], *k[2:]) == key}
+            tree, self.last_elastic, error = _elastic.restore(
+                choice, target, paths, prefix, self.process, self.count
+            )
+        else:
+            tree, error = self._rebuild(choice, target, prefix, iterators)
+        if error:
+            logger.warning("local step %d cannot be restored here: %s", step, error)
+        if not self._verdict(step, error):
+            return None
+        peers = tuple(sorted(int(q) for q in choice["fetch"]))
+        if choice["mode"] == "elastic":
+            got = RestoredFrom("local", step, resharded_from=choice["count"])
+            logger.info("restored step %d from the local tier (%s)", step, self.last_elastic)
+        else:
+            got = RestoredFrom("local", step, peers)
+            logger.info(
+                "restored step %d from the local tier%s",
+                step,
+                f" (parts of processes {list(peers)} from their replicas)" if peers else "",
+            )
+        return tree, got
+
+    def _rebuild(
+        self,
+        choice: Mapping[str, Any],
+        target: Any,
+        prefix: str,
+        iterators: Mapping[str, _iterators.Checkpointable] | None,
+    ) -> tuple[Any, str]:
+        """The chosen step on its own layout: the tree, or why not (for every process)."""
+        step, save = choice["step"], choice["save"]
+        fetch = {int(q): h for q, h in choice["fetch"].items()}
         try:
-            self._fetch(step, fetch, prefix)
+            self._fetch(step, save, fetch, prefix)
             path = self.mine / step_name(step) / _part.part_name(self.process, self.count)
+            if self.process not in fetch:  # held here, maybe in another process directory
+                path = self._held[(step, self.process, self.count, save)][1]
             info = _part.read_info(path)
-            if info is None or info.save != choice["save"]:
+            if info is None or info.save != save:
                 raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
             if iterators:
                 _iterators.restore_states(iterators, metadata(str(path)).iterators, str(path))
-            tree = _part.rebuild(path, info, target)
+            return _part.rebuild(path, info, target), ""
         except Exception as e:  # every process hears of it and falls back together
-            error = f"process {self.process}: {type(e).__name__}: {e}"
-            logger.warning("local step %d cannot be restored here: %s", step, error)
-        verdict = _replication.decide(
-            "rebuilt", error, lambda got: "; ".join(v for _, v in sorted(got.items()) if v)
-        )
-        if verdict:
-            logger.warning(
-                "local step %d not restored (%s): using the persistent tier", step, verdict
-            )
-            return None
-        return tree
+            return None, f"process {self.process}: {type(e).__name__}: {e}"
 
-    def _fetch(self, step: int, fetch: dict[int, int], prefix: str) -> None:
+    def _verdict(self, step: int, error: str) -> bool:
+        """Whether every process restored its share of local step ``step``; a process that
+        does not report in time (it died) counts as one that failed."""
+        count = self.count
+
+        def verdict(got: dict[int, str]) -> str:
+            why = [v for _, v in sorted(got.items()) if v]
+            if missing := sorted(set(range(count)) - set(got)):
+                why.append(f"processes {missing} did not report (dead?)")
+            return "; ".join(why)
+
+        said = _agreement.decide("rebuilt", error, verdict, survivors=True)
+        if said:
+            logger.warning("local step %d not restored (%s): using the persistent tier", step, said)
+        return not said
+
+    def _fetch(self, step: int, save: str, fetch: dict[int, int], prefix: str) -> None:
         """Move each part its owner lacks from the holder ``fetch`` names."""
         jobs = []
         for q, h in fetch.items():
             if h == self.process:
-                part = self.mine / step_name(step) / _part.part_name(q, self.count)
+                part = self._held[(step, q, self.count, save)][1]
                 jobs.append(pools.save_pool().submit(_replication.send_dir, f"{prefix}/{q}/", part))
         try:
             if self.process in fetch:
@@ -358,7 +402,7 @@ class LocalTier:
     def _retain(self) -> None:
         """Keep the newest ``max_to_keep`` step directories here; delete only jaxckpt's parts
         and temporaries in the older ones (anything else, and its directory, stays)."""
-        held = sorted({step for step, *_ in self._holdings()})  # a foreign dir is no step
+        held = sorted({k[0] for k in self._holdings()})  # a foreign dir is no step
         for sd in (self.mine / step_name(step) for step in held[: -self.max_to_keep]):
             for child in sd.iterdir():
                 if _part.parse_part(child.name) is not None and child.is_dir():
@@ -384,39 +428,22 @@ class LocalTier:
                         logger.info("cleaned up %s (left by an interrupted local save)", child)
 
 
+def _parts_in(step_dir: Path) -> Iterator[tuple[_Held, str, Path]]:
+    """``((step, part, count, save), layout, path)`` of each committed part in ``step_dir``."""
+    step = parse_step(step_dir.name)
+    if step is None or not step_dir.is_dir():
+        return
+    for pd in sorted(step_dir.iterdir()):
+        part = _part.parse_part(pd.name)
+        info = _part.read_info(pd) if part is not None else None
+        if part is not None and info is not None:
+            if (info.step, info.process, info.process_count) == (step, *part):
+                yield (step, *part, info.save), info.layout, pd
+
+
 def _is_dead_temporary(path: Path) -> bool:
     """A part's staging directory (a save's or a transfer's) that nothing writes into now."""
     staging = parse_staging(path.name)
     if staging is None or _part.parse_part(staging[0]) is None:
         return False
     return not _lease.local_is_live(path)
-
-
-def _run_id(persistent: _location.Location) -> str:
-    """The run's id, stored in the persistent directory; made there by the first manager."""
-    kv = _location.kvstore(persistent.kvstore)
-    got = kv.read(RUN_FILE).result()
-    if got.state != "value":
-        fresh = json.dumps({"format": 1, "run": uuid.uuid4().hex[:16]}).encode()
-        # only if still absent (the read's generation is "no value"): a racing one wins
-        kv.write(RUN_FILE, fresh, if_equal=got.stamp.generation).result()
-        got = kv.read(RUN_FILE).result()
-    try:
-        run = json.loads(got.value)["run"]
-        if isinstance(run, str) and _RUN.fullmatch(run):
-            return run
-    except (ValueError, KeyError, TypeError):
-        pass
-    raise CheckpointError(
-        f"{persistent}/{RUN_FILE} is not jaxckpt's (it names the run of the local tier). Move "
-        f"it away, or use another persistent directory."
-    )
-
-
-def _write_marker(path: Path, run: str, persistent: str) -> None:
-    raw = json.dumps({"format": 1, "run": run, "persistent": persistent}, indent=1).encode()
-    if path.is_file() and path.read_bytes() == raw:
-        return
-    tmp = path.with_name(f".{MARKER}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_bytes(raw)
-    os.replace(tmp, path)

@@ -27,6 +27,9 @@ STAGE_THREADS = max(2, min(8, os.cpu_count() or 2))  # numpy copies release the 
 # Hashing is bound by memory bandwidth: half the cores hash, the rest write, link and resolve;
 # at least two, as two threads read memory faster than one and the saving thread mostly waits.
 HASH_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
+# An elastic restore receives each stream on a thread of its own (a receiver waits only on its
+# sender, so all must run at once); threads are made as streams need them, up to this many.
+STREAM_THREADS = 512
 _lock = threading.Lock()
 _pools: dict[str, ThreadPoolExecutor] = {}
 
@@ -71,6 +74,12 @@ def stage_pool() -> ThreadPoolExecutor:
 def hash_pool() -> ThreadPoolExecutor:
     """The threads that hash boxes for incremental saves (``jaxckpt._planning.reuse``)."""
     return _get("jaxckpt-hash", HASH_THREADS)
+
+
+def stream_pool() -> ThreadPoolExecutor:
+    """The receivers of an elastic restore's streams (``jaxckpt._manager.elastic_restore``):
+    up to ``STREAM_THREADS`` at once, each waiting on one sender."""
+    return _get("jaxckpt-stream", STREAM_THREADS)
 
 
 def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:

@@ -17,12 +17,11 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import numpy.typing as npt
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointChangedError, CorruptChunkError, ManifestError
-from jaxckpt._format.grid import ALIGN, chunk_key, grid_indices, grid_shape, is_chunk_key
+from jaxckpt._format.grid import aligned_empty, chunk_key, grid_indices, grid_shape, is_chunk_key
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
@@ -348,7 +347,7 @@ class CheckpointReader:
 
     def _start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
         if (inplace := self._in_place(entry)) is not None:  # local files: in place, one copy
-            buf = _aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
+            buf = aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
             wait = inplace.start(entry, item.offsets, item.sizes, buf)
             return lambda: self._view(entry, wait())
         store = self._store(entry)
@@ -358,7 +357,7 @@ class CheckpointReader:
         dtype = dtype_from_name(entry.storage_dtype)
         if math.prod(item.sizes) * dtype.itemsize >= _ALIGNED_MIN_BYTES:
             # into an aligned buffer: CPU devices alias it, no copy
-            out = _aligned_empty(item.sizes, dtype)
+            out = aligned_empty(item.sizes, dtype)
             fut: Pending[Any] = ts.array(out, copy=False, write=True).write(store)
         else:
             fut = store.read()
@@ -413,13 +412,6 @@ def pipelined(
 
 
 _ALIGNED_MIN_BYTES = 1 << 20
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def file_bytes_read() -> int:

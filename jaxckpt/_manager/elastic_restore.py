@@ -1,0 +1,254 @@
+"""An elastic restore: a local step's boxes moved between processes and resharded.
+
+When ``tier_choice.choose`` picks a local step saved by another process count or for another
+layout (``"elastic"``), ``jaxckpt._manager.tiers`` carries it out with these calls, in order:
+
+1. (the holder ``describe`` names for each part) :func:`describe`: posts the part's boxes per
+   leaf, as its description (``local_part.PartInfo``) lists them; the describer of the lowest
+   part also the leaves (keys, kinds, shapes, dtypes, key data) and the Python values;
+2. (process 0) :func:`decide`: checks the target against the leaves, computes every process's
+   target boxes from the target's shardings and plans who reads which box and sends which
+   piece to whom (``jaxckpt._manager.elastic.plan``); each process gets its own share
+   (``agreement.decide_each``), or all of them the reason to fall back;
+3. (every process) ``elastic_moves.carry_out``: reads the boxes its plan lists from its own
+   disk, slab by slab, sends the pieces others need over one stream per receiver
+   (``jaxckpt._runtime.streams``: peer to peer, as replicas go), receives its own pieces on one
+   thread per sender, and puts each leaf on its devices as soon as its boxes are whole.
+
+Then every process reports whether it succeeded, and all fall back to the persistent tier if
+one did not (``tiers``). What is trusted: the parts on this host's disk are read with the
+checks of any checkpoint read (checksums, sizes, confinement); a description posted by another
+host is checked (boxes inside their arrays, tiling each array exactly once) before it is
+planned with; bytes from another host are checked by length and crc32 (damage, not an
+attacker: the job's network is trusted, as for replication), and every target box must be
+filled exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxckpt._api import metadata
+from jaxckpt._errors import CheckpointError
+from jaxckpt._format.entries import ArrayEntry, ValueEntry
+from jaxckpt._format.plan import Box, index_to_box
+from jaxckpt._manager import elastic as _elastic
+from jaxckpt._manager import local_part as _part
+from jaxckpt._manager.elastic_moves import Leaf, Stats, carry_out, sharding_of
+from jaxckpt._planning import tree as _tree
+from jaxckpt._runtime import agreement as _agreement
+from jaxckpt._runtime import streams as _streams
+
+
+def restore(
+    choice: Mapping[str, Any],
+    target: Any,
+    paths: Mapping[int, Path],
+    prefix: str,
+    process: int,
+    count: int,
+) -> tuple[Any, Stats | None, str]:
+    """Steps 1 to 3 on this process: the tree and what it did, or why not (``""`` when it
+    succeeded; a reason for all of them is given on process 0 only). ``paths``: the parts of
+    the chosen step this process holds.
+
+    Raises:
+      DistributedError: process 0 did not answer in the agreement (1., 2.); a process that
+        did not post in time is left out of it, and every other one falls back.
+    """
+    mine = sorted(int(q) for q, h in choice["describe"].items() if h == process)
+    first = min(int(q) for q in choice["describe"])
+    verdict, own = _agreement.decide_each(
+        "elastic",
+        describe(paths, mine, first),
+        lambda posted: decide(posted, target, choice, count),
+        survivors=True,  # a process dead by now makes every other one fall back, at once
+    )
+    common = json.loads(verdict)
+    if "fallback" in common:
+        return None, None, f"no plan: {common['fallback']}" if process == 0 else ""
+    try:
+        tree, stats = carry_out(common, own, target, paths, prefix, process)
+        return tree, stats, ""
+    except Exception as e:  # every process hears of it and falls back together
+        return None, None, f"process {process}: {type(e).__name__}: {e}"
+
+
+# -- 1. and 2.: the agreement ------------------------------------------------------------------
+
+
+def target_digest(target: Any) -> str | None:
+    """The digest every process posts to agree on the target of an elastic restore, or
+    ``None`` if it cannot have one: every leaf must be a ``jax.Array``, a
+    ``jax.ShapeDtypeStruct`` with a sharding, a bare ``Sharding`` (shape and dtype from the
+    step) or ``None`` (a saved value)."""
+    if target is None:
+        return None
+    keys, leaves, _ = _tree.flatten_with_treedef(target)
+    h = hashlib.sha256()
+    for key, leaf in zip(keys, leaves):
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and leaf.sharding is not None:
+            what = [list(leaf.shape), str(leaf.dtype), *_sharding_id(leaf.sharding)]
+        elif isinstance(leaf, jax.sharding.Sharding):
+            what = _sharding_id(leaf)
+        elif leaf is None:
+            what = []
+        else:
+            return None
+        h.update(json.dumps([key, *what]).encode())
+    return h.hexdigest()[:32]
+
+
+def _sharding_id(sharding: Any) -> list[Any]:
+    return [repr(sharding), sorted(d.id for d in sharding.device_set)]
+
+
+def describe(paths: Mapping[int, Path], which: Sequence[int], first: int) -> str:
+    """What this process posts about the parts ``which`` it describes (1.): per part its boxes
+    and stored dtypes; for part ``first`` also the leaves."""
+    out: dict[str, Any] = {"parts": {}}
+    try:
+        for q in which:
+            info = _part.read_info(paths[q])
+            if info is None:
+                raise CheckpointError(f"{paths[q]} is not a committed local part")
+            entries = metadata(str(paths[q])).entries
+            data = {}
+            for i, li in enumerate(info.leaves):
+                e = entries.get(f"boxes/{i}/0")
+                if li.boxes and isinstance(e, ArrayEntry):
+                    data[str(i)] = [e.dtype, list(e.shape[len(li.shape) :])]
+            boxes = [[list(map(list, b)) for b in li.boxes] for li in info.leaves]
+            out["parts"][str(q)] = {"boxes": boxes, "data": data}
+            if q == first:
+                out["leaves"] = [_leaf_json(i, li, entries) for i, li in enumerate(info.leaves)]
+    except Exception as e:  # process 0 hears why, and every process falls back
+        out = {"error": f"{type(e).__name__}: {e}"}
+    return json.dumps(out)
+
+
+def _leaf_json(i: int, li: _part.LeafInfo, entries: Mapping[str, Any]) -> list[Any]:
+    if li.kind != "value":
+        return [li.key, li.kind, list(li.shape), li.dtype, li.prng]
+    e = entries[f"values/{i}"]
+    if isinstance(e, ValueEntry):
+        return [li.key, "value", [], "", "", "", [], e.value]
+    return [li.key, "host", list(e.shape), e.dtype, "", e.dtype, []]
+
+
+def decide(
+    posted: Mapping[int, str], target: Any, choice: Mapping[str, Any], count: int
+) -> tuple[str, dict[int, str]]:
+    """(process 0) The verdict for all (the leaves, the slab size, or ``{"fallback": why}``)
+    and each process's share of the plan (2.)."""
+    holders = {int(q): list(h) for q, h in choice["holders"].items()}
+    if missing := sorted(set(range(count)) - set(posted)):
+        return json.dumps({"fallback": f"processes {missing} did not answer (dead?)"}), {}
+    try:
+        leaves, saved = _merge(posted, holders)
+        keys, targets, _ = _tree.flatten_with_treedef(target)
+        _check_target(leaves, keys, targets)
+        shapes, needs = _needs(leaves, targets, count)
+        for i in shapes:
+            if leaves[i].kind == "host":
+                saved[i] = {q: [((0,) * len(shapes[i]), shapes[i])] for q in holders}
+        itemsize = {i: leaves[i].itemsize for i in shapes}
+        plans = _elastic.plan(shapes, saved, holders, needs, itemsize)
+    except (CheckpointError, ValueError, KeyError, TypeError, IndexError) as e:
+        return json.dumps({"fallback": f"{type(e).__name__}: {e}"}), {}
+    common = {
+        "leaves": [leaf.to_json() for leaf in leaves],
+        "slab": _streams.chunk_bytes(),
+    }
+    own = {
+        p: json.dumps(
+            {
+                "plan": plans.get(p, _elastic.Plan()).to_json(),
+                "needs": {str(i): b for i, b in needs.get(p, {}).items()},
+            }
+        )
+        for p in range(count)
+    }
+    return json.dumps(common), own
+
+
+def _merge(
+    posted: Mapping[int, str], holders: Mapping[int, list[int]]
+) -> tuple[list[Leaf], dict[int, dict[int, list[Box]]]]:
+    """The leaves and every part's boxes per leaf, from what the describers posted."""
+    parts: dict[int, Any] = {}
+    described: list[Any] | None = None
+    for p in sorted(posted):
+        got = json.loads(posted[p])
+        if "error" in got:
+            raise CheckpointError(f"process {p} cannot describe its parts: {got['error']}")
+        parts.update((int(q), d) for q, d in got["parts"].items())
+        described = got.get("leaves", described)
+    if described is None or set(parts) != set(holders):
+        raise CheckpointError(f"parts {sorted(set(holders) - set(parts))} were not described")
+    data = {int(i): d for q in sorted(parts) for i, d in parts[q]["data"].items()}
+    leaves = []
+    for i, raw in enumerate(described):
+        key, kind, shape, dtype, prng, *more = raw
+        stored, trailing = more[:2] if more else data.get(i, ["", []])
+        value = more[2] if len(more) > 2 else None
+        leaf = Leaf(str(key), str(kind), tuple(shape), str(dtype), str(prng), str(stored))
+        leaves.append(dataclasses.replace(leaf, trailing=tuple(trailing), value=value))
+    saved: dict[int, dict[int, list[Box]]] = {}
+    for q, d in parts.items():
+        if len(d["boxes"]) != len(leaves):
+            raise CheckpointError(f"part {q} describes {len(d['boxes'])} leaves, not {len(leaves)}")
+        for i, boxes in enumerate(d["boxes"]):
+            if leaves[i].kind in ("array", "prng"):
+                saved.setdefault(i, {})[q] = [_elastic.box_of(b) for b in boxes]
+    return leaves, saved
+
+
+def _check_target(leaves: list[Leaf], keys: list[str], targets: list[Any]) -> None:
+    if keys != [leaf.key for leaf in leaves]:
+        missing = sorted(set(leaf.key for leaf in leaves) - set(keys))
+        extra = sorted(set(keys) - set(leaf.key for leaf in leaves))
+        raise CheckpointError(
+            f"the target's keys are not the local step's (missing {missing[:5]}, unexpected "
+            f"{extra[:5]})"
+        )
+    for leaf, t in zip(leaves, targets):
+        if (t is None) != (leaf.kind in ("value", "host")):
+            raise CheckpointError(
+                f"key {leaf.key!r}: the target has {type(t).__name__}, the local step a {leaf.kind}"
+            )
+        if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)):
+            if tuple(t.shape) != leaf.shape or str(t.dtype) != leaf.dtype:
+                raise CheckpointError(
+                    f"key {leaf.key!r}: the target is {t.dtype}{list(t.shape)}, the local step "
+                    f"{leaf.dtype}{list(leaf.shape)}"
+                )
+
+
+def _needs(
+    leaves: list[Leaf], targets: list[Any], count: int
+) -> tuple[dict[int, tuple[int, ...]], dict[int, dict[int, list[Box]]]]:
+    """Each moved leaf's shape, and per process its distinct target boxes per leaf."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    needs: dict[int, dict[int, list[Box]]] = {}
+    for i, (leaf, t) in enumerate(zip(leaves, targets)):
+        if leaf.kind == "value":
+            continue
+        shapes[i] = leaf.shape
+        if leaf.kind == "host":
+            for p in range(count):
+                needs.setdefault(p, {})[i] = [((0,) * len(leaf.shape), leaf.shape)]
+            continue
+        for device, index in sharding_of(t).devices_indices_map(leaf.shape).items():
+            boxes = needs.setdefault(device.process_index, {}).setdefault(i, [])
+            box = index_to_box(index, leaf.shape)
+            if box not in boxes:
+                boxes.append(box)
+    return shapes, needs
