@@ -138,10 +138,10 @@ def save_async(
       >>> h = jaxckpt.save_async(tempfile.mkdtemp() + "/c", {"w": jnp.zeros(4)})
       >>> h.wait(); h.done()
       True
-      >>> h = jaxckpt.save_async(tempfile.mkdtemp() + "/c", {"w": jnp.zeros(1 << 20)},
-      ...                        max_host_bytes=2 << 20)  # a 4 MiB state through 2 MiB
+      >>> two = {"a": jnp.zeros(1 << 20), "b": jnp.ones(1 << 20)}  # 2 chunks of 4 MiB
+      >>> h = jaxckpt.save_async(tempfile.mkdtemp() + "/c", two, max_host_bytes=4 << 20)
       >>> h.wait(); h.nbytes
-      4194304
+      8388608
     """
     budget = budget_arg(max_host_bytes)
     with collector.paused():  # the blocking part only, not the background write
