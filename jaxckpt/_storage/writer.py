@@ -23,10 +23,10 @@ import tensorstore as ts
 
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.plan import WriteItem
-from jaxckpt._storage import generations, local_commit, writeback
+from jaxckpt._storage import directwrite, generations, local_commit, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
-from jaxckpt._storage.location import CONTEXT, Location, wait
+from jaxckpt._storage.location import CONTEXT, Location, Pending, wait
 from jaxckpt._storage.messages import lost_error, write_error
 
 MAX_INFLIGHT_BYTES = 1 << 30
@@ -160,29 +160,26 @@ class Writer:
 
         Returns the bytes written.
         """
-        pending: collections.deque[tuple[ts.WriteFutures, int, ArrayEntry]] = collections.deque()
+        pending: collections.deque[tuple[Pending[Any], int, ArrayEntry]] = collections.deque()
         inflight = total = 0
         self._reference = self.loc.local is not None
         hints = writeback.Hints()  # early write-back of each written chunk file (local only)
+        # Large chunks of local arrays are written straight to disk (directwrite), the rest
+        # by tensorstore.
+        direct = directwrite.ChunkWriter(self.root["path"]) if self._reference else None
         try:
             for item, data in items:
                 entry = entries[item.key]
                 store = self._array(item.key)
                 if entry.storage_dtype != entry.dtype:
                     data = data.view(entry.storage_dtype)
-                if item.sizes == entry.shape:  # the whole array: skip building an indexed view
-                    target = store
+                fut: Pending[Any]
+                if direct is not None and directwrite.supports(
+                    entry, item.offsets, item.sizes, data
+                ):
+                    fut = direct.write(entry, item.offsets, item.sizes, data)
                 else:
-                    target = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
-                # Blocking saves hold the caller's arrays and async saves their own staged
-                # copies until the write completes, so on files tensorstore may reference the
-                # bytes instead of copying; memory:// would keep the reference as the stored
-                # value, so it copies.
-                fut = target.write(data, can_reference_source_data_indefinitely=self._reference)
-                if self._reference:
-                    folder = self.root["path"] + entry.path
-                    files = writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
-                    hints.add(fut, files, data.nbytes)
+                    fut = self._write_box(store, entry, item, data, hints)
                 pending.append((fut, data.nbytes, entry))
                 inflight += data.nbytes
                 total += data.nbytes
@@ -202,7 +199,32 @@ class Writer:
             hints.wait()
         return total
 
-    def _finish(self, fut: Any, entry: ArrayEntry, nbytes: int) -> None:
+    def _write_box(
+        self,
+        store: Any,
+        entry: ArrayEntry,
+        item: WriteItem,
+        data: npt.NDArray[Any],
+        hints: writeback.Hints,
+    ) -> ts.WriteFutures:
+        """Hand one box to tensorstore, as whole chunks; on local files, hint their write-back."""
+        if item.sizes == entry.shape:  # the whole array: skip building an indexed view
+            target = store
+        else:
+            target = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]
+        # Blocking saves hold the caller's arrays and async saves their own staged copies
+        # until the write completes, so on files tensorstore may reference the bytes instead
+        # of copying; memory:// would keep the reference as the stored value, so it copies.
+        fut: ts.WriteFutures = target.write(
+            data, can_reference_source_data_indefinitely=self._reference
+        )
+        if self._reference:
+            folder = self.root["path"] + entry.path
+            files = writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
+            hints.add(fut, files, data.nbytes)
+        return fut
+
+    def _finish(self, fut: Pending[Any], entry: ArrayEntry, nbytes: int) -> None:
         try:
             wait(fut, self.loc, f"writing key {entry.key!r} ({entry.path})", nbytes)
         except (ValueError, OSError) as e:
