@@ -90,6 +90,21 @@ def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:
         return None
 
 
+def submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``pool.submit(fn, *args)``; where the interpreter is exiting and ``pool`` takes no new
+    work (a ``save_async`` still writing as the program ends), ``fn(*args)`` runs here instead
+    and the returned future is done with its outcome."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
+            future.set_exception(e)
+        return future
+
+
 class Repeating:
     """``fn()`` every ``seconds`` on a daemon thread of its own until :meth:`stop` (a live
     save's heartbeat, ``jaxckpt._storage.lease``). An error of ``fn`` skips one beat."""
