@@ -22,8 +22,9 @@ SAVE_THREADS = 32
 READ_THREADS = max(4, min(64, os.cpu_count() or 4))  # tensorstore's file I/O default
 WRITEBACK_THREADS = 2  # each call only queues I/O, it does not wait for it
 # Chunk files written straight to disk: each thread copies, checksums and then waits for its
-# O_DIRECT write, so a few keep the disk busy while the others copy (docs/benchmarks.md).
-WRITE_THREADS = 4
+# O_DIRECT write, so several keep the disk busy while the others copy; as many as the write
+# limit's threads (docs/benchmarks.md).
+WRITE_THREADS = 8
 STAGE_THREADS = max(2, min(8, os.cpu_count() or 2))  # numpy copies release the GIL
 # Hashing is bound by memory bandwidth: half the cores hash, the rest write, link and resolve;
 # at least two, as two threads read memory faster than one and the saving thread mostly waits.

@@ -57,9 +57,12 @@ except ImportError:  # pragma: no cover - not POSIX: no O_DIRECT either
     pass
 
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses on (at most) this
-BUFFER_BYTES = 8 << 20  # the most one O_DIRECT write takes; one buffer per writer thread
+# The most one O_DIRECT write takes (this VM's disk splits requests at 4 MiB, max_sectors_kb);
+# one buffer per writer thread: WRITE_THREADS x BUFFER_BYTES = 32 MiB kept for the next save.
+BUFFER_BYTES = 4 << 20
 COPY_BYTES = 1 << 20  # copied then checksummed at a time, while in cache
-# Chunks smaller than this stay with tensorstore (measured: docs/benchmarks.md).
+# Chunks smaller than this stay with tensorstore: written one at a time per thread, the 512 KiB
+# chunks of `big` kept too few bytes in flight and were slower (docs/benchmarks.md).
 MIN_CHUNK_BYTES = 1 << 20
 
 enabled = os.environ.get("JAXCKPT_DIRECT_WRITE", "1") != "0"  # 0: every chunk via tensorstore
