@@ -164,6 +164,20 @@ def save_loop(directory: str, progress: str, trap: str | None, incremental: bool
         raise
 
 
+def overwrite_loop(path: str, progress: str) -> None:
+    """Overwrite one checkpoint again and again until killed; ``saved N`` once save(N) returned
+    (step N committed; the checkpoint it replaced is deleted in the background)."""
+    try:
+        step = 1
+        while True:
+            jaxckpt.save(path, device_state(step), overwrite=True)
+            log(progress, f"saved {step}")
+            step += 1
+    except BaseException:
+        log(progress, "error " + traceback.format_exc().replace("\n", " | "))
+        raise
+
+
 def train_until_preempted(directory: str, progress: str) -> None:
     """A loop that saves only on preemption (SIGTERM), then exits cleanly."""
     mgr = jaxckpt.CheckpointManager(directory, save_interval_steps=10_000, save_on_preemption=True)

@@ -67,3 +67,15 @@ def tmpfs(path, size: str = "8m"):
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def x64():
+    """64-bit arrays on for the block: ``jax.enable_x64`` is missing from the jax floor (0.6.2)
+    and ``jax.experimental.enable_x64`` from newer ones, so set the flag and restore it."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)

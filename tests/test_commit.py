@@ -20,6 +20,7 @@ from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures)
 
 import jaxckpt
 from jaxckpt._format.manifest import storage_entries
+from jaxckpt._runtime.pools import settle
 from jaxckpt._storage.location import Location
 from jaxckpt._storage.writer import Writer
 
@@ -108,6 +109,7 @@ def test_two_threads_one_commits_s3(s3, prefix):  # noqa: F811
     for r in range(3):
         path = f"s3://{BUCKET}/{prefix}/ck{r}"
         check_one_winner(path, race(path, use_async=False))
+        settle()  # the winner's clean-up runs after its commit, in the background
         found = keys(s3, f"{prefix}/ck{r}")  # the winner's arrays and manifest, nothing else
         assert "manifest.json" in found, found
         gens = {re.match(r"(g[0-9a-f]{8}/)?", k)[0] for k in found if k != "manifest.json"}
@@ -178,6 +180,7 @@ def test_overwrite_true_still_replaces(tmp_path):
     jaxckpt.save(path, {"a": np.zeros(2)})
     jaxckpt.save(path, {"a": np.ones(2)}, overwrite=True)
     np.testing.assert_array_equal(jaxckpt.restore(path)["a"], np.ones(2))
+    settle()  # the replaced checkpoint goes in the background
     assert os.listdir(tmp_path) == ["ck"]
 
 

@@ -26,6 +26,7 @@ from test_commit import check_one_winner, race
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._runtime.pools import settle
 from jaxckpt._storage import catalog
 from jaxckpt._storage.location import ABSENT, Location, wait
 
@@ -136,6 +137,7 @@ def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
     m = mesh((8,), ("d",))
     tree = {f"a{i:03d}": put(np.full(64, i, np.float32), m, "d") for i in range(115)}
     jaxckpt.save(url, tree, planner=unpacked())
+    settle()  # its lease (writer.json) goes after the commit, in the background
     old = gcs.keys(prefix)
     assert len(old) == 115 * 9 + 1 and generations_of(old) == {"arrays"}
     old_manifest = gcs.get(f"{prefix}/manifest.json")
@@ -151,6 +153,7 @@ def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
     seen_before = len(gcs.proxy.seen)
     new = {k: v + 1 for k, v in tree.items()}
     jaxckpt.save(url, new, planner=unpacked(), overwrite=True)
+    settle()  # the replaced generation goes in the background
     gcs.fault = None
     ((keys, manifest_then),) = at_commit
     assert manifest_then == old_manifest and set(old) <= set(keys)  # the old one whole
@@ -175,6 +178,7 @@ def test_overwrite_refused_then_replaced(gcs, prefix):
         jaxckpt.save(url, state(2.0))
     assert_tree_equal(jaxckpt.restore(url), host(state()))
     jaxckpt.save(url, state(3.0), overwrite=True)
+    settle()  # the replaced generation goes in the background
     assert_tree_equal(jaxckpt.restore(url), host(state(3.0)))
     (gen,) = generations_of(gcs.keys(prefix))
     assert re.fullmatch("g[0-9a-f]{8}", gen)
@@ -189,6 +193,7 @@ def test_two_saves_racing_to_one_path_one_commits(gcs, prefix, use_async):
     for r in range(2):
         path = f"gs://{BUCKET}/{prefix}/ck{r}"
         check_one_winner(path, race(path, use_async=use_async))
+        settle()  # the winner's clean-up runs after its commit, in the background
         found = gcs.keys(f"{prefix}/ck{r}")  # the winner's arrays and manifest, nothing else
         assert "manifest.json" in found and len(generations_of(found)) == 1, found
         assert not any(k.endswith("writer.json") for k in found), found

@@ -23,6 +23,7 @@ from http_proxy import Proxy
 from test_s3 import BUCKET, keys, s3  # noqa: F401 (fixtures)
 
 import jaxckpt
+from jaxckpt._runtime.pools import settle
 from jaxckpt._storage import catalog, local_commit
 from jaxckpt._storage.location import Location
 
@@ -132,6 +133,7 @@ def test_overwriting_a_base_on_s3_leaves_only_what_is_referenced(s3):  # noqa: F
     jaxckpt.save(f"{root}/2", _frozen_and_moving(1.5), base=f"{root}/1")  # w changed
     assert "held-by/2" in keys(s3, f"{prefix}/1")
     jaxckpt.save(f"{root}/1", t2, overwrite=True)
+    settle()  # the replaced generation goes in the background
     left = keys(s3, f"{prefix}/1")
     old = sorted({k.split("/")[1] for k in left if k.startswith("arrays/")})
     assert old == ["frozen"], left  # of the replaced checkpoint only what 2 references stays
@@ -326,6 +328,7 @@ def test_a_failed_clean_up_after_the_commit_is_not_a_failed_save(s3, monkeypatch
     try:
         caplog.set_level(logging.WARNING, logger="jaxckpt")
         jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)  # no error: it is committed
+        settle()  # the clean-up runs after the commit, in the background
     finally:
         proxy.stop()
     np.testing.assert_array_equal(jaxckpt.restore(url)["w"], np.ones(4))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
+from helpers import assert_tree_equal, mesh, one_array_per_leaf, put, x64  # noqa: F401 (autouse)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -318,7 +318,7 @@ def test_64_bit_arrays_cast_when_asked_and_exact_with_x64(tmp_path):
     back = jaxckpt.restore(tmp_path / "c", {"a": s, "f": s}, planner=cast)
     assert back["a"].dtype == jnp.int32 and back["f"].dtype == jnp.float32
     assert back["a"].tolist() == [7, -3] and back["f"].tolist() == [1.5, -2.0]  # as asked
-    with jax.enable_x64(True):
+    with x64():
         sds = jax.ShapeDtypeStruct((2,), np.int64, sharding=s)
         back = jaxckpt.restore(tmp_path / "c", {"a": sds, "f": s})
         assert back["a"].dtype == jnp.int64 and back["f"].dtype == jnp.float64
@@ -338,7 +338,7 @@ def test_saved_python_numbers_into_64_bit_scalar_targets_follow_the_same_rule(tm
         jaxckpt.restore(tmp_path / "c", {"n": i64, "lr": f64}, planner=cast)
     back = jaxckpt.restore(tmp_path / "c", {"n": None, "lr": f64}, planner=cast)
     assert back["lr"].dtype == jnp.float32 and float(back["lr"]) == np.float32(0.1)
-    with jax.enable_x64(True):
+    with x64():
         back = jaxckpt.restore(tmp_path / "c", {"n": i64, "lr": f64})
         assert back["n"].dtype == jnp.int64 and int(back["n"]) == 2**40 + 7
         assert back["lr"].dtype == jnp.float64 and float(back["lr"]) == 0.1
@@ -376,6 +376,6 @@ def test_64_bit_dtypes_raise_cast_or_restore_exactly(tmp_path, values, kind):
         back = jaxckpt.restore(path, target(), planner=cast)["x"]
         want = values.astype(placed)
     assert back.dtype == placed and np.asarray(back).tobytes() == want.tobytes()
-    with jax.enable_x64(True):
+    with x64():
         back = jaxckpt.restore(path, target())["x"]
         assert back.dtype == values.dtype and np.asarray(back).tobytes() == values.tobytes()

@@ -21,6 +21,7 @@ from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F4
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._runtime.pools import settle
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 
@@ -128,6 +129,7 @@ def test_failed_save_leaves_no_checkpoint_and_a_retry_works(s3, prefix):
     assert not _location.exists(_location.Location(url))
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/arrays/w/zarr.json", Body=b"{}")  # a crash's
     jaxckpt.save(url, state())  # leftovers do not block a plain retry, and go at its commit
+    settle()  # (in the background, after it)
     assert "arrays/w/zarr.json" not in keys(s3, prefix)
     assert jaxckpt.restore(url)["step"] == 1
 
@@ -147,6 +149,7 @@ def test_overwrite_commits_then_deletes_the_old_arrays(s3, prefix):
     url = f"s3://{BUCKET}/{prefix}"
     jaxckpt.save(url, state())
     jaxckpt.save(url, {"w2": jnp.full(5, 3.0)}, overwrite=True)
+    settle()  # the replaced generation goes in the background
     after = keys(s3, prefix)
     gens = {k.split("/")[0] for k in after if k != "manifest.json"}
     assert len(gens) == 1 and all(g.startswith("g") for g in gens), after
@@ -155,6 +158,7 @@ def test_overwrite_commits_then_deletes_the_old_arrays(s3, prefix):
     assert jaxckpt.metadata(url).entries["w2"].path == f"{gen}/arrays/w2"
     np.testing.assert_array_equal(jaxckpt.restore(url)["w2"], np.full(5, 3.0))
     jaxckpt.save(url, state(4.0), overwrite=True)  # and again: a new generation replaces it
+    settle()
     assert not any(k.startswith(gen) for k in keys(s3, prefix))
     assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state(4.0)))
 
@@ -162,6 +166,7 @@ def test_overwrite_commits_then_deletes_the_old_arrays(s3, prefix):
 def test_failed_overwrite_keeps_the_old_checkpoint(s3, prefix):
     url = f"s3://{BUCKET}/{prefix}"
     jaxckpt.save(url, state())
+    settle()  # its lease (writer.json) goes after the commit, in the background
     before = keys(s3, prefix)
     manifest = s3.get_object(Bucket=BUCKET, Key=f"{prefix}/manifest.json")["Body"].read()
     with pytest.raises(RuntimeError, match="injected failure"):
@@ -171,6 +176,7 @@ def test_failed_overwrite_keeps_the_old_checkpoint(s3, prefix):
     assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state()))
     assert main(["verify", url]) == 0
     jaxckpt.save(url, state(3.0), overwrite=True)  # the retry writes and keeps one generation
+    settle()
     assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state(3.0)))
     assert len({k.split("/")[0] for k in keys(s3, prefix)}) == 2  # manifest.json + one gen
 

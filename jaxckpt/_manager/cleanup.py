@@ -12,11 +12,8 @@ On object stores the arrays other steps reference stay (``jaxckpt._storage.holds
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import Manifest
@@ -26,6 +23,7 @@ from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import generations as _generations
 from jaxckpt._storage import holds as _holds
 from jaxckpt._storage import lease as _lease
+from jaxckpt._storage import local_commit as _local_commit
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
@@ -43,26 +41,13 @@ def clean_up(run: _location.Location, referenced: Referenced) -> None:
     for p in run.local.iterdir():
         staging = parse_staging(p.name)
         if staging is not None and parse_step(staging[0]) is not None:
-            if not _clean_up_staging(p, *staging):
+            if not _local_commit.clean_leftover(p, *staging):
                 continue
         elif METRICS_TMP.fullmatch(p.name) and not _lease.local_is_live(p):
             p.unlink(missing_ok=True)
         else:
             continue
         logger.info("cleaned up %s (left by an interrupted save or delete)", p)
-
-
-def _clean_up_staging(path: Path, name: str, tag: str, suffix: str) -> bool:
-    """One staging directory of a step: ``False`` (left alone) while its save is live."""
-    root = path.parent
-    save = root / f".{name}.tmp-{tag}"  # the staging directory of the save it belongs to
-    if _lease.local_is_live(save) or (suffix == "-old" and _lease.local_is_live(root / name)):
-        return False
-    if suffix == "-old" and (path / MANIFEST).is_file() and not (root / name).exists():
-        os.rename(path, root / name)  # a crash inside an overwrite: put the old step back
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-    return True
 
 
 def _clean_up_objects(run: _location.Location, referenced: Referenced) -> None:

@@ -251,7 +251,8 @@ class CheckpointManager(RunReader):
             )
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed and old steps are deleted.
+        """Block until the save in flight (if any) is committed and old steps are deleted (and
+        what commits left to the background, such as a replaced checkpoint, is gone).
 
         Raises:
           CheckpointError: the save failed; raised once, the next ``save()`` goes ahead.
@@ -261,6 +262,7 @@ class CheckpointManager(RunReader):
         finally:
             if self._local is not None:
                 self._local.wait()
+            pools.settle()
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step`` and its metrics (e.g. the steps after the one a run

@@ -10,6 +10,7 @@ Imports neither jax nor tensorstore, so storage may use it (tests/test_structure
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger("jaxckpt")
 
 SAVE_THREADS = 32
 READ_THREADS = max(4, min(64, os.cpu_count() or 4))  # tensorstore's file I/O default
@@ -130,6 +132,40 @@ class Repeating:
 def repeat(seconds: float, fn: Callable[[], object]) -> Repeating:
     """Call ``fn()`` every ``seconds`` until the returned object's ``stop()``."""
     return Repeating(seconds, fn)
+
+
+_after_commit: set[Future[Any]] = set()  # see after_commit
+
+
+def after_commit(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` in the background after a commit: deleting what it replaced, off the
+    commit's path (a save returns once committed). :func:`settle` waits for all of them."""
+    future = in_background(_logged, fn, *args)
+    if future is not None:
+        with _lock:
+            _after_commit.add(future)
+        future.add_done_callback(_done_after_commit)
+
+
+def _logged(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # the checkpoint is committed: what is left goes at a later clean-up
+        logger.warning("a clean-up after a commit failed (%s); the checkpoint is committed", e)
+
+
+def _done_after_commit(future: Future[Any]) -> None:
+    with _lock:
+        _after_commit.discard(future)
+
+
+def settle() -> None:
+    """Wait until the work every commit so far left for the background is done (e.g. before
+    inspecting what a store holds)."""
+    with _lock:
+        pending = list(_after_commit)
+    for future in pending:
+        future.result()
 
 
 def abandonable(fn: Callable[..., T], *args: Any) -> Future[T]:

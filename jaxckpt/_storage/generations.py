@@ -17,10 +17,11 @@ the commit. The steps of one save:
    are written (``jaxckpt._storage.holds``); then ``manifest.json`` is written only if it is
    still the one step 1 saw (compare-and-swap on its generation), so a save that another
    commit overtook fails and leaves the winner whole.
-4. :func:`clean_up` after the commit: every other object at the prefix goes (the replaced
-   generation, leftovers), except the markers and the arrays they hold. It never raises: the
-   checkpoint is committed whatever happens there, and what is left goes at the next save or
-   delete of the same prefix.
+4. :func:`clean_up` after the commit, in the background (the save returns once committed):
+   every other object the prefix held when the commit was done goes (the replaced generation,
+   leftovers), except the markers and the arrays they hold. It never raises: the checkpoint
+   is committed whatever happens there, and what is left goes at the next save or delete of
+   the same prefix, or a manager's clean-up.
 
 Nothing is deleted before the commit, so a save that fails, or that a crash stops, leaves the
 last committed checkpoint and everything it references as they were.
@@ -37,6 +38,7 @@ from typing import Any
 from jaxckpt._errors import CheckpointError, ManifestError
 from jaxckpt._format.manifest import Manifest, storage_entries
 from jaxckpt._format.names import HELD_BY, MANIFEST, WRITER, is_own_key
+from jaxckpt._runtime import pools
 from jaxckpt._storage import holds
 from jaxckpt._storage.catalog import (
     array_of,
@@ -157,7 +159,11 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
         if not done.generation:
             drop(loc, target)
             raise lost_error(loc, committed=True)
-    clean_up(loc, target, keep_markers_of=referenced, name=name)
+    try:  # what to delete is listed now: a save that starts later writes a new generation
+        keys: list[str] | None = list_keys(loc)
+    except CheckpointError:
+        keys = None
+    pools.after_commit(clean_up, loc, target, referenced, name, keys)  # off the commit's path
 
 
 def _committed_after_all(loc: Location, data: bytes, error: Exception) -> bool:
@@ -195,13 +201,19 @@ def read_once(loc: Location) -> bytes | None:
 
 
 def clean_up(
-    loc: Location, target: Target, *, keep_markers_of: dict[str, set[str]], name: str
+    loc: Location,
+    target: Target,
+    keep_markers_of: dict[str, set[str]],
+    name: str,
+    keys: list[str] | None,
 ) -> None:
-    """Step 4 (never raises): delete what the committed manifest does not use, release the
-    markers the replaced checkpoint needed and this one does not, and the lease."""
+    """Step 4 (never raises; in the background after a commit): delete, of ``keys`` (the
+    prefix listed right after the commit), what the committed manifest does not use; release
+    the markers the replaced checkpoint needed and this one does not; release the lease."""
     try:
+        if keys is None:
+            raise CheckpointError(f"listing {loc} after the commit failed")
         kv = kvstore(loc.kvstore, loc)
-        keys = list_keys(loc)
         kept = holds.held(loc, keys)
         if kept is None:
             logger.warning("%s: a held-by marker cannot be read; keeping all old arrays", loc)
@@ -237,7 +249,11 @@ def tidy(loc: Location, manifest: Manifest) -> None:
     except CheckpointError as e:
         logger.warning("could not tidy %s: %s", loc, e)
         return
-    clean_up(loc, Target(generation), keep_markers_of={}, name=loc.name)
+    try:
+        keys: list[str] | None = list_keys(loc)
+    except CheckpointError:
+        keys = None
+    clean_up(loc, Target(generation), {}, loc.name, keys)
 
 
 def _replaced(key: str, generation: str, kept: set[str]) -> bool:

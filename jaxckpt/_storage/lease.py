@@ -43,6 +43,10 @@ STALE_S = 300.0  # a save silent for this long is dead
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EBADF)
 
 
+class LeaseLost(OSError):
+    """A staging directory was removed before its save could lock it."""
+
+
 class Lease:
     """Held by one save while it writes; :meth:`release` once it committed or gave up."""
 
@@ -53,18 +57,30 @@ class Lease:
 
     @classmethod
     def local(cls, staging: Path) -> Lease:
-        """Lock the staging directory ``staging`` (or beat on it where locks are missing)."""
+        """Lock the staging directory ``staging``, just made (or beat on it where locks are
+        missing).
+
+        Raises:
+          LeaseLost: a clean-up took ``staging`` for a dead save's between its creation and
+            the lock, and removed it: the caller makes another.
+        """
         lease = cls()
-        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError as e:  # removed between its creation and this open
+            raise LeaseLost(str(staging)) from e
+        try:  # blocking: a clean-up may be looking at it this instant (see holding)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
             os.close(fd)
             if e.errno not in _NO_LOCKS:
                 raise
             lease._beat = pools.repeat(BEAT_S, lambda: os.utime(staging))
-        else:
-            lease._fd = fd
+            return lease
+        if os.fstat(fd).st_nlink == 0:  # removed while this waited for the lock
+            os.close(fd)
+            raise LeaseLost(str(staging))
+        lease._fd = fd
         return lease
 
     @classmethod
@@ -107,23 +123,34 @@ class Lease:
             self._object = None
 
 
-def local_is_live(path: Path) -> bool:
-    """Whether a save still writes into the staging directory (or temporary file) ``path``."""
+@contextlib.contextmanager
+def holding(path: Path) -> Iterator[bool]:
+    """Take the lease of the staging directory (or temporary file) ``path`` if no live save
+    holds it: yields ``True`` when nothing holds it (the caller may remove it: the lock is
+    held until the block ends, so no save can take it meanwhile), ``False`` when a live save
+    does. Where the file system has no locks, ``path`` is free once :data:`STALE_S` old."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return False  # gone, or a link: nothing of ours writes into it
+        yield True  # gone, or a link: nothing of ours writes into it
+        return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return True
-        if e.errno not in _NO_LOCKS:
-            raise
-        return time.time() - os.fstat(fd).st_mtime < STALE_S
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free = True
+        except OSError as e:
+            if e.errno not in _NO_LOCKS and e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            free = e.errno in _NO_LOCKS and time.time() - os.fstat(fd).st_mtime >= STALE_S
+        yield free
     finally:
         os.close(fd)  # drops the lock this took, if it took one
-    return False
+
+
+def local_is_live(path: Path) -> bool:
+    """Whether a save still writes into the staging directory (or temporary file) ``path``."""
+    with holding(path) as free:
+        return not free
 
 
 def is_lease(key: str) -> bool:
@@ -138,8 +165,8 @@ def locked_file(path: Path) -> Iterator[BinaryIO]:
     the block ends, so that a clean-up never removes it while it is written."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(fd, "wb") as f:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:  # blocking: a clean-up may be looking at it this instant
+            fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
             if e.errno not in _NO_LOCKS:
                 raise

@@ -8,8 +8,10 @@ Everything is written into a hidden sibling ``.NAME.tmp-XXXXXXXX`` (``jaxckpt._f
   non-empty directory);
 * ``overwrite=True``: swapped atomically with the old checkpoint (``RENAME_EXCHANGE``) where the
   kernel allows, else the old one is moved aside to ``.NAME.tmp-XXXXXXXX-old`` first (a crash
-  between the two renames leaves it there; a manager puts it back at start). The replaced
-  checkpoint is deleted after the rename, only what jaxckpt wrote in it.
+  between the two renames leaves it there; the next save of the same path, or a manager, puts
+  it back). The replaced checkpoint, now a hidden sibling, is deleted in the background after
+  the commit (only what jaxckpt wrote in it): a crash before that leaves it for the next save
+  of the same path or a manager to delete.
 
 A crash leaves at most a staging directory, never a damaged checkpoint. While the save runs its
 coordinator holds the staging directory's lease (``jaxckpt._storage.lease``), so a clean-up
@@ -18,6 +20,7 @@ never removes a live save's directory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -27,8 +30,9 @@ from pathlib import Path
 
 from jaxckpt._errors import CheckpointError, CheckpointExistsError
 from jaxckpt._format.names import ARRAYS, MANIFEST, parse_staging, staging_name
+from jaxckpt._runtime import pools
 from jaxckpt._storage.catalog import fsync_dir
-from jaxckpt._storage.lease import Lease
+from jaxckpt._storage.lease import Lease, LeaseLost, holding
 from jaxckpt._storage.libc import libc
 from jaxckpt._storage.location import Location
 from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
@@ -37,14 +41,19 @@ from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_repl
 def make_staging(loc: Location, overwrite: bool) -> tuple[Path, Lease]:
     """Check the target (see :func:`check_target_dir`), then make and lease the staging dir."""
     assert loc.local is not None
+    clean_leftovers(loc.local)
     check_target_dir(loc.local, overwrite)
-    staging = loc.local.parent / staging_name(loc.local.name, uuid.uuid4().hex[:8])
-    try:
-        staging.mkdir(parents=True)
-        return staging, Lease.local(staging)
-    except OSError as e:  # a parent that is a file, a read-only file system, ...
-        shutil.rmtree(staging, ignore_errors=True)
-        raise write_error(loc, f"creating {staging}", e) from e
+    for _ in range(3):
+        staging = loc.local.parent / staging_name(loc.local.name, uuid.uuid4().hex[:8])
+        try:
+            staging.mkdir(parents=True)
+            return staging, Lease.local(staging)
+        except LeaseLost:
+            continue  # a clean-up removed it before it was locked: another one
+        except OSError as e:  # a parent that is a file, a read-only file system, ...
+            shutil.rmtree(staging, ignore_errors=True)
+            raise write_error(loc, f"creating {staging}", e) from e
+    raise write_error(loc, "creating its staging directory", OSError("removed 3 times"))
 
 
 def commit(loc: Location, staging: Path, manifest: bytes, overwrite: bool) -> None:
@@ -75,9 +84,9 @@ def commit(loc: Location, staging: Path, manifest: bytes, overwrite: bool) -> No
                 old = staging.with_name(staging.name + "-old")
                 os.rename(target, old)
                 os.rename(staging, target)
-                remove_own(old)
-            else:
-                remove_own(staging)  # now holds the old checkpoint
+                pools.after_commit(remove_replaced, old)  # off the commit's path
+            else:  # now holds the old checkpoint
+                pools.after_commit(remove_replaced, staging)
         else:
             os.rename(staging, target)
     except CheckpointError:  # CheckpointExistsError is an OSError too: it passes as it is
@@ -134,6 +143,47 @@ def check_target_dir(path: Path, overwrite: bool) -> None:
             f"{path} holds the arrays of an unfinished save (no {MANIFEST}). Pass "
             f"overwrite=True to replace them, or choose an empty or new path."
         )
+
+
+def clean_leftovers(target: Path) -> None:
+    """Remove what dead saves, deletes and overwrites of ``target`` left beside it (hidden
+    ``.NAME.tmp-XXXXXXXX`` siblings nobody holds), putting back an old checkpoint an
+    overwrite moved aside and did not replace (a crash between its two renames)."""
+    try:
+        siblings = list(target.parent.iterdir())
+    except OSError:
+        return
+    for path in siblings:
+        parsed = parse_staging(path.name)
+        if parsed is not None and parsed[0] == target.name:
+            clean_leftover(path, *parsed)
+
+
+def clean_leftover(path: Path, name: str, tag: str, suffix: str) -> bool:
+    """One hidden sibling ``.NAME.tmp-TAG[-old|-deleted]``: ``False`` (left alone) while the
+    save it belongs to holds its lease; otherwise removed, or, if it is an old checkpoint an
+    interrupted overwrite moved aside and its name is free, put back."""
+    root = path.parent
+    save = root / f".{name}.tmp-{tag}"  # the staging directory of the save it belongs to
+    # Held while removing: a save that locks one of them meanwhile waits, then sees it gone.
+    itself = holding(path) if path != save else contextlib.nullcontext(True)
+    target = holding(root / name) if suffix == "-old" else contextlib.nullcontext(True)
+    with holding(save) as free, itself as free_too, target as free_three:
+        if not (free and free_too and free_three):
+            return False
+        if suffix == "-old" and (path / MANIFEST).is_file() and not (root / name).exists():
+            os.rename(path, root / name)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def remove_replaced(old: Path) -> None:
+    """The background half of an overwrite: :func:`remove_own` under ``old``'s lock, so that a
+    clean-up of the same leftovers (:func:`clean_leftover`) leaves it alone meanwhile."""
+    with holding(old) as free:
+        if free:
+            remove_own(old)
 
 
 def remove_own(old: Path) -> None:
