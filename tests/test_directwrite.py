@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import google_crc32c
@@ -356,3 +358,44 @@ def test_buffers_are_reused_one_per_write_thread(tmp_path):
         )
     assert 1 <= len(_dw._spare) <= pools.WRITE_THREADS
     assert all(len(b.array) == 3 * 4096 for b in _dw._spare)
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys
+import numpy as np
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxckpt
+from jaxckpt._storage import directwrite
+
+path, value = sys.argv[1], float(sys.argv[2])
+m = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+w = jax.device_put(np.full((2048, 1024), value, np.float32), NamedSharding(m, P("data", "model")))
+if value == 2.0:  # the save that dies: SIGKILL at its third chunk write
+    writes, pwrite = [], os.pwrite
+    def tripwire(fd, data, offset):
+        writes.append(offset)
+        if len(writes) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return pwrite(fd, data, offset)
+    os.pwrite = tripwire
+jaxckpt.save(path, {"w": w}, overwrite=True)  # 8 chunks of 1 MiB: all written here
+assert sum(directwrite.bytes_written().values()) >= 8 << 20
+"""
+
+
+def test_a_save_killed_mid_write_leaves_the_last_checkpoint_whole(tmp_path):
+    """SIGKILL between two chunk writes of an overwrite: the checkpoint committed before is
+    restored whole, and the next save of the path commits."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env["JAX_PLATFORMS"] = "cpu"
+
+    def run(value: float) -> int:
+        cmd = [sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path / "ck"), str(value)]
+        return subprocess.run(cmd, env=env, timeout=120).returncode
+
+    assert run(1.0) == 0
+    assert run(2.0) == -9  # killed
+    assert (jaxckpt.restore(tmp_path / "ck")["w"] == 1.0).all()
+    assert run(3.0) == 0
+    assert (jaxckpt.restore(tmp_path / "ck")["w"] == 3.0).all()
