@@ -2,14 +2,19 @@
 
 What it shows, in one process:
 
-1. training with ``jax.jit`` over a (4, 2) ``("data", "model")`` mesh (pure jax + optax), with
-   an asynchronous checkpoint every ``--save-every`` steps (``CheckpointManager``);
+1. training with ``jax.jit`` over a (4, 2) ``("data", "model")`` mesh (pure jax + optax) on
+   batches from a Grain pipeline (a shuffling ``grain.DataLoader``), with an asynchronous
+   checkpoint every ``--save-every`` steps, or every ``--save-secs`` seconds (``0``: continuously,
+   whenever the last save has committed), through a ``CheckpointManager``; each checkpoint holds
+   the state and the pipeline's position (``iterators=``);
 2. a preemption: the demo sends itself SIGTERM; the manager saves that very step and the loop
    stops, as it would before a spot VM or a TPU slice goes away;
-3. a restart that restores onto a *different* mesh, (2, 4), trains on, is preempted again, and
-   restores onto a single device to finish;
+3. a restart that restores the state onto a *different* mesh, (2, 4), and a fresh pipeline to
+   the saved position, trains on, is preempted again, and restores onto a single device to
+   finish;
 4. the loss of every step equals, bit for bit, that of an uninterrupted run which follows the
-   same meshes but moves its state between them in memory, never through a checkpoint.
+   same meshes but moves its state between them in memory and reads one pipeline from start
+   to end, never through a checkpoint: the resumed run trained on the same batches.
 
 Run: ``make demo`` or ``python examples/demo.py --steps 60 --mesh 4x2 --dir /tmp/run``.
 """
@@ -31,6 +36,7 @@ import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
+import grain  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -85,12 +91,37 @@ def forward(params: dict, tokens: jax.Array) -> jax.Array:
     return _norm(x, params["ln"]) @ params["head"]
 
 
-def batch(step: int) -> tuple[jax.Array, jax.Array]:
-    """The data of ``step`` (a function of the step, so a resumed run sees the same data)."""
-    key = jax.random.fold_in(jax.random.key(1), step)
-    start = jax.random.randint(key, (BATCH, 1), 0, VOCAB)
-    seq = (start * jnp.arange(1, SEQ + 2) * 5 + jnp.arange(SEQ + 1) ** 2) % VOCAB  # learnable
-    return seq[:, :-1], seq[:, 1:]
+# -- the data: a Grain pipeline, whose position is saved with each step -----------------------
+
+
+class Sequences:
+    """A random-access source of learnable token sequences: record ``i`` is a function of ``i``."""
+
+    def __len__(self) -> int:
+        return 1 << 16  # 4096 batches: enough for long runs (benchmarks/lost_work.py)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = (i * 2654435761) % VOCAB
+        return ((start * np.arange(1, SEQ + 2) * 5 + np.arange(SEQ + 1) ** 2) % VOCAB).astype(
+            np.int32
+        )
+
+    def __repr__(self) -> str:  # Grain checks a restored position against the source's repr
+        return f"Sequences(vocab={VOCAB}, seq={SEQ})"
+
+
+def batches() -> grain.DataLoaderIterator:
+    """A fresh pipeline: shuffled records, batched. Its position is what a checkpoint keeps."""
+    sampler = grain.samplers.IndexSampler(len(Sequences()), grain.sharding.NoSharding(),
+                                          shuffle=True, seed=1, num_epochs=1)  # fmt: skip
+    loader = grain.DataLoader(data_source=Sequences(), sampler=sampler, worker_count=0,
+                              operations=[grain.transforms.Batch(BATCH, drop_remainder=True)])  # fmt: skip
+    return iter(loader)
+
+
+def split(batch: np.ndarray, layout: Layout) -> tuple[jax.Array, jax.Array]:
+    """Inputs and next-token targets of a batch, sharded over the layout's data axis."""
+    return jax.device_put(batch[:, :-1], layout.data), jax.device_put(batch[:, 1:], layout.data)
 
 
 OPT = optax.adamw(3e-3, weight_decay=1e-4)
@@ -175,18 +206,19 @@ def step_fn(layout: Layout, state: dict) -> Callable:
 # -- the run ----------------------------------------------------------------------------------
 
 
-def run_segment(mgr: jaxckpt.CheckpointManager, layout: Layout, state: dict, start: int,
-                end: int, preempt_at: int | None, losses: list[float], quiet: bool) -> tuple[dict, int]:  # fmt: skip
-    """Train steps ``start..end-1`` saving through ``mgr``; stop early at a preemption."""
+def run_segment(mgr: jaxckpt.CheckpointManager, layout: Layout, state: dict, data: Any,
+                start: int, end: int, preempt_at: int | None, losses: list[float],
+                quiet: bool) -> tuple[dict, int]:  # fmt: skip
+    """Train steps ``start..end-1`` on ``data`` saving through ``mgr``; stop at a preemption."""
     fn = step_fn(layout, state)
     reported: set[int] = set()
     for step in range(start, end):
-        tokens, targets = (jax.device_put(a, layout.data) for a in batch(step))
-        state, loss = fn(state, tokens, targets)
+        state, loss = fn(state, *split(next(data), layout))
         losses.append(float(loss))
         if step + 1 == preempt_at:
             os.kill(os.getpid(), signal.SIGTERM)  # what the scheduler would send
-        mgr.save(step + 1, state, metrics={"loss": losses[-1]})  # saved if due, or preempted
+        # Saved if due, or preempted: the state and the pipeline's position, as one step.
+        mgr.save(step + 1, state, metrics={"loss": losses[-1]}, iterators={"train": data})
         _report(mgr, reported, quiet)
         if not quiet:
             _progress(step + 1, end, losses[-1], layout)
@@ -220,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60, help="training steps in all (default 60)")
     ap.add_argument("--save-every", type=int, default=10, help="checkpoint interval (default 10)")
+    ap.add_argument("--save-secs", type=float, default=None,
+                    help="save by time instead: seconds between saves (0: continuously)")  # fmt: skip
     ap.add_argument("--mesh", default="4x2", help="first mesh, DATAxMODEL (default 4x2)")
     ap.add_argument("--resume-on", default="2x4,1",
                     help="meshes to resume on after each preemption (default 2x4,1; 1 = one device)")  # fmt: skip
@@ -241,38 +275,40 @@ def main(argv: list[str] | None = None) -> dict:
         f"jaxckpt demo: {args.steps} steps, {jax.device_count()} devices, checkpoints in {directory}"
     )
 
+    every = args.save_every if args.save_secs is None else None  # by steps, or by time
     resumed: list[float] = []
     stops: list[int] = []  # where each segment really stopped (the step it saved at)
     step, state = 0, None
     t0 = time.perf_counter()
     for i, layout in enumerate(layouts):
         end = preempts[i] if i < len(preempts) else args.steps
-        with jaxckpt.CheckpointManager(directory, max_to_keep=3, save_interval_steps=args.save_every,
+        with jaxckpt.CheckpointManager(directory, max_to_keep=3, save_interval_steps=every,
+                                       save_interval_secs=args.save_secs,
                                        save_on_preemption=True) as mgr:  # fmt: skip
+            data = batches()  # a new process would build its pipeline afresh too
             if mgr.latest_step() is None:
                 say(f"start on mesh {layout.text}")
                 state = initial_state(layout)
             else:
                 step = mgr.latest_step()
-                state = mgr.restore(step, abstract_state(layout))
-                say(f"restart: restored step {step} from {directory} onto {layout.text} "
-                    f"(committed steps {mgr.all_steps()})")  # fmt: skip
-            state, step = run_segment(mgr, layout, state, step, args.steps,
+                state = mgr.restore(step, abstract_state(layout), iterators={"train": data})
+                say(f"restart: restored step {step} and its pipeline position from {directory} "
+                    f"onto {layout.text} (committed steps {mgr.all_steps()})")  # fmt: skip
+            state, step = run_segment(mgr, layout, state, data, step, args.steps,
                                       end if i < len(preempts) else None, resumed, args.quiet)  # fmt: skip
         stops.append(step)
         say("")
     t_train = time.perf_counter() - t0
 
-    say("uninterrupted reference run (same meshes, state moved in memory) ...")
+    say("uninterrupted reference run (same meshes, state moved in memory, one pipeline) ...")
     reference: list[float] = []
-    state = initial_state(layouts[0])
+    state, data = initial_state(layouts[0]), batches()
     for i, layout in enumerate(layouts):
         start, end = (stops[i - 1] if i else 0), stops[i]
         state = jax.device_put(state, layout.shardings(state))
         fn = step_fn(layout, state)
-        for s in range(start, end):
-            tokens, targets = (jax.device_put(a, layout.data) for a in batch(s))
-            state, loss = fn(state, tokens, targets)
+        for _ in range(start, end):
+            state, loss = fn(state, *split(next(data), layout))
             reference.append(float(loss))
     same = resumed == reference
     say(

@@ -6,17 +6,18 @@ reader can follow ``save()`` to the byte written in three hops.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from jaxckpt._errors import CheckpointError
+from jaxckpt import _iterators
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import SavePlan, WriteItem
 from jaxckpt._incremental import Increment
@@ -31,6 +32,7 @@ from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
+from jaxckpt._storage.messages import typed_os_error
 
 logger = logging.getLogger("jaxckpt")
 PathLike = str | os.PathLike[str]
@@ -44,6 +46,7 @@ def save(
     planner: SavePlanner | None = None,
     base: PathLike | None = None,
     digests: bool = False,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
 ) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
@@ -66,6 +69,9 @@ def save(
       digests: record the content digests of what is written even without ``base`` (always
         with one), so that a later save against this one compares without reading it back:
         the first step of an incremental run. Costs hashing the state once.
+      iterators: data iterators whose position goes into the checkpoint, by name (objects
+        with ``get_state()``/``set_state()``: Grain's ``DataLoader`` iterators and
+        ``DatasetIterator``s), each process its own; their states are taken during the call.
 
     Raises:
       CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite=False``.
@@ -87,6 +93,7 @@ def save(
             stage=False,
             base=base,
             digests=digests,
+            records=_iterators.capture(iterators),  # the positions now, not at the write
         )
     handle.wait()
 
@@ -99,11 +106,13 @@ def save_async(
     planner: SavePlanner | None = None,
     base: PathLike | None = None,
     digests: bool = False,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the device data is staged on the host.
 
-    The caller may then donate or overwrite the arrays; storage writes and the commit run in
-    a background thread. Call ``wait()`` on the handle before relying on the checkpoint.
+    The caller may then donate or overwrite the arrays and advance the ``iterators``; storage
+    writes and the commit run in a background thread. Call ``wait()`` on the handle before
+    relying on the checkpoint.
 
     Returns:
       A :class:`SaveHandle`; ``wait()`` re-raises any error of the save.
@@ -116,7 +125,14 @@ def save_async(
     """
     with collector.paused():  # the blocking part only, not the background write
         return _start_save(
-            path, tree, overwrite=overwrite, planner=planner, stage=True, base=base, digests=digests
+            path,
+            tree,
+            overwrite=overwrite,
+            planner=planner,
+            stage=True,
+            base=base,
+            digests=digests,
+            records=_iterators.capture(iterators),  # the positions now, not at the write
         )
 
 
@@ -187,9 +203,9 @@ def _start_save(
     stage: bool,
     base: PathLike | None = None,
     digests: bool = False,
+    records: dict[str, Any] | None = None,
 ) -> SaveHandle:
-    """Plan on every process, stage (if ``stage``), then write and commit: in the background
-    when staged, else here."""
+    """Plan everywhere, stage (if ``stage``), write and commit: in the background when staged."""
     t0 = time.perf_counter()
     loc = _location.Location(path, one_operation=True)
     planner = planner if planner is not None else DefaultSavePlanner()
@@ -222,7 +238,7 @@ def _start_save(
 
     def run() -> None:
         _write_and_commit(
-            handle, loc, sync, writer, entries, global_plan, local, pending, increment
+            handle, loc, sync, writer, entries, global_plan, local, pending, increment, records
         )
 
     if stage:
@@ -298,6 +314,7 @@ def _write_and_commit(
     local: SavePlan,
     pending: list[Iterator[tuple[WriteItem, Any]]],
     increment: Increment | None = None,
+    records: dict[str, Any] | None = None,
 ) -> None:
     """Create the arrays, write this process's items, commit; errors go to ``handle``."""
     try:
@@ -316,11 +333,13 @@ def _write_and_commit(
             writer.open_arrays((entries[k] for k in own), create=False)
         handle.nbytes = writer.write(entries, items)
         writer.flush()
-        payloads = sync.gather("written", increment.payload() if increment else "")
+        done = _iterators.payload(records or {}, increment.payload() if increment else "")
+        payloads = sync.gather("written", done)
         t3 = time.perf_counter()
-        if sync.is_coordinator:
-            manifest = global_plan.manifest
-            if increment is not None and payloads is not None:  # (gathered: the coordinator)
+        if sync.is_coordinator and payloads is not None:  # (gathered: the coordinator)
+            saved, payloads = _iterators.collect(payloads, sync.count, str(loc))
+            manifest = dataclasses.replace(global_plan.manifest, iterators=saved)
+            if increment is not None:
                 manifest = increment.manifest(manifest, payloads)
             writer.commit(manifest)
         sync.barrier("committed", wait_for_all=False)
@@ -335,22 +354,11 @@ def _write_and_commit(
             {k: round(v, 3) for k, v in handle.timings.items()},
         )
     except BaseException as e:  # re-raised by wait()
-        handle._error = sync.failed(_typed(e, loc))  # first: returns once the others stopped
+        # failed() first: it returns once the others stopped
+        handle._error = sync.failed(typed_os_error(e, loc))
         writer.abort()
     finally:
         handle._finished.set()
-
-
-def _typed(e: BaseException, loc: _location.Location) -> BaseException:
-    """An OS error (e.g. ``EIO`` from a flush) as the ``CheckpointError`` a caller catches."""
-    if not isinstance(e, OSError) or isinstance(e, CheckpointError):
-        return e
-    err = CheckpointError(
-        f"Save to {loc} failed: {type(e).__name__}: {e}. Check the storage (disk errors, "
-        f"permissions, free space), then save again."
-    )
-    err.__cause__ = e
-    return err
 
 
 def restore(
@@ -360,6 +368,7 @@ def restore(
     keys: str | Sequence[str] | None = None,
     strict: bool = True,
     planner: LoadPlanner | None = None,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
 ) -> Any:
     """Restore a checkpoint onto ``target``'s shardings, or onto the host.
 
@@ -379,6 +388,8 @@ def restore(
         ``ShapeDtypeStruct`` or ``Sharding`` leaf stays abstract), with a warning on the
         ``jaxckpt`` logger naming the target's keys the checkpoint lacks.
       planner: a :class:`LoadPlanner`; default :class:`DefaultLoadPlanner`.
+      iterators: data iterators saved with the checkpoint (``save(..., iterators=)``), by
+        name: each is set to the state this process saved, before any array is read.
 
     Returns:
       The restored tree, with ``target``'s structure (or the saved one when ``target=None``).
@@ -397,6 +408,7 @@ def restore(
     """
     with collector.paused():
         manifest, reader = _open(path)
+        _iterators.restore_states(iterators, manifest.iterators, str(path))
         planner = planner if planner is not None else DefaultLoadPlanner()
         planner.set_up_planner(target, manifest, keys=keys, strict=strict)
         plan = planner.create_local_plan()

@@ -114,6 +114,27 @@ def test_inspect_json_lists_every_entry(capsys, runs):
     assert doc["arrays"] == 5 and doc["nbytes"] == 256 + 16 + 24 + 2 + 3
 
 
+def test_inspect_shows_saved_iterator_positions(capsys, tmp_path):
+    class Position:
+        def get_state(self):
+            return {"next_index": 12}
+
+        def set_state(self, state):
+            pass
+
+    path = tmp_path / "c"
+    jaxckpt.save(path, {"x": 1}, iterators={"train": Position()})
+    assert main(["inspect", str(path)]) == 0
+    assert "iterator 'train': the position of 1 process (json; --json shows it)" in (
+        capsys.readouterr().out
+    )
+    assert main(["inspect", "--json", str(path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["iterators"] == {
+        "train": {"process_count": 1, "states": {"0": {"json": {"next_index": 12}}}}
+    }
+
+
 def test_inspect_missing_checkpoint_is_one_line_exit_2(capsys, tmp_path):
     code, out, err = run(capsys, "inspect", tmp_path / "nope")
     assert code == 2 and out == ""

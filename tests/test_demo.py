@@ -26,6 +26,14 @@ def test_demo_resumes_on_other_meshes_with_the_uninterrupted_loss(tmp_path):
     assert jaxckpt.CheckpointManager(d).all_steps() == [8, 9, 12]  # max_to_keep=3
 
 
+def test_demo_saving_continuously_resumes_with_the_uninterrupted_loss(tmp_path):
+    d = tmp_path / "run"
+    out = _demo().main(["--steps", "12", "--save-secs", "0", "--dir", str(d), "--quiet"])
+    assert out["preempted_at"] == [4, 8]
+    assert out["resumed"] == out["uninterrupted"]  # the pipeline resumed at its saved position
+    assert jaxckpt.CheckpointManager(d).latest_step() >= 8  # the last: as commits allowed
+
+
 def test_demo_rejects_a_bad_mesh(tmp_path):
     import pytest
 

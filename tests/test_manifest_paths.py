@@ -20,7 +20,7 @@ from jaxckpt._format.manifest_check import box_key
 from jaxckpt._format.names import is_storage_path
 
 PATHS = {"entries", "packs", "digests", "probes", "refs"}  # fields holding storage paths
-OTHER = {"tree", "created", "version"}
+OTHER = {"tree", "created", "version", "iterators"}  # iterators: JSON states, no paths
 
 _name = st.text("abcdefghij_.-0123456789", min_size=1, max_size=12).filter(
     lambda s: is_storage_path(f"arrays/{s}")

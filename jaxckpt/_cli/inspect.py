@@ -54,6 +54,8 @@ def run_inspect(args: argparse.Namespace) -> int:
             "nbytes": total,
             "entries": [_entry_json(e) for e in m.entries.values()],
         }
+        if m.iterators:  # the saved positions of data iterators, as in the manifest
+            doc["iterators"] = {n: it.to_json() for n, it in m.iterators.items()}
         print(json.dumps(doc, indent=1))
         return 0
     n_values = len(m.entries) - len(arrays)
@@ -65,6 +67,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     width = max((len(r[0]) for r in rows), default=0)
     for name, cols in rows:
         print(f"{name:<{width}}  {cols}".rstrip() if cols else name)
+    for name, it in m.iterators.items():
+        kinds = ", ".join(sorted({r.kind for r in it.states.values()}))
+        count = it.process_count
+        each = "1 process" if count == 1 else f"each of {count} processes"
+        print(f"iterator {name!r}: the position of {each} ({kinds}; --json shows it)")
     return 0
 
 

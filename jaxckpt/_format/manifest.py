@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._format import iterators as _iterators
 from jaxckpt._format import manifest_check
 from jaxckpt._format.dtypes import dtype_from_name as dtype_from_name
 from jaxckpt._format.dtypes import is_supported_dtype as is_supported_dtype
@@ -49,6 +50,8 @@ class Manifest:
     probes: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # Arrays (by storage path) whose data lives in a sibling step: ``../STEP/arrays/NAME``.
     refs: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The states of data iterators saved with the step, by name (``iterators``): no paths.
+    iterators: dict[str, _iterators.SavedIterator] = dataclasses.field(default_factory=dict)
 
     def relocated(self, prefix: str) -> Manifest:
         """This manifest with every storage path it holds moved under ``prefix`` (an
@@ -106,6 +109,8 @@ class Manifest:
             head["digests"] = self.digests
         if self.probes:
             head["probes"] = self.probes
+        if self.iterators:
+            head["iterators"] = {n: it.to_json() for n, it in self.iterators.items()}
         lines = [f" {dump(k)}: {dump(v)}," for k, v in head.items()]
         entries = ",\n".join(
             f"  {dump(k)}: {dump(_entry_to_json(e))}" for k, e in self.entries.items()
@@ -151,6 +156,7 @@ class Manifest:
             digests=fields.digests,
             probes=fields.probes,
             refs=fields.refs,
+            iterators=_iterators.from_json(doc.get("iterators", {}), where),
         )
 
 

@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from jaxckpt._api import metadata, restore
 from jaxckpt._errors import CheckpointError, UnsupportedLeafError
+from jaxckpt._format.iterators import IteratorState, SavedIterator
 from jaxckpt._format.manifest import ValueEntry, storage_entries
 from jaxckpt._format.plan import Box, index_to_box
 from jaxckpt._planning import tree as _tree
@@ -83,6 +84,7 @@ class Snapshot:
     copies: dict[tuple[int, int], jax.Array | npt.NDArray[Any]]  # (leaf #, box #) -> its copy
     values: dict[int, Any]
     nbytes: int
+    iterators: dict[str, SavedIterator] = dataclasses.field(default_factory=dict)
 
 
 def part_name(process: int, count: int) -> str:
@@ -151,8 +153,17 @@ def target_layout(target: Any, process_count: int) -> str | None:
 # -- saving -------------------------------------------------------------------------------------
 
 
-def snapshot(tree: Any, *, step: int, save: str, process: int, count: int) -> Snapshot:
-    """Copy this process's distinct addressable shards (and values) of ``tree`` off its buffers.
+def snapshot(
+    tree: Any,
+    *,
+    step: int,
+    save: str,
+    process: int,
+    count: int,
+    records: dict[str, IteratorState] | None = None,
+) -> Snapshot:
+    """Copy this process's distinct addressable shards (and values) of ``tree`` off its buffers;
+    ``records``: this process's iterator states, committed with the part.
 
     Returns once the copies are dispatched (CPU devices) or done (elsewhere): the caller may
     then donate or overwrite ``tree``.
@@ -179,7 +190,8 @@ def snapshot(tree: Any, *, step: int, save: str, process: int, count: int) -> Sn
     part = PartInfo(step, process, count, save, layout_digest(count, layout), tuple(infos))
     copies = dict(zip(sources, _copy(list(sources.values()))))
     nbytes = sum(int(np.prod(c.shape)) * c.dtype.itemsize for c in copies.values())
-    return Snapshot(part, copies, values, nbytes)
+    iterators = {n: SavedIterator(count, {process: r}) for n, r in (records or {}).items()}
+    return Snapshot(part, copies, values, nbytes, iterators)
 
 
 def _array_leaf(key: str, leaf: jax.Array) -> tuple[LeafInfo, list[jax.Array]]:
@@ -248,7 +260,7 @@ def write_part(path: Path, snap: Snapshot, *, overwrite: bool) -> int:
         writer.open_arrays(entries.values(), create=True)
         nbytes = writer.write(entries, ((i, planner.resolve_data(i)) for i in items))
         writer.flush()
-        writer.commit(plan.manifest)
+        writer.commit(dataclasses.replace(plan.manifest, iterators=snap.iterators))
     except BaseException:
         writer.abort()
         raise

@@ -27,11 +27,13 @@ from typing import Any, Literal
 
 from jaxckpt._api import SaveHandle, save_async
 from jaxckpt._errors import CheckpointError
+from jaxckpt._iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
 from jaxckpt._manager.reading import RunReader
 from jaxckpt._manager.retention import Policy, json_metrics, referenced
 from jaxckpt._manager.run import Run, step_arg
+from jaxckpt._manager.schedule import Schedule, check
 from jaxckpt._manager.tier_choice import RestoredFrom
 from jaxckpt._manager.tiers import LocalTier
 from jaxckpt._runtime import distributed as _distributed
@@ -58,8 +60,9 @@ class CheckpointManager(RunReader):
         it is kept on top of the best ones when it is not among them.
       keep_every_n_steps: also keep, forever, every step that is a multiple of this; those
         steps do not count toward ``max_to_keep`` (unlike Orbax's ``keep_period``).
-      save_interval_steps: ``save()`` saves only steps that are multiples of this (unless
-        ``force=True``, or at a preemption).
+      save_interval_steps: ``save()`` saves the steps that are multiples of this (and those
+        ``force=True``, a preemption or ``save_interval_secs`` asks for). Default: 1 (every
+        step) without ``save_interval_secs``, none with it.
       async_save: write in the background (default); ``False`` makes ``save()`` block until
         the step is committed.
       best_fn: ``metrics -> float``; with it, ``max_to_keep`` keeps the best steps instead of
@@ -88,6 +91,13 @@ class CheckpointManager(RunReader):
         saves (each call lists them afresh), and never saves, cleans up or deletes anything,
         so it can run beside the trainer's (an evaluator; docs/manager.md). The directory
         need not exist yet.
+      save_interval_secs: also save when at least this many seconds have passed since the
+        last save began and the previous save has committed (it never waits for one); ``0``
+        is continuous checkpointing: the next save as soon as the last one has committed. On
+        several processes process 0 decides for all (docs/manager.md, *When to save*).
+      keep_every_n_secs: also keep, forever, the first step committed in each window of
+        this many seconds; like ``keep_every_n_steps``, those do not count toward
+        ``max_to_keep`` (the rule: ``jaxckpt._manager.retention``).
 
     Raises:
       ValueError: an argument is out of range.
@@ -108,7 +118,7 @@ class CheckpointManager(RunReader):
         *,
         max_to_keep: int | None = None,
         keep_every_n_steps: int | None = None,
-        save_interval_steps: int = 1,
+        save_interval_steps: int | None = None,
         async_save: bool = True,
         best_fn: Callable[[Mapping[str, Any]], float] | None = None,
         best_mode: Literal["min", "max"] = "min",
@@ -120,6 +130,8 @@ class CheckpointManager(RunReader):
         local_max_to_keep: int = 2,
         local_replicas: int = 1,
         read_only: bool = False,
+        save_interval_secs: float | None = None,
+        keep_every_n_secs: float | None = None,
     ) -> None:
         _check_counts(
             max_to_keep=max_to_keep,
@@ -130,8 +142,9 @@ class CheckpointManager(RunReader):
         )
         _check_options(best_mode, local_replicas, read_only=read_only, local=local_directory)
         self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
-        self.policy = Policy(max_to_keep, keep_every_n_steps, best_fn, best_mode)
-        self.save_interval_steps = save_interval_steps
+        self.policy = Policy(max_to_keep, keep_every_n_steps, best_fn, best_mode, keep_every_n_secs)
+        self.save_interval_steps = check(save_interval_steps, save_interval_secs)
+        self._schedule = Schedule(self.save_interval_steps, save_interval_secs)
         self.async_save = async_save
         self.last_save: SaveHandle | None = None
         if io_timeout is not None:
@@ -161,7 +174,13 @@ class CheckpointManager(RunReader):
     # -- saving ---------------------------------------------------------------------------------
 
     def save(
-        self, step: int, tree: Any, *, metrics: Mapping[str, Any] | None = None, force: bool = False
+        self,
+        step: int,
+        tree: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+        iterators: Mapping[str, Checkpointable] | None = None,
     ) -> bool:
         """Save ``tree`` as ``step`` if the step is due; call it at every step.
 
@@ -171,8 +190,11 @@ class CheckpointManager(RunReader):
             overwritten as soon as this returns.
           metrics: JSON-able numbers for this step (e.g. ``{"loss": 0.3}``, jax/numpy scalars
             allowed), stored in ``metrics.json`` and used by ``best_fn``.
-          force: save even if ``step`` is not a multiple of ``save_interval_steps`` (a step
-            already saved is never replaced, ``force`` or not).
+          force: save even if ``step`` is not due (a step already saved is never replaced,
+            ``force`` or not).
+          iterators: data iterators by name (Grain's, or any with ``get_state()`` and
+            ``set_state()``) whose positions go into the step, each process its own, as they
+            are during the call; ``restore(..., iterators=)`` sets them back.
 
         Returns:
           Whether a save was started, in either tier (committed when ``wait()`` returns).
@@ -189,20 +211,37 @@ class CheckpointManager(RunReader):
         preempted = self.reached_preemption(step)
         tier = self._local if self._local is not None and step % self._local.interval == 0 else None
         if tier is not None:  # before the persistent save: the faster copy is staged first
-            tier.save(step, tree)
-        if not (force or preempted or step % self.save_interval_steps == 0):
+            tier.save(step, tree, iterators)
+        if not (force or preempted or self._schedule.due(step, self._in_flight)):
             return tier is not None
         record = json_metrics(step, metrics)
         if self.policy.best_fn is not None and record is not None:
             float(self.policy.best_fn(record))  # fail here, not in the background
         self._wait_persistent()
+        self._start(step, tree, record, iterators, preempted)
+        return True
+
+    def _start(
+        self,
+        step: int,
+        tree: Any,
+        record: dict[str, Any] | None,
+        iterators: Mapping[str, Checkpointable] | None,
+        preempted: bool,
+    ) -> None:
+        """Save ``step`` to the directory: staged here, committed in the background (here
+        with ``async_save=False`` or at a preemption)."""
         loc = self._run.path(step)
         listed = self.policy.max_to_keep is not None or self.incremental
         steps = self._run.steps() if listed else []
         self._run.check_new(step, self.policy, record, steps)
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
+        began = self._schedule.clock()
         with _location.deadline(self._loc.io_timeout):
-            handle = save_async(str(loc), tree, base=base, digests=self.incremental)
+            handle = save_async(
+                str(loc), tree, base=base, digests=self.incremental, iterators=iterators
+            )
+        self._schedule.began(began)
         self.last_save = handle
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)
@@ -212,7 +251,9 @@ class CheckpointManager(RunReader):
         else:
             self._finish(step, handle, record)
             self.wait()
-        return True
+
+    def _in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
 
     def _finish(self, step: int, handle: SaveHandle, record: dict[str, Any] | None) -> None:
         """After the commit: log, write metrics and apply retention (the primary process)."""
@@ -236,12 +277,9 @@ class CheckpointManager(RunReader):
         if not self._primary:
             return
         try:
-            metrics = self._metrics.read()
-            if record is not None:
-                metrics[str(step)] = record
             steps = self._run.steps()
-            deleted = _retention.apply(
-                self._loc, self.policy, self._metrics, metrics, steps, changed=record is not None
+            deleted = _retention.after_commit(
+                self._loc, self.policy, self._metrics, step, record, steps
             )
             if deleted and self._loc.local is None and self.incremental:
                 self._clean_up()  # arrays kept for a step deleted now may be referenced no more
@@ -304,10 +342,12 @@ class CheckpointManager(RunReader):
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save this step: a multiple of
-        ``save_interval_steps``, or a preemption notice asks for it (``save_on_preemption``).
-        It reads no storage (``save`` raises for a step saved already)."""
+        ``save_interval_steps``, due by ``save_interval_secs`` (the answer is kept, so the
+        ``save(step)`` that follows agrees), or a preemption notice asks for it. It reads no
+        storage (``save`` raises for a step saved already); on several processes, every
+        process must ask at the same steps."""
         step = step_arg(step, "should_save(step)")
-        return step % self.save_interval_steps == 0 or self.reached_preemption(step)
+        return self._schedule.due(step, self._in_flight) or self.reached_preemption(step)
 
     # -- life cycle -----------------------------------------------------------------------------
 

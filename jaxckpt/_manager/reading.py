@@ -7,10 +7,11 @@ up at once; with a local tier, the processes agree on what it holds (``jaxckpt._
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from jaxckpt._api import metadata
+from jaxckpt._iterators import Checkpointable
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run import Run, step_arg
 from jaxckpt._manager.tier_choice import RestoredFrom
@@ -88,12 +89,16 @@ class RunReader:
         keys: str | Sequence[str] | None = None,
         strict: bool = True,
         planner: LoadPlanner | None = None,
+        iterators: Mapping[str, Checkpointable] | None = None,
     ) -> Any:
         """Restore ``step`` (default: the latest committed one); waits for a save in flight.
 
         Args:
           step: the step to restore; ``None`` for the latest.
           target, keys, strict, planner: as for :func:`jaxckpt.restore`.
+          iterators: data iterators saved with the step (``save(..., iterators=)``), by
+            name: each is set to the position this process saved (docs/manager.md,
+            *Resuming exactly*).
 
         With a local tier (``local_directory``), every process must call it: the processes
         agree on the newest step that some tier holds whole (a local step wins over an equally
@@ -116,9 +121,17 @@ class RunReader:
             self._local.settle()
             persistent = self._run.steps()
             tree, self.restored_from = self._local.restore_newest(
-                step, target, persistent, keys=keys, strict=strict, planner=planner
+                step,
+                target,
+                persistent,
+                keys=keys,
+                strict=strict,
+                planner=planner,
+                iterators=iterators,
             )
             return tree
-        tree, step = self._run.restore(step, target, keys=keys, strict=strict, planner=planner)
+        tree, step = self._run.restore(
+            step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
+        )
         self.restored_from = RestoredFrom("persistent", step)
         return tree

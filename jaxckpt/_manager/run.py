@@ -87,8 +87,10 @@ class Run:
                 f"*Going back to an older step*)."
             )
         if steps and policy.max_to_keep is not None:
-            metrics = self.metrics.read() if policy.best_fn is not None else {}
-            policy.refuse_doomed(step, steps, {**metrics, str(step): record}, self.directory)
+            read = policy.best_fn is not None or policy.keep_every_n_secs is not None
+            metrics, committed = self.metrics.read_all() if read else ({}, {})
+            metrics = {**metrics, str(step): record}
+            policy.refuse_doomed(step, steps, metrics, self.directory, committed)
 
     def require(self, step: int, then: str) -> None:
         """Raise ``CheckpointNotFoundError`` (ending in ``then``) unless ``step`` is committed."""
@@ -100,7 +102,7 @@ class Run:
     def restore(self, step: int | None, target: Any, **kwargs: Any) -> tuple[Any, int]:
         """Restore ``step`` (``None``: the newest); returns the tree and the step.
 
-        ``kwargs``: ``keys``, ``strict``, ``planner`` of :func:`jaxckpt.restore`.
+        ``kwargs``: ``keys``, ``strict``, ``planner``, ``iterators`` of :func:`jaxckpt.restore`.
 
         Raises:
           CheckpointNotFoundError: no committed step (or not ``step``).
@@ -128,9 +130,10 @@ class Run:
         self.require(step, "Nothing was deleted.")
         others = [step_name(s) for s in self.steps() if s != step]
         keep = referenced(self.loc, others)
-        metrics = self.metrics.read()
-        if str(step) in metrics:
-            self.metrics.write({k: v for k, v in metrics.items() if k != str(step)})
+        metrics, committed = self.metrics.read_all()
+        if str(step) in metrics or str(step) in committed:
+            committed.pop(str(step), None)
+            self.metrics.write({k: v for k, v in metrics.items() if k != str(step)}, committed)
         _catalog.delete(self.path(step), keep=keep.get(step_name(step), ()))
         logger.info("deleted step %d from %s", step, self.directory)
 

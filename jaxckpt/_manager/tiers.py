@@ -42,7 +42,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from jaxckpt._api import restore
+from jaxckpt import _iterators
+from jaxckpt._api import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.names import parse_staging, parse_step, staging_name, step_name
 from jaxckpt._manager import local_part as _part
@@ -97,13 +98,21 @@ class LocalTier:
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def save(self, step: int, tree: Any) -> None:
-        """Copy this process's part of ``tree`` off its buffers, then write and replicate it in
-        the background (at most one local save in flight)."""
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        iterators: Mapping[str, _iterators.Checkpointable] | None = None,
+    ) -> None:
+        """Copy this process's part of ``tree`` off its buffers (and take the ``iterators``'
+        states), then write and replicate it in the background (one local save in flight)."""
         self.wait()
         n = self._saves  # the same on every process: all of them call save() alike
         save = f"{self.manager}-{n:012d}"  # this save's id; later saves sort later
-        snap = _part.snapshot(tree, step=step, save=save, process=self.process, count=self.count)
+        records = _iterators.capture(iterators)
+        snap = _part.snapshot(
+            tree, step=step, save=save, process=self.process, count=self.count, records=records
+        )
         self._saves = n + 1
         self._pending = pools.in_background(self._finish, step, snap, n)
 
@@ -259,6 +268,7 @@ class LocalTier:
         keys: str | Sequence[str] | None = None,
         strict: bool = True,
         planner: Any = None,
+        iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     ) -> tuple[Any, RestoredFrom]:
         """The newest step (or ``step``) that some tier holds whole: the local tier when it is
         as new as the persistent one (the faster copy), else ``persistent`` (the committed
@@ -270,7 +280,7 @@ class LocalTier:
         usable = keys is None and planner is None  # the local tier rebuilds whole targets only
         choice = self.agree(target if usable else None, persistent, step)
         if choice["tier"] == "local":
-            tree = self.restore(choice, target)
+            tree = self.restore(choice, target, iterators)
             if tree is not None:
                 peers = tuple(sorted(int(q) for q in choice["fetch"]))
                 logger.info(
@@ -291,13 +301,18 @@ class LocalTier:
             "restored step %d from the persistent tier (%s)", choice["step"], choice.get("why")
         )
         path = str(self.persistent.join(step_name(choice["step"])))
-        tree = restore(path, target, keys=keys, strict=strict, planner=planner)
+        tree = restore(path, target, keys=keys, strict=strict, planner=planner, iterators=iterators)
         return tree, RestoredFrom("persistent", choice["step"])
 
-    def restore(self, choice: Mapping[str, Any], target: Any) -> Any | None:
-        """Fetch the missing parts of the chosen local step and rebuild ``target`` from this
-        process's part; ``None`` on every process if any process could not (then the caller
-        falls back to the persistent tier)."""
+    def restore(
+        self,
+        choice: Mapping[str, Any],
+        target: Any,
+        iterators: Mapping[str, _iterators.Checkpointable] | None = None,
+    ) -> Any | None:
+        """Fetch the missing parts of the chosen local step, set the ``iterators`` to this
+        process's states in its part and rebuild ``target`` from it; ``None`` on every process
+        if any process could not (then the caller falls back to the persistent tier)."""
         step, fetch = choice["step"], {int(q): h for q, h in choice["fetch"].items()}
         n, self._restores = self._restores, self._restores + 1
         prefix = f"{_replication.PREFIX}/r{n}"
@@ -308,6 +323,8 @@ class LocalTier:
             info = _part.read_info(path)
             if info is None or info.save != choice["save"]:
                 raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
+            if iterators:
+                _iterators.restore_states(iterators, metadata(str(path)).iterators, str(path))
             tree = _part.rebuild(path, info, target)
         except Exception as e:  # every process hears of it and falls back together
             error = f"process {self.process}: {type(e).__name__}: {e}"

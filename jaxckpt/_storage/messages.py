@@ -38,6 +38,19 @@ def write_error(where: object, what: str, e: BaseException) -> CheckpointError:
     )
 
 
+def typed_os_error(e: BaseException, where: object) -> BaseException:
+    """An OS error (e.g. ``EIO`` from a flush) as the ``CheckpointError`` a caller catches;
+    any other error as it is."""
+    if not isinstance(e, OSError) or isinstance(e, CheckpointError):
+        return e
+    err = CheckpointError(
+        f"Save to {where} failed: {type(e).__name__}: {e}. Check the storage (disk errors, "
+        f"permissions, free space), then save again."
+    )
+    err.__cause__ = e
+    return err
+
+
 def exists_error(where: object) -> CheckpointExistsError:
     return CheckpointExistsError(
         f"A checkpoint already exists at {where}. Pass overwrite=True to replace it (the old "

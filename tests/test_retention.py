@@ -1,0 +1,97 @@
+"""Keeping steps by time (``keep_every_n_secs``) beside ``max_to_keep``, ``keep_every_n_steps``
+and best-N: the pure rule of ``jaxckpt._manager.retention`` and a manager carrying it out,
+with commit times in ``metrics.json``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt._manager import retention
+from jaxckpt._manager.retention import Policy, first_in_windows, steps_to_delete
+
+
+def test_first_step_committed_in_each_window_is_kept_for_good():
+    times = {s: 25.0 * s for s in range(1, 13)}  # windows of 60 s: [1, 2], [3, 4], [5, 6, 7], ...
+    assert first_in_windows(times, 60, times) == {1, 3, 5, 8, 10, 12}
+    gone = steps_to_delete(list(times), max_to_keep=2, keep_every_n_secs=60, committed=times)
+    assert gone == [2, 4, 6, 7]  # kept: 1, 3, 5, 8, 10, 12 for good, and 9, 11 by max_to_keep
+    # A step without a recorded time is in no window: max_to_keep decides for it.
+    del times[1]
+    assert 1 in steps_to_delete(list(range(1, 13)), max_to_keep=2, keep_every_n_secs=60,
+                                committed=times)  # fmt: skip
+
+
+def test_time_steps_and_best_compose_by_one_rule():
+    steps = list(range(1, 11))
+    times = {s: 10.0 * s for s in steps}  # windows of 35 s: [1, 2, 3], [4, 5, 6], [7, ..., 10]
+    loss = {s: abs(s - 5) for s in steps}  # best: 5, then 4 and 6
+    gone = steps_to_delete(
+        steps,
+        max_to_keep=2,
+        keep_every_n_steps=3,  # 3, 6, 9 for good too
+        score=lambda s: -loss[s],
+        keep_every_n_secs=35,
+        committed=times,
+    )
+    # For good: 1, 4, 7 (time) and 3, 6, 9 (steps). The best 2 of the rest (2, 5, 8, 10): 5
+    # (loss 0) and 8 (loss 3, tied with 2: the newer wins). 10, the newest, anyway.
+    assert gone == [2]
+
+
+def test_manager_keeps_by_commit_time(tmp_path, monkeypatch):
+    class FakeTime:
+        now = 0.0
+
+        def time(self):
+            return self.now
+
+    clock = FakeTime()
+    monkeypatch.setattr(retention, "time", clock)
+    mgr = jaxckpt.CheckpointManager(tmp_path, max_to_keep=2, keep_every_n_secs=60, async_save=False)
+    for step in range(1, 13):
+        clock.now = 25.0 * step  # each step commits 25 s after the last one
+        mgr.save(step, {"w": np.full(3, step)})
+    assert mgr.all_steps() == [1, 3, 5, 8, 9, 10, 11, 12]
+    on_disk = json.loads((tmp_path / "metrics.json").read_text())
+    assert on_disk["committed"] == {str(s): 25.0 * s for s in mgr.all_steps()}
+    mgr.delete(11)
+    assert "11" not in json.loads((tmp_path / "metrics.json").read_text())["committed"]
+    mgr.close()
+
+
+def test_older_run_directories_without_commit_times_still_work(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path) as old:  # no keep_every_n_secs: no times written
+        for step in range(1, 5):
+            old.save(step, {"w": np.full(3, step)}, metrics={"loss": 1.0 / step})
+    assert "committed" not in json.loads((tmp_path / "metrics.json").read_text())
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, keep_every_n_secs=3600) as mgr:
+        mgr.save(5, {"w": np.full(3, 5)}, metrics={"loss": 0.1})
+    # Steps 1-4 have no time: in no window, so max_to_keep decides among them (4, the
+    # newest); step 5 is the first of its window, kept for good besides.
+    assert mgr.all_steps() == [4, 5]
+    doc = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(doc["committed"]) == {"5"} and set(doc["steps"]) == {"4", "5"}
+    assert mgr.metrics(5) == {"loss": 0.1}  # metrics() still gives the step's metrics only
+
+
+def test_a_damaged_commit_time_is_ignored(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, keep_every_n_secs=60) as mgr:
+        mgr.save(1, {"w": np.zeros(2)})
+    doc = json.loads((tmp_path / "metrics.json").read_text())
+    doc["committed"] = {"1": "yesterday", "2": float("inf"), "x": 5.0, "-3": 1.0, "٣": 1.0}
+    (tmp_path / "metrics.json").write_text(json.dumps(doc))
+    assert mgr._metrics.read_all()[1] == {}
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, keep_every_n_secs=60) as mgr:
+        mgr.save(2, {"w": np.ones(2)})  # retention reads the damaged times, and goes on
+    # 2: the first of its window, kept for good; 1 has no usable time left: max_to_keep keeps it
+    assert mgr.all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan"), "60"])
+def test_policy_refuses_a_bad_window(bad):
+    with pytest.raises(ValueError, match="keep_every_n_secs must be a positive number"):
+        Policy(max_to_keep=1, keep_every_n_secs=bad)
