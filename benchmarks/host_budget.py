@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
 from jaxckpt._runtime import staging  # noqa: E402
+from jaxckpt._storage import directwrite  # noqa: E402
 
 RELEASE_AFTER_S = 0.5  # the pool's idle release, shortened from its default (10 s)
 
@@ -97,6 +98,7 @@ def digests(tree: dict) -> dict:
 def worker(root: str, mib: int, budget: int | None) -> dict:
     """One save_async of a ``mib`` MiB state within ``budget`` host bytes (``None``: none)."""
     staging.POOL.release_after = RELEASE_AFTER_S
+    directwrite.RELEASE_AFTER_S = RELEASE_AFTER_S  # its write buffers (unbudgeted saves)
     state = make_state(mib)
     expected = digests(state)
     arrays = [k for k in state if k != "host"]

@@ -18,9 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
+from jaxckpt._format.grid import c_order_blocks
 from jaxckpt._format.manifest import ArrayEntry
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
+from jaxckpt._storage import crc as _crc
 from jaxckpt._storage import reader as _reader
 from jaxckpt._storage.location import Location
 from jaxckpt._storage.writer import array_spec
@@ -164,7 +166,7 @@ def test_boxes_straddling_chunks_get_their_bytes_each_chunk_read_once(tmp_path_f
 def test_blocks_tile_the_chunk_file_in_order(shape, limit, itemsize):
     covered = np.zeros(shape, np.int64)
     at = 0
-    for offset, region in _chunkfile._blocks(shape, itemsize, limit):
+    for offset, region in c_order_blocks(shape, itemsize, limit):
         n = math.prod(b - a for a, b in region)
         assert offset == at and (n * itemsize <= limit or n == 1)  # contiguous, in file order
         covered[tuple(slice(a, b) for a, b in region)] += 1
@@ -284,14 +286,14 @@ def test_crc32c_without_the_gil_equals_google_crc32c(raw, dtype):
     raw = raw[: len(raw) // itemsize * itemsize]
     a = np.frombuffer(raw, np.uint8).copy().view(dtype)
     want = google_crc32c.value(raw)
-    assert _chunkfile.crc32c(a) == want
-    old, _chunkfile._extend = _chunkfile._extend, None  # the fallback: the extension's value()
+    assert _crc.crc32c(a) == want
+    old, _crc._extend = _crc._extend, None  # the fallback: the extension's value()
     try:
-        assert _chunkfile.crc32c(a) == want
+        assert _crc.crc32c(a) == want
     finally:
-        _chunkfile._extend = old
+        _crc._extend = old
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the manylinux wheel's layout")
 def test_the_native_crc32c_is_found_here():
-    assert _chunkfile._extend is not None  # else restores checksum under the GIL, one at a time
+    assert _crc._extend is not None  # else restores checksum under the GIL, one at a time

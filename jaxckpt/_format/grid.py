@@ -96,3 +96,34 @@ def chunks_touching(
     """
     ranges = [range(o // c, ceil_div(o + s, c)) for o, s, c in zip(offsets, sizes, chunks)]
     return itertools.product(*ranges)
+
+
+Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
+
+
+def c_order_blocks(
+    shape: tuple[int, ...], itemsize: int, limit: int
+) -> Iterator[tuple[int, Region]]:
+    """The C-order blocks of a chunk of ``shape``, each one contiguous run of its file of at
+    most ``limit`` bytes (or one element, if that is larger): ``(byte offset, region)`` with
+    ``region`` a ``(start, stop)`` per axis. Blocks cut the outermost axes that do not fit.
+
+    >>> list(c_order_blocks((2, 3), 4, 12)), list(c_order_blocks((2, 3), 4, 24))
+    ([(0, ((0, 1), (0, 3))), (12, ((1, 2), (0, 3)))], [(0, ((0, 2), (0, 3)))])
+    """
+    axis, inner = len(shape) - 1, itemsize
+    while axis > 0 and inner * shape[axis] <= limit:  # trailing axes that fit whole
+        inner *= shape[axis]
+        axis -= 1
+    if axis < 0:  # 0-d: one element
+        yield 0, ()
+        return
+    step = max(1, limit // inner)
+    tail = tuple((0, n) for n in shape[axis + 1 :])
+    for lead in itertools.product(*map(range, shape[:axis])):
+        flat = 0
+        for i, n in zip(lead, shape):
+            flat = flat * n + i
+        for a in range(0, shape[axis], step):
+            region = (*((i, i + 1) for i in lead), (a, min(a + step, shape[axis])), *tail)
+            yield (flat * shape[axis] + a) * inner, region

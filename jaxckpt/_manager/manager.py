@@ -41,6 +41,7 @@ from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
 from jaxckpt._staged import budget_arg
+from jaxckpt._storage import directwrite as _directwrite
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
@@ -379,6 +380,7 @@ class CheckpointManager(RunReader):
             if self._watcher is not None:
                 self._watcher.close()
             _staging.POOL.clear()
+            _directwrite.clear()
 
     def __enter__(self) -> CheckpointManager:
         return self

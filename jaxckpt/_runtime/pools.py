@@ -23,6 +23,10 @@ logger = logging.getLogger("jaxckpt")
 SAVE_THREADS = 32
 READ_THREADS = max(4, min(64, os.cpu_count() or 4))  # tensorstore's file I/O default
 WRITEBACK_THREADS = 2  # each call only queues I/O, it does not wait for it
+# Chunk files written straight to disk: each thread copies, checksums and then waits for its
+# O_DIRECT write, so several keep the disk busy while the others copy; as many as the write
+# limit's threads (docs/benchmarks.md).
+WRITE_THREADS = 8
 STAGE_THREADS = max(2, min(8, os.cpu_count() or 2))  # numpy copies release the GIL
 # Hashing is bound by memory bandwidth: half the cores hash, the rest write, link and resolve;
 # at least two, as two threads read memory faster than one and the saving thread mostly waits.
@@ -65,6 +69,12 @@ def writeback_pool() -> ThreadPoolExecutor:
     return _get("jaxckpt-writeback", WRITEBACK_THREADS)
 
 
+def write_pool() -> ThreadPoolExecutor:
+    """Chunk files written straight to local disk (``jaxckpt._storage.directwrite``): the
+    number of writes in flight."""
+    return _get("jaxckpt-write", WRITE_THREADS)
+
+
 def stage_pool() -> ThreadPoolExecutor:
     """The threads that copy staged items (and dispatch device copies, see
     ``DefaultSavePlanner.detach``)."""
@@ -90,6 +100,21 @@ def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         fn(*args)
         return None
+
+
+def submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``pool.submit(fn, *args)``; where the interpreter is exiting and ``pool`` takes no new
+    work (a ``save_async`` still writing as the program ends), ``fn(*args)`` runs here instead
+    and the returned future is done with its outcome."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
+            future.set_exception(e)
+        return future
 
 
 class Repeating:

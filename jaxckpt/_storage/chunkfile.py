@@ -20,7 +20,6 @@ is allocated that the file does not hold), and checksummed before their bytes ar
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 import os
@@ -37,54 +36,15 @@ import numpy as np
 import numpy.typing as npt
 
 from jaxckpt._errors import CorruptChunkError
-from jaxckpt._format.grid import chunk_key, chunks_touching
+from jaxckpt._format.grid import Region, c_order_blocks, chunk_key, chunks_touching
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._runtime import pools
+from jaxckpt._storage.crc import NATIVE, crc32c
 
 # Slices of a box or a chunk, ending in ``...`` so that indexing gives a view (see _pieces)
 _Slices = tuple[*tuple[slice, ...], EllipsisType]
 # (chunk index, slices of the box, slices of the chunk, whole): see _pieces
 _Piece = tuple[tuple[int, ...], _Slices, _Slices, bool]
-_Region = tuple[tuple[int, int], ...]  # (start, stop) per axis
-
-try:
-    import google_crc32c
-
-    _CRC = google_crc32c.implementation == "c"  # the pure-Python one is too slow for array data
-except ImportError:  # pragma: no cover - a core dependency; kept optional for odd platforms
-    _CRC = False
-
-
-def _native_extend() -> Callable[[int, int, int], int] | None:
-    """google-crc32c's C ``crc32c_extend``, called through ctypes, which drops the GIL for the
-    call: the extension's own ``value()`` holds it, so the checksums of chunks read by several
-    threads would run one at a time and stall the restore's Python thread (docs/benchmarks.md).
-    ``None`` where the symbol cannot be found or fails a known answer (then ``value()``)."""
-    try:
-        from google_crc32c import _crc32c  # the C extension; the symbol is in its library
-
-        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
-        fn.argtypes, fn.restype = (
-            [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t],
-            ctypes.c_uint32,
-        )
-        check = b"123456789"
-        return fn if fn(0, check, len(check)) == 0xE3069283 else None  # the CRC-32C check value
-    except (ImportError, OSError, AttributeError, ctypes.ArgumentError):
-        return None
-
-
-_extend = _native_extend() if _CRC else None
-
-
-def crc32c(buf: npt.NDArray[Any], crc: int = 0) -> int:
-    """CRC-32C of a C-contiguous array's bytes, continuing ``crc`` (the CRC of what came
-    before), without holding the GIL where possible."""
-    if _extend is not None:
-        return _extend(crc, buf.ctypes.data, buf.nbytes)
-    value: int = google_crc32c.extend(crc, buf.reshape(-1).view(np.uint8))
-    return value
-
 
 # bool is left to tensorstore: a byte other than 0/1 is not a numpy bool.
 _DTYPES = set(
@@ -107,7 +67,7 @@ def supports(root: Path | None, entry: ArrayEntry) -> bool:
         and sys.byteorder == "little"
         and entry.pack is None
         and entry.storage_dtype in _DTYPES
-        and (entry.checksum is None or (entry.checksum == "crc32c" and _CRC))
+        and (entry.checksum is None or (entry.checksum == "crc32c" and NATIVE))
         # a chunk no bigger than its array: a chunk buffer is never more than the array
         and all(0 < c <= max(n, 1) for c, n in zip(entry.chunks, entry.shape))
     )
@@ -313,7 +273,7 @@ def _read_parts(
     dtype = dtype_from_name(entry.storage_dtype)
     tail = 4 if entry.checksum == "crc32c" else 0
     nbytes = math.prod(entry.chunks) * dtype.itemsize
-    size = max(min(nbytes, _BLOCK), dtype.itemsize)  # the largest block (see _blocks)
+    size = max(min(nbytes, _BLOCK), dtype.itemsize)  # the largest block (see c_order_blocks)
     try:
         buf = scratch.pop()
     except IndexError:  # none spare: every buffer is in a read running now
@@ -324,7 +284,7 @@ def _read_parts(
     try:
         fd = _open_chunk(folder, idx, nbytes + tail, where)
         crc = 0
-        for offset, region in _blocks(entry.chunks, dtype.itemsize, _BLOCK):
+        for offset, region in c_order_blocks(entry.chunks, dtype.itemsize, _BLOCK):
             shape = tuple(b - a for a, b in region)
             block = buf[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
             _pread(fd, [block.reshape(-1).view(np.uint8).data], offset, where)
@@ -344,30 +304,8 @@ def _read_parts(
     _count(nbytes + tail)
 
 
-def _blocks(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple[int, _Region]]:
-    """The C-order blocks of a chunk of ``shape``, each one contiguous run of its file of at
-    most ``limit`` bytes (or one element, if that is larger): ``(byte offset, region)`` with
-    ``region`` a ``(start, stop)`` per axis. Blocks cut the outermost axes that do not fit."""
-    axis, inner = len(shape) - 1, itemsize
-    while axis > 0 and inner * shape[axis] <= limit:  # trailing axes that fit whole
-        inner *= shape[axis]
-        axis -= 1
-    if axis < 0:  # 0-d: one element
-        yield 0, ()
-        return
-    step = max(1, limit // inner)
-    tail = tuple((0, n) for n in shape[axis + 1 :])
-    for lead in itertools.product(*map(range, shape[:axis])):
-        flat = 0
-        for i, n in zip(lead, shape):
-            flat = flat * n + i
-        for a in range(0, shape[axis], step):
-            region = (*((i, i + 1) for i in lead), (a, min(a + step, shape[axis])), *tail)
-            yield (flat * shape[axis] + a) * inner, region
-
-
 def _copy_overlap(
-    view: npt.NDArray[Any], src: tuple[slice, ...], block: npt.NDArray[Any], region: _Region
+    view: npt.NDArray[Any], src: tuple[slice, ...], block: npt.NDArray[Any], region: Region
 ) -> None:
     """Copy what ``block`` (the chunk's ``region``) holds of ``src`` (the chunk's slices that
     ``view`` receives) into ``view``."""

@@ -52,7 +52,9 @@ _sync_file_range = _load()
 
 
 def started() -> int:
-    """Chunk files whose write-back this process started early (tests check the hook runs)."""
+    """Chunk files whose write-back this process started early (tests check the hook runs):
+    those tensorstore wrote, and those ``jaxckpt._storage.directwrite`` wrote through the page
+    cache (in part, where the rest went around it)."""
     return _started
 
 
@@ -115,20 +117,26 @@ def _when_written(group: list[tuple[ts.WriteFutures, list[str]]]) -> None:
 
 
 def _start(paths: list[str]) -> None:
-    global _started
-    hint = _sync_file_range
-    if hint is None:  # Hints.add queues nothing then
-        return
-    n = 0
     for path in paths:
         try:
             fd = os.open(path, _FLAGS)
         except OSError:
             continue  # a failed write: the writer reports it, syncfs covers the rest
         try:
-            if hint(fd, 0, 0, _WRITE) == 0:
-                n += 1
+            start(fd)
         finally:
             os.close(fd)
+
+
+def start(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
+    """Start the write-back of the dirty pages of the open file ``fd`` from ``offset`` on
+    (``nbytes`` of them; 0: to its end), without waiting for it; whether it was started
+    (never where it is turned off or not offered, nor where the file system refuses).
+    ``jaxckpt._storage.directwrite`` calls it for what it wrote through the page cache."""
+    global _started
+    hint = _sync_file_range
+    if not enabled or hint is None or hint(fd, offset, nbytes, _WRITE) != 0:
+        return False
     with _lock:
-        _started += n
+        _started += 1
+    return True

@@ -25,10 +25,10 @@ import tensorstore as ts
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
-from jaxckpt._storage import generations, local_commit, writeback
+from jaxckpt._storage import directwrite, generations, local_commit, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
-from jaxckpt._storage.location import CONTEXT, Location, wait
+from jaxckpt._storage.location import CONTEXT, Location, Pending, wait
 from jaxckpt._storage.messages import lost_error, write_error
 
 MAX_INFLIGHT_BYTES = 1 << 30
@@ -169,15 +169,20 @@ class Writer:
 
         Returns the bytes written.
         """
-        pending: collections.deque[tuple[ts.WriteFutures, int, ArrayEntry]] = collections.deque()
+        pending: collections.deque[tuple[Pending[Any], int, ArrayEntry]] = collections.deque()
         inflight = total = 0
         self._reference = self.loc.local is not None
         hints = writeback.Hints()  # early write-back of each written chunk file (local only)
         holder = Holder(self.loc) if release_each else None
+        # Large chunks of local arrays are written straight to disk (directwrite), the rest
+        # by tensorstore; not in a budgeted save, whose host memory its ring bounds alone.
+        direct = None
+        if self._reference and not release_each:
+            direct = directwrite.ChunkWriter(self.root["path"])
         try:
             for item, data in items:
                 entry = entries[item.key]
-                fut = self._start(entry, item, data, hints)
+                fut = self._start(entry, item, data, hints, direct)
                 pending.append((fut, data.nbytes, entry))
                 inflight += data.nbytes
                 total += data.nbytes
@@ -203,12 +208,21 @@ class Writer:
         return total
 
     def _start(
-        self, entry: ArrayEntry, item: WriteItem, data: npt.NDArray[Any], hints: writeback.Hints
-    ) -> Any:
-        """Start the write of ``data`` as ``item``'s box; its ``WriteFutures``."""
-        store = self._array(item.key)
+        self,
+        entry: ArrayEntry,
+        item: WriteItem,
+        data: npt.NDArray[Any],
+        hints: writeback.Hints,
+        direct: directwrite.ChunkWriter | None,
+    ) -> Pending[Any]:
+        """Start the write of ``data`` as ``item``'s box: straight to disk where ``direct``
+        takes it, else handed to tensorstore as whole chunks (on local files, with their
+        write-back hinted)."""
         if entry.storage_dtype != entry.dtype:
             data = data.view(entry.storage_dtype)
+        if direct is not None and directwrite.supports(entry, item.offsets, item.sizes, data):
+            return direct.write(entry, item.offsets, item.sizes, data)
+        store = self._array(item.key)
         if item.sizes == entry.shape:  # the whole array: skip building an indexed view
             target = store
         else:
@@ -216,14 +230,16 @@ class Writer:
         # Blocking saves hold the caller's arrays and async saves their own staged copies
         # until the write completes, so on files tensorstore may reference the bytes instead
         # of copying; memory:// would keep the reference as the stored value, so it copies.
-        fut = target.write(data, can_reference_source_data_indefinitely=self._reference)
+        fut: ts.WriteFutures = target.write(
+            data, can_reference_source_data_indefinitely=self._reference
+        )
         if self._reference:
             folder = self.root["path"] + entry.path
             files = writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
             hints.add(fut, files, data.nbytes)
         return fut
 
-    def _finish(self, fut: Any, entry: ArrayEntry, nbytes: int) -> None:
+    def _finish(self, fut: Pending[Any], entry: ArrayEntry, nbytes: int) -> None:
         try:
             wait(fut, self.loc, f"writing key {entry.key!r} ({entry.path})", nbytes)
         except (ValueError, OSError) as e:
