@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from _procfs import vm
+
 N = 4
 M = 2  # the elastic restart's process count
 
@@ -135,13 +137,6 @@ def worker(pid: int, port: int, work: Path, mib: int, runs: int) -> dict:
     return out
 
 
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) << 10
-    raise KeyError(field)
-
-
 def elastic_worker(pid: int, port: int, work: Path, mib: int) -> dict:
     """One of the M processes restarted on the disks of processes 0..M-1: the newest local step
     of ``p-2`` (saved by N) resharded onto an (M, 8) mesh, then the persistent step."""
@@ -168,7 +163,7 @@ def elastic_worker(pid: int, port: int, work: Path, mib: int) -> dict:
     for name, directory, tier in (("elastic", "p-2", "local"), ("persistent", "p-2", None)):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
-        base = _vm("VmRSS")
+        base = vm("VmRSS")
         t0 = time.perf_counter()
         with jaxckpt.CheckpointManager(work / directory, **(kw if tier else {})) as m:
             got = m.restore(target=target)
@@ -176,7 +171,7 @@ def elastic_worker(pid: int, port: int, work: Path, mib: int) -> dict:
             stats = m._local.last_elastic if tier else None
         out[name] = time.perf_counter() - t0
         mine = sum(s.data.nbytes for v in got.values() for s in v.addressable_shards)
-        out[f"{name}_growth"] = [_vm("VmHWM") - base, mine]
+        out[f"{name}_growth"] = [vm("VmHWM") - base, mine]
         for k, v in got.items():
             assert all(float(np.asarray(s.data).max()) == int(k[1:]) for s in v.addressable_shards)
         if stats is not None:

@@ -16,6 +16,7 @@ import time
 import _evict
 import _libs
 import _limits
+import _procfs
 import _state
 import jax
 import numpy as np
@@ -154,24 +155,6 @@ def _async(spec: dict) -> dict:
     return out
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _memory(spec: dict) -> dict:
     """Peak RSS growth of one save of ``big`` per mode, after a tiny warm-up save per mode."""
     lib = _libs.LIBS[spec["lib"]]()
@@ -184,11 +167,11 @@ def _memory(spec: dict) -> dict:
     growth = {}
     for mode in spec["modes"]:
         gc.collect()
-        base = _vm("VmRSS")
-        if not _reset_peak():  # fall back to the peak since start, which may hide the growth
+        base = _procfs.vm("VmRSS")
+        if not _procfs.reset_peak():  # fall back to the peak since start, which may hide the growth
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         ways[mode](f"{spec['root']}/mem-{mode}", state)
-        growth[mode] = max(_vm("VmHWM") - base, 0)
+        growth[mode] = max(_procfs.vm("VmHWM") - base, 0)
     return {"growth": growth, "state_bytes": _state.nbytes(state)}
 
 
@@ -205,11 +188,11 @@ def _memory_restore(spec: dict) -> dict:
     jax.block_until_ready(lib.restore(f"{spec['root']}/warmup-restore", tiny))
     target = _state.abstract("big")
     gc.collect()
-    base = _vm("VmRSS")
-    if not _reset_peak():
+    base = _procfs.vm("VmRSS")
+    if not _procfs.reset_peak():
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = jax.block_until_ready(lib.restore(spec["path"], target))
-    growth = max(_vm("VmHWM") - base, 0)
+    growth = max(_procfs.vm("VmHWM") - base, 0)
     _state.check("big", out)
     return {"growth": growth, "state_bytes": _state.nbytes(out)}
 

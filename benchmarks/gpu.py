@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from _procfs import reset_peak, vm
+
 os.environ["XLA_FLAGS"] = (  # CPU only: 8 simulated devices, as the test suite has
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -72,30 +74,17 @@ def _state(mib: int):
     return jax.block_until_ready(state), targets
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class _Peak:
     """Peak RSS growth of a phase: VmHWM reset through /proc/self/clear_refs where allowed
     (else the peak since start, which can hide a phase's growth: then ``reset`` is False)."""
 
     def __enter__(self):
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.reset = True
-        except OSError:
-            self.reset = False
-        self.base = _vm("VmRSS")
+        self.reset = reset_peak()
+        self.base = vm("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
-        self.growth = max(_vm("VmHWM") - self.base, 0)
+        self.growth = max(vm("VmHWM") - self.base, 0)
 
 
 def _timed(fn, runs: int) -> list[float]:
@@ -209,14 +198,14 @@ def worker(spec: dict) -> dict:
     budget = spec.get("budget_mib")
     if budget:  # save_async within a host budget only: the rest is the row without one
         out.update(_saves(lib, state, root, runs, budget=budget * 2**20))
-        out["rss_peak"] = _vm("VmHWM")
+        out["rss_peak"] = vm("VmHWM")
         shutil.rmtree(root, ignore_errors=True)
         return out
     if spec["lib"] == "jaxckpt":
         out["device_get"] = _device_get(state, runs)
     out.update(_saves(lib, state, root, runs))
     out.update(_restores(lib, state, targets, root, runs))
-    out["rss_peak"] = _vm("VmHWM")
+    out["rss_peak"] = vm("VmHWM")
     shutil.rmtree(root, ignore_errors=True)
     return out
 

@@ -37,6 +37,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from _procfs import reset_peak, vm  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -45,23 +46,6 @@ from jaxckpt._runtime import staging  # noqa: E402
 from jaxckpt._storage import directwrite  # noqa: E402
 
 RELEASE_AFTER_S = 0.5  # the pool's idle release, shortened from its default (10 s)
-
-
-def vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def make_state(mib: int) -> dict:
