@@ -79,21 +79,11 @@ def test_manager_captures_the_position_at_save_not_at_the_commit(tmp_path):
 
 
 def test_bytes_states_round_trip_as_bytes(tmp_path):
-    class Blob:
-        def __init__(self, state):
-            self.state = state
-
-        def get_state(self):
-            return self.state
-
-        def set_state(self, state):
-            self.state = state
-
     raw, text = bytes(range(256)), "position 7 ✓".encode()
-    jaxckpt.save(tmp_path / "c", {"x": 1}, iterators={"raw": Blob(raw), "text": Blob(text)})
+    jaxckpt.save(tmp_path / "c", {"x": 1}, iterators={"raw": _State(raw), "text": _State(text)})
     saved = jaxckpt.metadata(tmp_path / "c").iterators
     assert saved["raw"].states[0].kind == "base64" and saved["text"].states[0].kind == "utf8"
-    a, b = Blob(None), Blob(None)
+    a, b = _State(None), _State(None)
     jaxckpt.restore(tmp_path / "c", iterators={"raw": a, "text": b})
     assert a.state == raw and b.state == text and type(a.state) is bytes
 
