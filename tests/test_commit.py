@@ -184,6 +184,24 @@ def test_overwrite_true_still_replaces(tmp_path):
     assert os.listdir(tmp_path) == ["ck"]
 
 
+def test_a_program_that_ends_right_after_an_overwrite_deletes_the_old_checkpoint(tmp_path):
+    # The replaced checkpoint goes in the background; Python runs that work before it exits.
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import jaxckpt
+        path = sys.argv[1]
+        jaxckpt.save(path, {"a": np.zeros(2)})
+        jaxckpt.save(path, {"a": np.ones(2)}, overwrite=True)
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], env=env, check=True)
+    assert os.listdir(tmp_path) == ["ck"]
+    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "ck")["a"], np.ones(2))
+
+
 def test_a_save_aborted_while_its_arrays_are_created_leaves_nothing(tmp_path):
     """Arrays are created in the background while the first boxes are resolved: an abort
     waits for them, so no file appears after its clean-up."""

@@ -159,11 +159,9 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
         if not done.generation:
             drop(loc, target)
             raise lost_error(loc, committed=True)
-    try:  # what to delete is listed now: a save that starts later writes a new generation
-        keys: list[str] | None = list_keys(loc)
-    except CheckpointError:
-        keys = None
-    pools.after_commit(clean_up, loc, target, referenced, name, keys)  # off the commit's path
+    # What to delete is listed now, not in the background: a save that starts later writes a
+    # new generation at this prefix, which a later listing would hold.
+    pools.after_commit(clean_up, loc, target, referenced, name, _listed(loc))
 
 
 def _committed_after_all(loc: Location, data: bytes, error: Exception) -> bool:
@@ -249,11 +247,15 @@ def tidy(loc: Location, manifest: Manifest) -> None:
     except CheckpointError as e:
         logger.warning("could not tidy %s: %s", loc, e)
         return
+    clean_up(loc, Target(generation), {}, loc.name, _listed(loc))
+
+
+def _listed(loc: Location) -> list[str] | None:
+    """The keys at ``loc``'s prefix for :func:`clean_up`; ``None`` if listing failed."""
     try:
-        keys: list[str] | None = list_keys(loc)
+        return list_keys(loc)
     except CheckpointError:
-        keys = None
-    clean_up(loc, Target(generation), {}, loc.name, keys)
+        return None
 
 
 def _replaced(key: str, generation: str, kept: set[str]) -> bool:
