@@ -410,7 +410,7 @@ def restore(
     """
     with collector.paused():
         manifest, reader = _open(path)
-        _iterators.restore_states(iterators, manifest.iterators, str(path))
+        set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path))
         planner = planner if planner is not None else DefaultLoadPlanner()
         planner.set_up_planner(target, manifest, keys=keys, strict=strict)
         plan = planner.create_local_plan()
@@ -418,7 +418,9 @@ def restore(
         for item, data in reader.read(manifest.entries, plan.items, max_inflight_bytes=ahead):
             planner.commit_tensor(item, planner.transform_tensor(item, data))
             del data  # the planner owns the box now: dropping it frees it once placed
-        return planner.finish()
+        tree = planner.finish()
+        set_iterators()  # only now: a restore refused on the way moves no iterator
+        return tree
 
 
 def metadata(path: PathLike) -> CheckpointMetadata:

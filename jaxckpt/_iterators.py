@@ -4,16 +4,17 @@
 (``save_async`` too: the position saved is the one at the call, whatever the loop does next).
 Each process's records (``jaxckpt._format.iterators``) travel to the coordinator with the
 "written" barrier that every save makes anyway, so the manifest that commits the step holds
-them all: no extra exchange, no file of their own. ``restore(..., iterators=...)`` calls
-``set_state`` with this process's record before any array is read, then ``start_prefetch()``
-where the iterator has one (as Grain 0.2.18's own checkpoint handler does), so the
-pipeline refills while the arrays load.
+them all: no extra exchange, no file of their own. ``restore(..., iterators=...)`` checks
+this process's record before any array is read and calls ``set_state`` with it once every
+array is read and checked, then ``start_prefetch()`` where the iterator has one (as Grain
+0.2.18's own checkpoint handler does): a restore that is refused on the way (a key, shape or
+dtype mismatch, a damaged chunk) leaves every iterator where it was.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from jaxckpt._errors import CheckpointError, DistributedError, KeyMismatchError, ManifestError
@@ -76,18 +77,20 @@ def restore_states(
     iterators: Mapping[str, Checkpointable] | None,
     saved: Mapping[str, _records.SavedIterator],
     path: str,
-) -> None:
-    """Set each iterator to this process's saved state, then start its prefetch.
+) -> Callable[[], None]:
+    """Check that ``saved`` holds this process's state of each iterator; returns the call
+    that sets them (then starts each one's prefetch), made only once the arrays are read, so
+    a restore refused on the way moves no iterator.
 
     Raises:
       KeyMismatchError: the checkpoint holds no state of a named iterator.
-      CheckpointError: saved on another number of processes, each at its own position; or
-        ``set_state`` refused the state (the pipeline differs from the saved one).
+      CheckpointError: saved on another number of processes, each at its own position.
     """
     if not iterators:
-        return
+        return lambda: None
     _check(iterators)
     process, count = _distributed.process_index(), _distributed.process_count()
+    states = []
     for name, it in iterators.items():
         if name not in saved:
             raise KeyMismatchError(
@@ -95,7 +98,20 @@ def restore_states(
                 f"{sorted(saved) or 'none'}). Pass the names it was saved with, or restore "
                 f"without iterators= and start the pipeline afresh."
             )
-        state = _own(name, saved[name], process, count, path)
+        states.append((name, it, _own(name, saved[name], process, count, path)))
+    return lambda: _set(states, process, path)
+
+
+def _set(
+    states: list[tuple[str, Checkpointable, _records.IteratorState]], process: int, path: str
+) -> None:
+    """Set each iterator to its state, then start its prefetch.
+
+    Raises:
+      CheckpointError: ``set_state`` refused the state (the pipeline differs from the saved
+        one).
+    """
+    for name, it, state in states:
         try:
             it.set_state(state.state())
         except Exception as e:
@@ -105,7 +121,7 @@ def restore_states(
                 f"the pipeline as it was when saved (for Grain: the same data source, sampler, "
                 f"shard options and worker count), then restore."
             ) from e
-    for it in iterators.values():
+    for _, it, _ in states:
         start = getattr(it, "start_prefetch", None)
         try:
             if callable(start):

@@ -79,13 +79,13 @@ def test_rollback_on_an_object_store_keeps_every_committed_step(store, policy):
         catalog.delete(Location(f"{store}/00000001"))
     assert 1 not in mgr.all_steps()
     mgr.restore(3)  # resume from step 3 but save step 1 again: into the prefix with kept arrays
-    if policy == "keep-1":  # retention would delete it at once: refused, and said so
-        with pytest.raises(jaxckpt.CheckpointError, match="older than the steps kept.*delete"):
-            mgr.save(1, _frozen_and_moving(9.0), metrics={"loss": 0.5})
-    else:
-        mgr.save(1, _frozen_and_moving(9.0), metrics={"loss": 0.5})  # the best: kept
-        assert 1 in mgr.all_steps()
-        assert not any(t.startswith("../00000001/") for t in _refs(store, 1))  # never itself
+    with pytest.raises(jaxckpt.CheckpointExistsError, match=r"older than steps.*3\].*rollback"):
+        mgr.save(1, _frozen_and_moving(9.0), metrics={"loss": 0.5})  # refused: a newer step
+    # An operator's plain save into the run: the prefix holds arrays step 3 references.
+    path = f"{store}/00000001"
+    jaxckpt.save(path, _frozen_and_moving(9.0), base=f"{store}/00000003", digests=True)
+    assert 1 in mgr.all_steps()
+    assert not any(t.startswith("../00000001/") for t in _refs(store, 1))  # never itself
     for step in mgr.all_steps():
         want = 9.0 if step == 1 else float(step)
         assert_tree_equal(mgr.restore(step), _host(_frozen_and_moving(want)))

@@ -67,7 +67,7 @@ def _clean_up_objects(run: _location.Location, referenced: Referenced) -> None:
         if name in live:
             continue
         if name in committed:
-            if any(_lease.is_lease(k) for k in listing[name]):  # its save died after
+            if _stale(listing[name]):  # its save died after the commit, or it kept old arrays
                 _tidy(loc)
             continue
         try:
@@ -84,6 +84,15 @@ def _tidy(loc: _location.Location) -> None:
         return
     _generations.tidy(loc, manifest)
     logger.info("cleaned up %s (left by a save interrupted after its commit)", loc)
+
+
+def _stale(keys: list[str]) -> bool:
+    """Whether a committed step's keys hold more than its commit uses, seen from the listing
+    alone: a lease its save left, or arrays of more than one generation (an overwrite's old
+    arrays, kept while a marker held them; ``_tidy`` deletes those no marker holds now)."""
+    generations = {k.split("/", 1)[0] for k in keys if _catalog.array_of(k) is not None}
+    plain = {g for g in generations if not _catalog.is_generation(g)}
+    return any(_lease.is_lease(k) for k in keys) or len(generations - plain) + bool(plain) > 1
 
 
 def _writing(loc: _location.Location, keys: list[str]) -> bool:

@@ -37,7 +37,7 @@ from jaxckpt._format.iterators import IteratorState, SavedIterator
 from jaxckpt._format.manifest import ValueEntry, storage_entries
 from jaxckpt._format.plan import Box, index_to_box
 from jaxckpt._planning import tree as _tree
-from jaxckpt._planning.save_planner import DefaultSavePlanner
+from jaxckpt._planning.save_planner import DefaultSavePlanner, python_value
 from jaxckpt._runtime import pools
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
@@ -45,7 +45,6 @@ from jaxckpt._storage import writer as _storage
 logger = logging.getLogger("jaxckpt")
 FORMAT = 1
 DESCRIPTION = "description"
-_VALUES = (bool, int, float, str)
 
 
 # What layout_digest digests of a leaf: (key, kind, shape, dtype, sharding), sharding None for
@@ -131,20 +130,25 @@ def _sharding_digest(sharding: Any, shape: tuple[int, ...]) -> bytes:
     return hashlib.sha256(repr(boxes).encode()).digest()
 
 
-def target_layout(target: Any, process_count: int) -> str | None:
+def target_layout(target: Any, process_count: int, saved: PartInfo | None = None) -> str | None:
     """The layout digest of a restore ``target``, or ``None`` if it cannot be rebuilt from
     parts: every array leaf must carry shape, dtype and sharding (a ``jax.Array`` or a
-    ``ShapeDtypeStruct`` with a sharding), every other leaf be ``None``."""
+    ``ShapeDtypeStruct`` with a sharding, or a bare ``Sharding`` whose shape and dtype the
+    ``saved`` part's description gives), every other leaf be ``None``."""
     if target is None:
         return None
     keys, leaves, _ = _tree.flatten_with_treedef(target)
+    known = {li.key: li for li in saved.leaves} if saved is not None else {}
     entries: list[LayoutLeaf] = []
     for key, leaf in zip(keys, leaves):
+        li = known.get(key)
         if leaf is None:
             entries.append((key, "value", (), "", None))
         elif isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and leaf.sharding is not None:
             kind = "prng" if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key) else "array"
             entries.append((key, kind, tuple(leaf.shape), str(leaf.dtype), leaf.sharding))
+        elif isinstance(leaf, jax.sharding.Sharding) and li is not None and li.kind != "value":
+            entries.append((key, li.kind, li.shape, li.dtype, leaf))
         else:
             return None
     return layout_digest(process_count, entries)
@@ -208,17 +212,10 @@ def _array_leaf(key: str, leaf: jax.Array) -> tuple[LeafInfo, list[jax.Array]]:
 
 
 def _value(key: str, leaf: Any) -> Any:
+    """A numpy or Python leaf as the part holds it: what the persistent tier takes, alike."""
     if isinstance(leaf, (np.ndarray, np.generic)):
         return np.array(leaf)  # the caller may change its array once save() returns
-    if leaf is None or type(leaf) in _VALUES:
-        return leaf
-    for base in _VALUES:  # IntEnum, str-Enum, ...: kept as the base value, as save() does
-        if isinstance(leaf, base):
-            return base.__str__(leaf) if base is str else base(leaf)
-    raise UnsupportedLeafError(
-        f"Leaf {key!r} has type {type(leaf).__name__}, which jaxckpt cannot store. Supported "
-        f"leaves: jax.Array, numpy arrays, and Python int, float, bool, str, None."
-    )
+    return python_value(key, leaf)
 
 
 def _copy(shards: list[jax.Array]) -> list[jax.Array | npt.NDArray[Any]]:
@@ -324,7 +321,8 @@ def rebuild(path: Path, info: PartInfo, target: Any) -> Any:
             continue
         index = {box: j for j, box in enumerate(li.boxes)}
         needs[i] = []
-        for device, idx in t.sharding.addressable_devices_indices_map(li.shape).items():
+        sharding: Any = t if isinstance(t, jax.sharding.Sharding) else t.sharding
+        for device, idx in sharding.addressable_devices_indices_map(li.shape).items():
             j = index.get(index_to_box(idx, li.shape))
             if j is None:
                 raise CheckpointError(f"{path}: key {li.key!r} has no box for device {device}")
@@ -353,7 +351,8 @@ def rebuild(path: Path, info: PartInfo, target: Any) -> Any:
             box = got["boxes"][str(i)][str(j)]
             box = box if where[(i, j)] == device else jax.device_put(box, device)
             arrays.append(jax.random.wrap_key_data(box, impl=li.prng) if li.prng else box)
-        out.append(jax.make_array_from_single_device_arrays(li.shape, t.sharding, arrays))
+        sharding = t if isinstance(t, jax.sharding.Sharding) else t.sharding
+        out.append(jax.make_array_from_single_device_arrays(li.shape, sharding, arrays))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -30,6 +30,7 @@ from jaxckpt._errors import CheckpointError
 from jaxckpt._iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
+from jaxckpt._manager.ledger import Ledger
 from jaxckpt._manager.reading import RunReader
 from jaxckpt._manager.retention import Policy, json_metrics, referenced
 from jaxckpt._manager.run import Run, step_arg
@@ -156,9 +157,7 @@ class CheckpointManager(RunReader):
         self.async_save = async_save
         self.max_host_bytes = budget_arg(max_host_bytes)
         self.last_save: SaveHandle | None = None
-        if io_timeout is not None:
-            io_timeout = _location.positive_seconds(io_timeout, "io_timeout")
-        self.io_timeout = io_timeout
+        self.io_timeout = _timeout_arg(io_timeout)
         with _location.deadline(io_timeout):
             self._loc = _location.Location(self.directory)
         self._run = Run(self._loc, self.directory)
@@ -179,6 +178,7 @@ class CheckpointManager(RunReader):
         self._local = _local_tier(
             local_directory, self._loc, local_save_interval_steps, local_max_to_keep, local_replicas
         )
+        self._ledger = Ledger(self._run, self._local, read_only=read_only)
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -219,15 +219,20 @@ class CheckpointManager(RunReader):
         step = step_arg(step, "save(step, tree)")
         preempted = self.reached_preemption(step)
         tier = self._local if self._local is not None and step % self._local.interval == 0 else None
-        if tier is not None:  # before the persistent save: the faster copy is staged first
-            tier.save(step, tree, iterators)
-        if not (force or preempted or self._schedule.due(step, self._in_flight)):
-            return tier is not None
+        due = force or preempted or self._schedule.due(step, self._in_flight)
+        if not (due or tier is not None):
+            return False
         record = json_metrics(step, metrics)
         if self.policy.best_fn is not None and record is not None:
             float(self.policy.best_fn(record))  # fail here, not in the background
         self._wait_persistent()
-        self._start(step, tree, record, iterators, preempted)
+        restored = None if self.restored_from is None else self.restored_from.step
+        steps = self._ledger.check_new(step, self.directory, restored)
+        self._ledger.begin(step)
+        if tier is not None:  # before the persistent save: the faster copy is staged first
+            tier.save(step, tree, iterators)
+        if due:
+            self._start(step, tree, record, iterators, preempted, steps)
         return True
 
     def _start(
@@ -237,24 +242,27 @@ class CheckpointManager(RunReader):
         record: dict[str, Any] | None,
         iterators: Mapping[str, Checkpointable] | None,
         preempted: bool,
+        steps: list[int],
     ) -> None:
-        """Save ``step`` to the directory: staged here, committed in the background (here
-        with ``async_save=False`` or at a preemption)."""
+        """Save ``step`` to the directory (``steps``: the committed steps, listed now): staged
+        here, committed in the background (here with ``async_save=False`` or at a
+        preemption)."""
         loc = self._run.path(step)
-        listed = self.policy.max_to_keep is not None or self.incremental
-        steps = self._run.steps() if listed else []
-        self._run.check_new(step, self.policy, record, steps)
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
         began = self._schedule.clock()
-        with _location.deadline(self._loc.io_timeout):
-            handle = save_async(
-                str(loc),
-                tree,
-                base=base,
-                digests=self.incremental,
-                iterators=iterators,
-                max_host_bytes=self.max_host_bytes,
-            )
+        try:
+            with _location.deadline(self._loc.io_timeout):
+                handle = save_async(
+                    str(loc),
+                    tree,
+                    base=base,
+                    digests=self.incremental,
+                    iterators=iterators,
+                    max_host_bytes=self.max_host_bytes,
+                )
+        except BaseException:
+            self._ledger.failed(step, local_saved=self._local_saves(step))
+            raise
         self._schedule.began(began)
         self.last_save = handle
         if preempted:
@@ -275,6 +283,7 @@ class CheckpointManager(RunReader):
             handle.wait()
         except BaseException as e:  # re-raised by the next save() or wait()
             self._error = self._run.explain(step, handle.path, e)
+            self._ledger.failed(step, local_saved=self._local_saves(step))
             return
         t = handle.timings
         logger.info(
@@ -317,22 +326,46 @@ class CheckpointManager(RunReader):
             pools.settle()
 
     def delete(self, step: int) -> None:
-        """Delete the committed ``step`` and its metrics (e.g. the steps after the one a run
-        rolls back to). The primary process deletes; every process may call it.
+        """Delete ``step`` from every tier, with its metrics (and what only it kept: arrays,
+        markers, old generations on object stores). With a local tier every process calls
+        it (each deletes its disk's parts of the step); otherwise the primary process
+        deletes and every process may call it.
 
         A deleted step stops being one at once (renamed away, or its manifest deleted first);
-        on object stores the arrays other steps reference stay until they go too.
+        on object stores the arrays other steps reference stay until they go too. To go back
+        to an older step, :meth:`rollback` deletes every newer one in one call.
 
         Raises:
-          CheckpointNotFoundError: ``step`` is not a committed step of the directory.
+          CheckpointNotFoundError: no tier holds ``step`` (names the steps there are).
           CheckpointError: the manager is read-only or closed.
         """
         self._check_open()
+        step = step_arg(step, "delete(step)")
         self._wait_persistent()
-        if self._primary:
-            self._run.delete(step)
-        else:
-            self._run.require(step, "Nothing was deleted.")
+        self._ledger.delete(step, primary=self._primary, clean_up=self._clean_up)
+
+    def rollback(self, step: int) -> list[int]:
+        """Go back to ``step``: delete every step after it from every tier (persistent and
+        local, with their metrics), so the run goes on from ``step`` and a restart restores
+        the new branch, never the abandoned one. With a local tier every process calls it.
+
+        ``save()`` refuses a step older than one already saved and names this call; a loop
+        restores ``step``, calls ``rollback(step)`` and trains on (docs/manager.md, *Going
+        back to an older step*).
+
+        Args:
+          step: the step to go on from (a non-negative int; it need not be saved).
+
+        Returns:
+          The steps deleted, ascending.
+
+        Raises:
+          CheckpointError: the manager is read-only or closed.
+        """
+        self._check_open()
+        step = step_arg(step, "rollback(step)")
+        self._wait_persistent()
+        return self._ledger.rollback(step, primary=self._primary, clean_up=self._clean_up)
 
     def _wait_persistent(self) -> None:
         pending, self._pending = self._pending, None
@@ -355,13 +388,22 @@ class CheckpointManager(RunReader):
         return self._watcher is not None and self._watcher.reached(step)
 
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` would save this step: a multiple of
-        ``save_interval_steps``, due by ``save_interval_secs`` (the answer is kept, so the
-        ``save(step)`` that follows agrees), or a preemption notice asks for it. It reads no
-        storage (``save`` raises for a step saved already); on several processes, every
-        process must ask at the same steps."""
+        """Whether ``save(step, ...)`` would save now, in either tier: ``False`` on a
+        read-only manager and for a step at or below the newest one saved in any tier (as
+        Orbax answers: a loop resumed after ``restore()`` skips the steps already saved);
+        else whether it is due: a multiple of ``save_interval_steps`` or of
+        ``local_save_interval_steps``, due by ``save_interval_secs`` (the answer is kept, so
+        the ``save(step)`` that follows agrees), or asked for by a preemption notice. It reads
+        no storage; on several processes, every process must ask at the same steps."""
         step = step_arg(step, "should_save(step)")
+        if self._closed or not self._ledger.may_save(step):
+            return False
+        if self._local is not None and step % self._local.interval == 0:
+            return True
         return self._schedule.due(step, self._in_flight) or self.reached_preemption(step)
+
+    def _local_saves(self, step: int) -> bool:
+        return self._local is not None and step % self._local.interval == 0
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -425,6 +467,10 @@ def _local_tier(
     if directory is None:
         return None
     return LocalTier(directory, loc, interval=interval, max_to_keep=max_to_keep, replicas=replicas)
+
+
+def _timeout_arg(seconds: float | None) -> float | None:
+    return None if seconds is None else _location.positive_seconds(seconds, "io_timeout")
 
 
 def _check_counts(**counts: int | None) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from jaxckpt._api import metadata
 from jaxckpt._iterators import Checkpointable
+from jaxckpt._manager.ledger import Ledger
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run import Run, step_arg
 from jaxckpt._manager.tier_choice import RestoredFrom
@@ -26,6 +27,7 @@ class RunReader:
     _run: Run
     _metrics: MetricsFile
     _local: LocalTier | None
+    _ledger: Ledger
     _pending: Any
     policy: Policy
     restored_from: RestoredFrom | None
@@ -41,13 +43,7 @@ class RunReader:
         """
         if tier not in (None, "local", "persistent"):
             raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
-        if tier == "local":
-            return [] if self._local is None else self._local.steps()
-        steps = self._run.steps()
-        if tier is None and self._local is not None:
-            agreed = self._local.agree(None, steps, None)["local_steps"]
-            steps = sorted(set(steps) | set(agreed))
-        return steps
+        return self._ledger.steps(tier)
 
     def latest_step(self, tier: Literal["local", "persistent"] | None = None) -> int | None:
         """The newest committed step (of ``tier``, as for ``all_steps``), or ``None``."""
@@ -55,7 +51,7 @@ class RunReader:
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step`` (``None`` if none were)."""
-        return self._metrics.read().get(str(step))
+        return self._metrics.read().get(str(step_arg(step, "metrics(step)")))
 
     def best_step(self) -> int | None:
         """The best committed step by ``best_fn`` (steps without metrics rank last; ties go to
@@ -120,19 +116,10 @@ class RunReader:
             step = step_arg(step, "restore(step, target)")
         if self._pending is not None:
             self._pending.result()  # its error, if any, is raised by the next save() or wait()
-        if self._local is not None:
-            self._local.settle()
-            persistent = self._run.steps()
-            tree, self.restored_from = self._local.restore_newest(
-                step,
-                target,
-                persistent,
-                keys=keys,
-                strict=strict,
-                planner=planner,
-                iterators=iterators,
-            )
-            return tree
+        tree, self.restored_from = self._ledger.restore(
+            step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
+        )
+        return tree
         tree, step = self._run.restore(
             step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
         )

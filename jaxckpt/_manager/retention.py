@@ -34,7 +34,6 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxckpt._errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     ManifestError,
     UnsupportedLeafError,
@@ -158,31 +157,6 @@ class Policy:
             keep_every_n_secs=self.keep_every_n_secs,
             committed=times,
         )
-
-    def refuse_doomed(
-        self,
-        step: int,
-        steps: list[int],
-        metrics: dict[str, Any],
-        directory: str,
-        committed: Mapping[str, float],
-    ) -> None:
-        """Refuse to save ``step`` if retention would delete it as soon as it is committed:
-        a step older than the ones kept (a rollback that forgot the newer steps).
-
-        Raises:
-          CheckpointError: naming the kept steps and how to roll back.
-        """
-        if self.max_to_keep is None or not steps or step > max(steps):
-            return  # a step newer than every other one is always kept
-        if step in self.doomed([*steps, step], metrics, {**committed, str(step): time.time()}):
-            raise CheckpointError(
-                f"Step {step} is older than the steps kept in {directory} ({steps}): with "
-                f"max_to_keep={self.max_to_keep} retention would delete it as soon as it is "
-                f"committed, so it is not saved. To go on from an older step (a rollback), "
-                f"delete the newer steps first (CheckpointManager.delete(step)); or save a "
-                f"later step."
-            )
 
 
 def apply(

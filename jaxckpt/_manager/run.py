@@ -13,10 +13,12 @@ import logging
 import numbers
 from typing import Any
 
+import numpy as np
+
 from jaxckpt._api import restore
-from jaxckpt._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.names import parse_step, step_name
-from jaxckpt._manager.retention import MetricsFile, Policy, referenced
+from jaxckpt._manager.retention import MetricsFile, referenced
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 from jaxckpt._storage.messages import FULL_HINT, is_full
@@ -67,30 +69,6 @@ class Run:
                 f"Cannot create the checkpoint directory {self.loc.local}: {e}. Check that "
                 f"its parents are directories and writable, or pass another directory."
             ) from e
-
-    def check_new(
-        self, step: int, policy: Policy, record: dict[str, Any] | None, steps: list[int]
-    ) -> None:
-        """Refuse ``step`` if it is saved already, or if retention would delete it as soon as
-        it commits (``steps``: the committed steps, listed now).
-
-        Raises:
-          CheckpointExistsError: ``step`` is saved already.
-          CheckpointError: retention would delete it at once (a rollback without deletes).
-        """
-        if _location.exists(self.path(step)):
-            raise CheckpointExistsError(
-                f"Step {step} is already saved in {self.directory} ({self.path(step)}). A saved "
-                f"step is never replaced, force=True included (force only skips "
-                f"save_interval_steps). Save a later step, or restore it "
-                f"(CheckpointManager.restore({step})) and go on from there (docs/manager.md, "
-                f"*Going back to an older step*)."
-            )
-        if steps and policy.max_to_keep is not None:
-            read = policy.best_fn is not None or policy.keep_every_n_secs is not None
-            metrics, committed = self.metrics.read_all() if read else ({}, {})
-            metrics = {**metrics, str(step): record}
-            policy.refuse_doomed(step, steps, metrics, self.directory, committed)
 
     def require(self, step: int, then: str) -> None:
         """Raise ``CheckpointNotFoundError`` (ending in ``then``) unless ``step`` is committed."""
@@ -161,7 +139,17 @@ class Run:
 
 
 def step_arg(step: Any, call: str) -> int:
-    """``step`` as an int, or a ``TypeError``/``ValueError`` saying what ``call`` takes."""
+    """``step`` as an int: a Python int, or an integer scalar of numpy or jax (a 0-d integer
+    array, such as Flax's ``TrainState.step``); else a ``TypeError``/``ValueError`` saying
+    what ``call`` takes (bools, floats, negatives and other shapes are refused).
+
+    Example:
+      >>> import numpy as np
+      >>> step_arg(np.array(7, np.int32), "save(step, tree)"), step_arg(np.int64(3), "x")
+      (7, 3)
+    """
+    if _integer_scalar(step):
+        step = int(step)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(
             f"CheckpointManager.{call}: the step comes first, a non-negative int (for restore, "
@@ -171,3 +159,14 @@ def step_arg(step: Any, call: str) -> int:
     if step < 0:
         raise ValueError(f"step must be a non-negative int, got {step}")
     return int(step)
+
+
+def _integer_scalar(x: Any) -> bool:
+    """Whether ``x`` is a 0-d array of an integer dtype (numpy's, jax's), not a bool."""
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    if shape != () or dtype is None or isinstance(x, numbers.Integral):
+        return False
+    try:
+        return bool(np.issubdtype(dtype, np.integer))
+    except TypeError:  # a dtype numpy does not know (a PRNG key's)
+        return False

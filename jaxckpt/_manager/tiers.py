@@ -33,12 +33,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -46,10 +45,11 @@ from typing import Any
 from jaxckpt import _iterators
 from jaxckpt._api import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
-from jaxckpt._format.names import parse_staging, parse_step, staging_name, step_name
+from jaxckpt._format.names import staging_name, step_name
 from jaxckpt._manager import elastic_restore as _elastic
 from jaxckpt._manager import local_part as _part
 from jaxckpt._manager.elastic_moves import Stats
+from jaxckpt._manager.local_disk import Held, LocalDisk
 from jaxckpt._manager.local_run import MARKER, run_id, write_marker
 from jaxckpt._manager.tier_choice import RestoredFrom, choose
 from jaxckpt._runtime import agreement as _agreement
@@ -57,12 +57,9 @@ from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import replication as _replication
 from jaxckpt._storage import catalog as _catalog
-from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
 
 logger = logging.getLogger("jaxckpt")
-_PROCESS = re.compile(r"p[0-9]+")
-_Held = tuple[int, int, int, str]  # a committed part: (step, part, process count, save)
 
 
 class LocalTier:
@@ -93,12 +90,13 @@ class LocalTier:
         self.root = Path(os.path.expanduser(os.fspath(directory))) / f"jaxckpt-{self.run}"
         self.mine = self.root / f"p{self.process}"
         self.mine.mkdir(parents=True, exist_ok=True)
+        self.disk = LocalDisk(self.root, self.mine)
         write_marker(self.root / MARKER, self.run, str(persistent))
-        self._clean_up()
+        self.disk.clean_up()
         self._pending: Future[None] | None = None
         self._error: BaseException | None = None
         self._saves = self._restores = 0
-        self._held: dict[_Held, tuple[str, Path]] = {}  # as the last agreement found them
+        self._held: dict[Held, tuple[str, Path]] = {}  # as the last agreement found them
         self.last_elastic: Stats | None = None  # what the last elastic restore did
         self._lock = threading.Lock()
 
@@ -144,7 +142,7 @@ class LocalTier:
             time.perf_counter() - t1,
         )
         try:
-            self._retain()
+            self.disk.retain(self.max_to_keep)
         except Exception:  # a failed cleanup must not stop training
             logger.warning("local retention in %s failed", self.mine, exc_info=True)
 
@@ -222,23 +220,21 @@ class LocalTier:
 
     def steps(self) -> list[int]:
         """The steps whose own part this process holds, committed (no other process asked)."""
-        mine = (k[0] for k in self._holdings() if k[1:3] == (self.process, self.count))
+        mine = (k[0] for k in self.disk.holdings() if k[1:3] == (self.process, self.count))
         return sorted(set(mine))
 
-    def _holdings(self, *, everywhere: bool = False) -> dict[_Held, tuple[str, Path]]:
-        """``{(step, part, count, save): (layout, path)}`` of every committed part here (own,
-        replicas, parts of another process count): in this process's directory, or with
-        ``everywhere`` also in the other process directories of the run on this disk (after a
-        restart a process may get another's old disk), its own directory first."""
-        dirs = [self.mine]
-        if everywhere:
-            dirs += [d for d in sorted(self.root.iterdir()) if _PROCESS.fullmatch(d.name)]
-        out: dict[_Held, tuple[str, Path]] = {}
-        for d in dirs:
-            for sd in sorted(d.iterdir()) if d.is_dir() else []:
-                for key, layout, pd in _parts_in(sd):
-                    out.setdefault(key, (layout, pd))
-        return out
+    def holds(self, step: int) -> bool:
+        """Whether any part of ``step`` (complete or not) is on this process's disk."""
+        return step in self.disk.all_held()
+
+    def all_held(self) -> set[int]:
+        """Every step of which this disk holds a part, in any process directory of the run."""
+        return self.disk.all_held()
+
+    def delete(self, step: int) -> None:
+        """Delete every part of ``step`` on this disk (after the local save in flight)."""
+        self.settle()
+        self.disk.delete(step)
 
     # -- restoring ------------------------------------------------------------------------------
 
@@ -248,10 +244,10 @@ class LocalTier:
         """:func:`choose` on every process's holdings (every process calls it); ``elastic``:
         whether a step of another layout may be resharded (not with data iterators, whose
         positions belong to the processes that saved them)."""
-        self._held = self._holdings(everywhere=True)
+        self._held = self.disk.holdings(everywhere=True)
         mine = {
             "parts": [[*k, layout] for k, (layout, _) in self._held.items()],
-            "target": _part.target_layout(target, self.count),
+            "target": _part.target_layout(target, self.count, self._newest_info()),
             "elastic": _elastic.target_digest(target) if elastic else None,
             "persistent": persistent if self.process == 0 else [],
         }
@@ -264,6 +260,13 @@ class LocalTier:
 
         chosen: dict[str, Any] = json.loads(_agreement.decide("holdings", json.dumps(mine), decide))
         return chosen
+
+    def _newest_info(self) -> _part.PartInfo | None:
+        """The description of the part here saved last (for a target of bare shardings)."""
+        if not self._held:
+            return None
+        newest = max(self._held, key=lambda k: (k[3], k[0]))
+        return _part.read_info(self._held[newest][1])
 
     def restore_newest(
         self,
@@ -361,9 +364,11 @@ class LocalTier:
             info = _part.read_info(path)
             if info is None or info.save != save:
                 raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
-            if iterators:
-                _iterators.restore_states(iterators, metadata(str(path)).iterators, str(path))
-            return _part.rebuild(path, info, target), ""
+            saved = metadata(str(path)).iterators if iterators else {}
+            set_iterators = _iterators.restore_states(iterators, saved, str(path))
+            tree = _part.rebuild(path, info, target)
+            set_iterators()  # only once the part is read: a refused restore moves none
+            return tree, ""
         except Exception as e:  # every process hears of it and falls back together
             return None, f"process {self.process}: {type(e).__name__}: {e}"
 
@@ -398,52 +403,3 @@ class LocalTier:
                 job.result()
 
     # -- housekeeping ---------------------------------------------------------------------------
-
-    def _retain(self) -> None:
-        """Keep the newest ``max_to_keep`` step directories here; delete only jaxckpt's parts
-        and temporaries in the older ones (anything else, and its directory, stays)."""
-        held = sorted({k[0] for k in self._holdings()})  # a foreign dir is no step
-        for sd in (self.mine / step_name(step) for step in held[: -self.max_to_keep]):
-            for child in sd.iterdir():
-                if _part.parse_part(child.name) is not None and child.is_dir():
-                    try:
-                        _catalog.delete(_location.Location(child))
-                    except CheckpointError as e:
-                        logger.warning("local retention: not deleting %s: %s", child, e)
-                elif _is_dead_temporary(child):
-                    shutil.rmtree(child, ignore_errors=True)
-            try:
-                sd.rmdir()
-            except OSError:  # something else is in it: it stays
-                continue
-            logger.info("deleted local step %s from %s (retention)", sd.name, self.mine)
-
-    def _clean_up(self) -> None:
-        """Remove what interrupted saves and transfers left (our temporaries only)."""
-        for sd in self.mine.iterdir():
-            if parse_step(sd.name) is not None and sd.is_dir():
-                for child in sd.iterdir():
-                    if _is_dead_temporary(child):
-                        shutil.rmtree(child, ignore_errors=True)
-                        logger.info("cleaned up %s (left by an interrupted local save)", child)
-
-
-def _parts_in(step_dir: Path) -> Iterator[tuple[_Held, str, Path]]:
-    """``((step, part, count, save), layout, path)`` of each committed part in ``step_dir``."""
-    step = parse_step(step_dir.name)
-    if step is None or not step_dir.is_dir():
-        return
-    for pd in sorted(step_dir.iterdir()):
-        part = _part.parse_part(pd.name)
-        info = _part.read_info(pd) if part is not None else None
-        if part is not None and info is not None:
-            if (info.step, info.process, info.process_count) == (step, *part):
-                yield (step, *part, info.save), info.layout, pd
-
-
-def _is_dead_temporary(path: Path) -> bool:
-    """A part's staging directory (a save's or a transfer's) that nothing writes into now."""
-    staging = parse_staging(path.name)
-    if staging is None or _part.parse_part(staging[0]) is None:
-        return False
-    return not _lease.local_is_live(path)

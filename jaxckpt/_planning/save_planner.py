@@ -194,19 +194,7 @@ class DefaultSavePlanner(SavePlanner):
             if isinstance(leaf, np.generic):
                 self.scalars.add(key)  # the tree says so: restored as a numpy scalar
             return np.asarray(leaf)
-        if leaf is None or type(leaf) in (bool, float, complex, str):
-            return leaf
-        for base in (bool, int, float, str):  # IntEnum, str-Enum, ...: stored as the base value
-            if isinstance(leaf, base):
-                leaf = base.__str__(leaf) if base is str else base(leaf)
-                if base is int and manifest_check.int_digits_over(leaf):  # json could not spell it
-                    raise _unsupported(
-                        key,
-                        leaf,
-                        f"an int of more than {manifest_check.int_digits_over(leaf)} digits",
-                    )
-                return leaf
-        raise _unsupported(key, leaf, f"type {type(leaf).__name__}")
+        return python_value(key, leaf)
 
     def _signature(self) -> tuple[object, ...]:
         sig: list[object] = []
@@ -423,9 +411,31 @@ def _platform(leaf: jax.Array) -> str:
     return platform
 
 
+def python_value(key: str, leaf: Any) -> Any:
+    """The Python value leaf ``leaf`` of ``key`` as a checkpoint stores it: ``None``, a
+    ``bool``, ``int``, ``float``, ``complex`` or ``str`` (subclasses such as ``IntEnum`` as
+    their base value). The one rule of what a value leaf may be, for every tier.
+
+    Raises:
+      UnsupportedLeafError: any other leaf, or an int JSON cannot spell; names ``key``.
+    """
+    if leaf is None or type(leaf) in (bool, float, complex, str):
+        return leaf
+    for base in (bool, int, float, str):  # IntEnum, str-Enum, ...: stored as the base value
+        if isinstance(leaf, base):
+            leaf = base.__str__(leaf) if base is str else base(leaf)
+            if base is int and manifest_check.int_digits_over(leaf):  # json could not spell it
+                raise _unsupported(
+                    key, leaf, f"an int of more than {manifest_check.int_digits_over(leaf)} digits"
+                )
+            return leaf
+    raise _unsupported(key, leaf, f"type {type(leaf).__name__}")
+
+
 def _unsupported(key: str, leaf: Any, what: str) -> UnsupportedLeafError:
     return UnsupportedLeafError(
         f"Leaf {key!r} has {what}, which jaxckpt cannot store. Supported leaves: jax.Array and "
-        f"numpy arrays of numeric/bool/PRNG-key dtypes, and Python int, float, bool, str, None. "
+        f"numpy arrays of numeric/bool/PRNG-key dtypes, and Python int, float, complex, bool, str, "
+        f"None. "
         f"Convert the leaf (e.g. to a numpy array or a string) or drop it from the tree."
     )

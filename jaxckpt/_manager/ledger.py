@@ -1,0 +1,237 @@
+"""The run's ledger: one view of every step in each tier, consulted by every manager call.
+
+A run's steps live in up to two tiers: the persistent directory (``jaxckpt._manager.run``)
+and, with ``local_directory``, the processes' local disks (``jaxckpt._manager.tiers``). The
+ledger answers, for both tiers at once, what ``all_steps``, ``latest_step``,
+``should_save``, ``save``'s check, ``delete``, ``rollback`` and ``restore``'s choice need;
+none of those calls keeps a rule of its own.
+
+The rule that keeps one view simple (docs/manager.md, *Going back to an older step*): **step
+numbers grow in the order of saves.** A save of step ``s`` while a step ``s`` or newer is
+saved in any tier is refused before anything is written (``CheckpointExistsError``, naming
+the newer steps and ``rollback``); ``rollback(s)`` deletes every newer step from every tier
+in one call. So the newest step any tier holds whole is always the newest save of the branch
+saved last, and "the newest step" answers ``restore()``, ``should_save`` and retention alike,
+after any restart. A rollback that a crash interrupts deletes only steps of the abandoned
+branch, and no step of the new one exists before it returns.
+
+What the ledger holds in memory is one number, :attr:`Ledger.newest`: the newest step saved
+in any tier (committed, or started by this manager), the same on every process. It is read
+when the manager opens (a listing of the directory and, with a local tier, the steps the
+processes agree some tier holds whole), raised by each save, and read again after a delete
+or a rollback. Everything else is listed afresh at each call, so steps another process
+commits (a plain ``jaxckpt.save`` into the run) show up; ``save`` lists the directory once.
+
+Cost: a listing of the run (O(steps)) per save, delete and ``all_steps``; with a local tier
+one agreement of all processes (O(processes x local steps) through process 0) per
+``all_steps``, delete and rollback; nothing per ``should_save``. Independent of bytes and
+leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
+from jaxckpt._iterators import Checkpointable
+from jaxckpt._manager.run import Run
+from jaxckpt._manager.tier_choice import RestoredFrom
+from jaxckpt._manager.tiers import LocalTier
+from jaxckpt._planning.load_planner import LoadPlanner
+
+logger = logging.getLogger("jaxckpt")
+Tier = Literal["local", "persistent"]
+
+
+class Ledger:
+    """The steps of one run in both tiers (see the module's docstring).
+
+    Args:
+      run: the persistent directory.
+      local: the local tier, or ``None``.
+      read_only: a reader's ledger lists afresh at every question (another process saves).
+    """
+
+    def __init__(self, run: Run, local: LocalTier | None, *, read_only: bool = False) -> None:
+        self.run, self.local, self.read_only = run, local, read_only
+        self.newest: int | None = None
+        self._before: int | None = None  # ``newest`` before the save in flight began
+        self._warned = False  # logged once that an older step is not saved
+        self.refresh()
+
+    # -- what the run holds ---------------------------------------------------------------------
+
+    def steps(self, tier: Tier | None = None) -> list[int]:
+        """The committed steps of ``tier`` (``None``: the persistent ones and the local ones
+        some tier holds whole, agreed by all processes: every process calls it then)."""
+        if tier == "local":
+            return [] if self.local is None else self.local.steps()
+        persistent = self.run.steps()
+        if tier == "persistent" or self.local is None:
+            return persistent
+        agreed = self.local.agree(None, persistent, None)["local_steps"]
+        return sorted(set(persistent) | set(agreed))
+
+    def refresh(self) -> list[int]:
+        """Read :attr:`newest` again from both tiers; returns every committed step."""
+        steps = self.steps()
+        self.newest = max(steps, default=None)
+        return steps
+
+    def newer(self, step: int) -> list[int]:
+        """The steps after ``step`` in any tier, as this process sees them (for messages)."""
+        found = set(self.run.steps())
+        if self.local is not None:
+            found |= set(self.local.steps())
+        if self.newest is not None:
+            found.add(self.newest)
+        return sorted(s for s in found if s > step)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def may_save(self, step: int) -> bool:
+        """Whether ``step`` may be saved now: after every step saved in any tier."""
+        if self.read_only:
+            return False
+        if self.newest is None or step > self.newest:
+            return True
+        if step < self.newest and not self._warned:  # a resumed loop passing them is normal
+            self._warned = True
+            logger.info(
+                "step %d is not saved: step %d is saved already in %s. If the run went back to "
+                "an older step, call CheckpointManager.rollback(STEP) to delete the newer ones.",
+                step,
+                self.newest,
+                self.run.directory,
+            )
+        return False
+
+    def check_new(self, step: int, directory: str, restored: int | None) -> list[int]:
+        """Refuse ``step`` unless it is newer than every step of every tier (the directory
+        listed now); ``restored``: the step the last ``restore()`` returned, for the advice.
+
+        Returns:
+          The committed persistent steps, listed now.
+
+        Raises:
+          CheckpointExistsError: ``step`` is saved already, or a newer step is (a rollback
+            that forgot ``rollback()``): naming them and the call that rolls back.
+        """
+        persistent = self.run.steps()
+        if step in persistent or step == self.newest:
+            raise CheckpointExistsError(
+                f"Step {step} is already saved in {directory}. A saved step is never replaced, "
+                f"force=True included (force only skips save_interval_steps). Save a later step, "
+                f"or restore it (CheckpointManager.restore({step})) and go on from there "
+                f"(docs/manager.md, *Going back to an older step*)."
+            )
+        newer = sorted(set(self.newer(step)) | {s for s in persistent if s > step})
+        if newer:
+            back = restored if restored is not None and restored < step else step - 1
+            raise CheckpointExistsError(
+                f"Step {step} is older than steps already saved in {directory} ({newer}, in "
+                f"either tier): saving it would leave a newer step of another branch that a "
+                f"restart restores. Nothing was saved. To go on from an older step, call "
+                f"CheckpointManager.rollback({back}) first: it deletes every step after {back} "
+                f"from every tier. Or save a step after {newer[-1]}."
+            )
+        return persistent
+
+    def begin(self, step: int) -> None:
+        """A save of ``step`` starts (in either tier) on every process."""
+        self._before, self.newest = self.newest, step
+
+    def failed(self, step: int, *, local_saved: bool) -> None:
+        """The persistent save of ``step`` failed on every process: unless the local tier
+        saved it, ``step`` may be saved again."""
+        if self.newest == step and not local_saved:
+            self.newest = self._before
+
+    # -- restoring ------------------------------------------------------------------------------
+
+    def restore(
+        self,
+        step: int | None,
+        target: Any,
+        *,
+        keys: str | Sequence[str] | None,
+        strict: bool,
+        planner: LoadPlanner | None,
+        iterators: Mapping[str, Checkpointable] | None,
+    ) -> tuple[Any, RestoredFrom]:
+        """``step`` (``None``: the newest step some tier holds whole: by the rule above, the
+        newest save of the branch saved last) and where it came from. With a local tier every
+        process calls it; a tier that cannot deliver falls back to the other (logged).
+
+        Raises:
+          CheckpointNotFoundError: no tier holds ``step`` (or any step).
+        """
+        if self.local is None:
+            tree, got = self.run.restore(
+                step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
+            )
+            return tree, RestoredFrom("persistent", got)
+        self.local.settle()
+        return self.local.restore_newest(
+            step,
+            target,
+            self.run.steps(),
+            keys=keys,
+            strict=strict,
+            planner=planner,
+            iterators=iterators,
+        )
+
+    # -- deleting -------------------------------------------------------------------------------
+
+    def delete(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> None:
+        """Delete ``step`` from every tier (every process calls it with a local tier); then
+        ``clean_up()`` (primary) removes what only the deleted step kept.
+
+        Raises:
+          CheckpointNotFoundError: no tier holds ``step``; nothing was deleted.
+        """
+        steps = self.steps()
+        local = self.local is not None and self.local.holds(step)
+        if step not in steps and not local:
+            raise CheckpointNotFoundError(
+                f"Step {step} is not in {self.run.directory} or its local tier; committed steps: "
+                f"{steps}. Nothing was deleted."
+            )
+        self._remove([step], primary=primary, persistent=steps, clean_up=clean_up)
+        self.newest = max((s for s in steps if s != step), default=None)
+
+    def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> list[int]:
+        """Delete every step after ``step`` from every tier; returns them."""
+        steps = self.steps()
+        doomed = sorted(
+            {s for s in steps if s > step}
+            | ({s for s in self.local.all_held() if s > step} if self.local is not None else set())
+        )
+        self._remove(doomed, primary=primary, persistent=steps, clean_up=clean_up)
+        self.newest = max((s for s in steps if s <= step), default=None)
+        if doomed:
+            logger.info("rolled back %s to step %d: deleted %s", self.run.directory, step, doomed)
+        return doomed
+
+    def _remove(
+        self,
+        doomed: list[int],
+        *,
+        primary: bool,
+        persistent: list[int],
+        clean_up: Callable[[], None],
+    ) -> None:
+        """Delete ``doomed`` from the local tier (this process's disk), then from the
+        persistent directory (the primary), then clean up after them."""
+        if self.local is not None:
+            for s in doomed:
+                self.local.delete(s)
+        if primary:
+            gone = [s for s in doomed if s in persistent]
+            for s in reversed(gone):  # newest first: a crash leaves the oldest of the branch
+                self.run.delete(s)
+            if gone:
+                clean_up()
