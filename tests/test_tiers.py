@@ -356,6 +356,9 @@ def test_local_step_of_an_earlier_save_is_replaced(tmp_path):
         mgr.save(0, _state(0))
         mgr.save(1, _state(1))
     with jaxckpt.CheckpointManager(tmp_path / "ckpt", **kw) as mgr:  # a restart at step 0
+        with pytest.raises(jaxckpt.CheckpointExistsError, match="Step 1 is already saved"):
+            mgr.save(1, _state(11))
+        assert mgr.rollback(0) == [1]
         mgr.save(1, _state(11))
         mgr.wait()
         assert mgr.restore(target=_abstract(_state(0)))["step"] == 11
@@ -376,6 +379,7 @@ def test_a_step_saved_again_after_a_rollback_replaces_its_local_part(tmp_path):
             mgr.save(step, state(float(step)))
         mgr.wait()
         assert float(mgr.restore(0, target=target)["w"][0, 0]) == 0.0
+        mgr.rollback(2)
         mgr.save(3, state(1003.0), force=True)
         mgr.wait()
         assert float(mgr.restore(target=target)["w"][0, 0]) == 1003.0

@@ -363,9 +363,8 @@ def stage_kv(rec: Record, work: Path, pid: int, n: int) -> None:
 
     def again():  # a step saved again by the same manager replaces its part and its replica
         with manager(work, pid) as m:
-            m.save(1, make_state(1, n))
-            m.wait()
             restored(rec, "kv_rollback", m, target(n), 1, n)
+            m.rollback(0)  # step 1 goes from every process's disk
             m.save(1, make_state(11, n))
             m.wait()
             if pid == 1:  # its new part is lost: the one to use is process 0's new replica

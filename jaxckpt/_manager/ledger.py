@@ -200,7 +200,7 @@ class Ledger:
                 f"Step {step} is not in {self.run.directory} or its local tier; committed steps: "
                 f"{steps}. Nothing was deleted."
             )
-        self._remove([step], primary=primary, persistent=steps, clean_up=clean_up)
+        self._remove([step], primary=primary, clean_up=clean_up)
         self.newest = max((s for s in steps if s != step), default=None)
 
     def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> list[int]:
@@ -210,27 +210,21 @@ class Ledger:
             {s for s in steps if s > step}
             | ({s for s in self.local.all_held() if s > step} if self.local is not None else set())
         )
-        self._remove(doomed, primary=primary, persistent=steps, clean_up=clean_up)
+        self._remove(doomed, primary=primary, clean_up=clean_up)
         self.newest = max((s for s in steps if s <= step), default=None)
         if doomed:
             logger.info("rolled back %s to step %d: deleted %s", self.run.directory, step, doomed)
         return doomed
 
-    def _remove(
-        self,
-        doomed: list[int],
-        *,
-        primary: bool,
-        persistent: list[int],
-        clean_up: Callable[[], None],
-    ) -> None:
+    def _remove(self, doomed: list[int], *, primary: bool, clean_up: Callable[[], None]) -> None:
         """Delete ``doomed`` from the local tier (this process's disk), then from the
         persistent directory (the primary), then clean up after them."""
         if self.local is not None:
             for s in doomed:
                 self.local.delete(s)
         if primary:
-            gone = [s for s in doomed if s in persistent]
+            listed = set(self.run.steps())
+            gone = [s for s in doomed if s in listed]
             for s in reversed(gone):  # newest first: a crash leaves the oldest of the branch
                 self.run.delete(s)
             if gone:

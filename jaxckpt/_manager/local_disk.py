@@ -55,9 +55,11 @@ class LocalDisk:
     def dirs(self, everywhere: bool) -> list[Path]:
         """This process's directory, and with ``everywhere`` every process directory of the
         run on this disk (its own first)."""
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"{self.root} is gone or not a directory")
         if not everywhere:
             return [self.mine]
-        others = sorted(self.root.iterdir()) if self.root.is_dir() else []
+        others = sorted(self.root.iterdir())
         return [self.mine, *(d for d in others if _PROCESS.fullmatch(d.name) and d != self.mine)]
 
     def all_held(self) -> set[int]:
