@@ -213,6 +213,15 @@ def stream(
     return out
 
 
+class BudgetError(CheckpointError):
+    """``max_host_bytes`` cannot hold a chunk a budgeted save must stage whole: ``need``
+    bytes (``key``: the key of the chunk)."""
+
+    def __init__(self, message: str, *, key: str, need: int) -> None:
+        super().__init__(message)
+        self.key, self.need = key, need
+
+
 def check_budget(budget: int, items: Sequence[WriteItem], *, hash_all_first: bool) -> int:
     """The ring bytes a save of ``items`` within ``budget`` uses.
 
@@ -224,12 +233,14 @@ def check_budget(budget: int, items: Sequence[WriteItem], *, hash_all_first: boo
     big = max(items, key=lambda i: i.nbytes, default=None)
     if big is not None and _ring.slot_bytes(big.nbytes) > capacity:
         need = _ring.slot_bytes(big.nbytes)
-        raise CheckpointError(
+        raise BudgetError(
             f"save_async(max_host_bytes={budget}) cannot stage chunk {list(big.offsets)} of key "
             f"{big.key!r} ({big.nbytes} bytes): a budgeted save stages whole chunks, so the "
             f"budget must hold this process's largest one ({need} bytes with alignment). Pass "
             f"max_host_bytes={need} or more, or save with planner=jaxckpt.DefaultSavePlanner("
-            f"max_chunk_bytes={max(budget // 2, 1)}) for smaller chunks. Nothing was written."
+            f"max_chunk_bytes={max(budget // 2, 1)}) for smaller chunks. Nothing was written.",
+            key=big.key,
+            need=need,
         )
     if hash_all_first and total > budget:
         raise CheckpointError(

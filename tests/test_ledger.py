@@ -315,3 +315,37 @@ def test_a_complex_leaf_saves_in_both_tiers(tmp_path):
         got = mgr.restore(target={**_target(), "c": None})
         assert mgr.restored_from.tier == "local" and got["c"] == complex(5, -1)
         assert mgr.restore(5)["c"] == complex(5, -1)
+
+
+# 9. Errors tell the truth -------------------------------------------------------------------------
+
+
+def test_a_manager_budget_too_small_names_the_manager_argument(tmp_path):
+    state = {"x": np.zeros(1 << 18, np.float32)}  # one 1 MiB chunk
+    with jaxckpt.CheckpointManager(tmp_path, max_host_bytes=64 << 10) as mgr:
+        with pytest.raises(
+            jaxckpt.CheckpointError, match=r"CheckpointManager\(max_host_bytes=6553"
+        ) as e:
+            mgr.save(1, state)
+        assert "planner=" not in str(e.value) and "'x'" in str(e.value)
+        assert mgr.should_save(1)  # nothing was saved: the step may be saved again
+        assert mgr.all_steps() == []
+
+
+def test_a_deadline_message_does_not_claim_an_uncommitted_commit():
+    from jaxckpt._storage import location
+
+    class Never:
+        def result(self, timeout=None):
+            raise TimeoutError
+
+        def cancel(self):
+            return True
+
+        def done(self):
+            return False
+
+    loc = location.Location("memory://deadline")
+    loc.io_timeout = 0.01
+    with pytest.raises(jaxckpt.CheckpointError, match="before its commit has not committed"):
+        location.wait(Never(), loc, "writing manifest.json")

@@ -24,10 +24,12 @@ import collections
 import errno
 import os
 import shutil
+import tempfile
 import threading
 import uuid
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from helpers import assert_tree_equal
@@ -41,6 +43,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
@@ -50,8 +54,10 @@ from jaxckpt._storage.location import Location, kvstore
 
 # Sequences per store: CI's few (about half a minute in all), or JAXCKPT_MODEL_EXAMPLES each.
 EXAMPLES = {"local": 30, "memory": 30, "s3": 8}
+RUN_EXAMPLES = {"local": 12, "memory": 10, "s3": 4}  # RunModel's (each sequence does more)
 if os.environ.get("JAXCKPT_MODEL_EXAMPLES"):
     EXAMPLES = dict.fromkeys(EXAMPLES, int(os.environ["JAXCKPT_MODEL_EXAMPLES"]))
+    RUN_EXAMPLES = dict(EXAMPLES)
 STATS: collections.Counter = collections.Counter()  # what ran: sequences, and each rule
 STEPS = int(os.environ.get("JAXCKPT_MODEL_STEPS", "14"))
 FROZEN = 70_000  # float32 elements: above the packing threshold, so it is its own array
@@ -136,21 +142,21 @@ class CheckpointModel(RuleBasedStateMachine):
 
         return steps_to_delete(sorted(steps), **self.policy, score=score if self.best else None)
 
-    @rule(step=st.integers(0, 6), v=st.integers(0, 7))
-    def manager_save(self, step, v):
+    @rule(ahead=st.integers(-1, 2), v=st.integers(0, 7))
+    def manager_save(self, ahead, v):
+        """A save of a step near the newest one: after it (saved), at or before it (refused:
+        steps grow in the order of saves, whatever retention would do)."""
         STATS["manager_save"] += 1
-        values, scored = {**self.steps, step: v}, self.scored | {step}
-        immediately = step not in self.steps and step in self._doomed(list(values), values, scored)
+        step = max(self.steps, default=0) + ahead
+        if step < 0:
+            return
         try:
             self.mgr.save(step, state(v), metrics={"loss": loss(v)}, force=True)
             self.mgr.wait()
         except jaxckpt.CheckpointExistsError:
-            assert step in self.steps
+            assert self.steps and step <= max(self.steps)
             return
-        except jaxckpt.CheckpointError as e:
-            assert immediately, e  # refused: retention would delete it at once
-            return
-        assert step not in self.steps and not immediately
+        assert not self.steps or step > max(self.steps)
         self.steps[step] = v
         self.scored.add(step)
         self.broken.discard(step)
@@ -167,10 +173,14 @@ class CheckpointModel(RuleBasedStateMachine):
         step = data.draw(st.sampled_from(sorted(self.steps)))
         if step not in self.broken:
             assert_tree_equal(self.mgr.restore(step), state(self.steps[step]))
-        for newer in [s for s in self.steps if s > step]:
-            self.mgr.delete(newer)
-            del self.steps[newer]
-            self.scored.discard(newer)
+        newer = sorted(s for s in self.steps if s > step)
+        if data.draw(st.booleans()):
+            assert self.mgr.rollback(step) == newer
+        for s in newer:
+            if s in self.mgr.all_steps():
+                self.mgr.delete(s)
+            del self.steps[s]
+            self.scored.discard(s)
         self.broken -= {s for s in self.broken if s > step}
 
     @precondition(lambda self: self.steps)
@@ -298,6 +308,278 @@ class CheckpointModel(RuleBasedStateMachine):
             self.mgr.close()
 
 
+class Counter:
+    """A data iterator whose state is its position."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
+
+    def set_state(self, saved: dict) -> None:
+        self.position = saved["position"]
+
+
+SHARDING = NamedSharding(Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b")), P("a", "b"))
+
+
+def tiered_state(v: int) -> dict:
+    """A run's state: a sharded array (the local tier rebuilds it), an array that changes
+    every 4 values (incremental steps reference or link it), a Python value."""
+    return {
+        "w": jax.device_put(np.full((8, 4), v, np.float32), SHARDING),
+        "frozen": np.arange(FROZEN, dtype=np.float32) + np.float32(v // 4),
+        "v": v,
+    }
+
+
+TARGET = {
+    "w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=SHARDING),
+    "frozen": None,
+    "v": None,
+}
+
+
+class RunModel(RuleBasedStateMachine):
+    """A training run through one ``CheckpointManager`` and its restarts: both tiers,
+    data iterators, step/time/continuous schedules under a fake clock, best-N with and without
+    metrics, deletes, rollbacks (and forgotten ones), a wiped local disk, read-only readers.
+
+    The model: the persistent steps and the local steps (each with its value and the order it
+    was saved in), and the iterator position saved with each step. After every rule: every
+    listed step restores what was saved under it (from the tier the model says holds it),
+    ``restore()`` returns the newest step, and neither the directory nor the local disk holds
+    anything the model does not (the leak invariant, by listing)."""
+
+    root = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        STATS["run sequences"] += 1
+        self.run = f"{self.root}/{uuid.uuid4().hex[:8]}/run"
+        self.local_dir = Path(tempfile.mkdtemp(prefix="jaxckpt-model-"))
+        self.persistent: dict[int, int] = {}  # step -> value
+        self.local: dict[int, tuple[int, int]] = {}  # step -> (value, save order)
+        self.scored: set[int] = set()
+        self.positions: dict[int, int] = {}  # step -> iterator position saved with it
+        self.order, self.now = 0, 0.0
+        self.floor: int | None = None  # the ledger's newest: a lost step counts until re-read
+        self.mgr: jaxckpt.CheckpointManager | None = None
+
+    @initialize(
+        local=st.booleans(),
+        every=st.sampled_from([1, 2, 3]),
+        local_every=st.sampled_from([1, 2]),
+        local_keep=st.sampled_from([1, 2]),
+        max_to_keep=st.sampled_from([None, 1, 2, 3]),
+        best=st.sampled_from([None, "all", "some"]),
+        secs=st.sampled_from([None, 0.0, 10.0]),
+        incremental=st.booleans(),
+    )
+    def open_run(self, local, every, local_every, local_keep, max_to_keep, best, secs, incremental):
+        self.cfg = dict(
+            max_to_keep=max_to_keep,
+            save_interval_steps=every if secs is None else None,
+            save_interval_secs=secs,
+            best_fn=(lambda m: m["loss"]) if best else None,
+            incremental=incremental,
+            async_save=secs is None,  # a time-based decision waits on no background commit
+        )
+        if local:
+            self.cfg.update(
+                local_directory=self.local_dir,
+                local_save_interval_steps=local_every,
+                local_max_to_keep=local_keep,
+            )
+        self.best, self.local_on = best, local
+        self._open()
+
+    def _open(self) -> None:
+        self.floor = self._newest()  # read when the manager opens
+        self.mgr = jaxckpt.CheckpointManager(self.run, **self.cfg)
+        self.mgr._schedule.clock = lambda: self.now  # the fake clock of the time policies
+        self.mgr._schedule.last_start = self.now
+
+    def _newest(self) -> int | None:
+        return max({*self.persistent, *self.local}, default=None)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    @rule(n=st.integers(1, 3), v=st.integers(0, 7), dt=st.sampled_from([0.0, 4.0, 11.0]))
+    def train(self, n, v, dt):
+        """A training loop asking ``should_save`` and calling ``save`` at every step."""
+        STATS["train"] += 1
+        it = Counter()
+        top = max(self.floor, self._newest() or 0) if self.floor is not None else self._newest()
+        for step in range((top or 0) + 1, (top or 0) + 1 + n):
+            self.now += dt
+            it.position = 10 * step + v
+            want = self.mgr.should_save(step)
+            before = self.mgr.last_save
+            with_metrics = self.best == "all" or (self.best == "some" and step % 2 == 0)
+            metrics = {"loss": loss(v + step)} if with_metrics else None
+            saved = self.mgr.save(
+                step, tiered_state(v + step), metrics=metrics, iterators={"it": it}
+            )
+            assert saved == want, (step, saved, want)  # should_save is exactly save's answer
+            self.mgr.wait()
+            if self.mgr.last_save is not before:
+                self._persistent_saved(step, v + step, with_metrics)
+            if self.local_on and step % self.cfg["local_save_interval_steps"] == 0:
+                self._local_saved(step, v + step)
+            if saved:
+                self.positions[step] = it.position
+                self.floor = step
+
+    def _persistent_saved(self, step: int, v: int, scored: bool) -> None:
+        self.persistent[step] = v
+        if scored:
+            self.scored.add(step)
+        score = (
+            (lambda s: -loss(self.persistent[s]) if s in self.scored else None)
+            if self.best
+            else None
+        )
+        for gone in steps_to_delete(
+            sorted(self.persistent), max_to_keep=self.cfg["max_to_keep"], score=score
+        ):
+            del self.persistent[gone]
+            self.scored.discard(gone)
+
+    def _local_saved(self, step: int, v: int) -> None:
+        self.order += 1
+        self.local[step] = (v, self.order)
+        keep = sorted(self.local, key=lambda s: self.local[s][1])[-self.cfg["local_max_to_keep"] :]
+        self.local = {s: self.local[s] for s in keep}
+
+    @precondition(lambda self: self.persistent or self.local)
+    @rule(data=st.data(), forget=st.booleans())
+    def roll_back(self, data, forget):
+        """Restore an older step and go on from it: with ``rollback()``, or forgetting it
+        (then the next save is refused and nothing changes)."""
+        STATS["roll_back"] += 1
+        step = data.draw(st.sampled_from(sorted({*self.persistent, *self.local})))
+        self._check_step(step)
+        newer = sorted(s for s in {*self.persistent, *self.local} if s > step)
+        if forget and newer:
+            with pytest.raises(jaxckpt.CheckpointExistsError, match="rollback"):
+                self.mgr.save(step + 1, tiered_state(0), force=True)
+            assert not self.mgr.should_save(step + 1)
+            return
+        assert self.mgr.rollback(step) == newer
+        self._forget(newer)
+        self.floor = self._newest()
+
+    @precondition(lambda self: self.persistent or self.local)
+    @rule(data=st.data())
+    def delete_a_step(self, data):
+        STATS["run_delete"] += 1
+        step = data.draw(st.sampled_from(sorted({*self.persistent, *self.local})))
+        self.mgr.delete(step)
+        self._forget([step])
+        self.floor = self._newest()
+
+    def _forget(self, steps: list[int]) -> None:
+        for s in steps:
+            self.persistent.pop(s, None)
+            self.local.pop(s, None)
+            self.scored.discard(s)
+
+    @precondition(lambda self: self.local_on)
+    @rule()
+    def wipe_the_local_disk(self):
+        STATS["wipe_local"] += 1
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+        self.local.clear()
+
+    @rule()
+    def restart(self):
+        """The job restarts: a new manager on the same directories."""
+        STATS["restart"] += 1
+        self.mgr.close()
+        self._open()
+
+    @rule(secs=st.sampled_from([0.0, 100.0]))
+    def reader(self, secs):
+        """An evaluator beside the trainer: lists and restores, never saves."""
+        STATS["reader"] += 1
+        reader = jaxckpt.CheckpointManager(self.run, read_only=True, save_interval_secs=secs)
+        assert reader.all_steps() == sorted(self.persistent)
+        assert not reader.should_save(10**6)
+        if self.persistent:
+            assert reader.restore()["v"] == self.persistent[max(self.persistent)]
+        reader.close()
+
+    # -- what must hold after every rule ------------------------------------------------------------
+
+    def _check_step(self, step: int) -> None:
+        """``step`` restores what was saved, from the tier the model says holds it."""
+        it = Counter(-1)
+        got = self.mgr.restore(step, TARGET, iterators={"it": it})
+        v = self.local[step][0] if step in self.local else self.persistent[step]
+        assert got["v"] == v and float(np.asarray(got["w"])[0, 0]) == v, (step, got["v"], v)
+        assert_tree_equal(np.asarray(got["frozen"]), tiered_state(v)["frozen"])
+        assert self.mgr.restored_from.tier == ("local" if step in self.local else "persistent")
+        assert it.position == self.positions[step]
+        self.floor = self._newest()  # a restore reads the ledger again
+
+    @invariant()
+    def one_view_of_the_run(self):
+        if self.mgr is None:
+            return
+        steps = sorted({*self.persistent, *self.local})
+        assert self.mgr.all_steps() == steps
+        assert self.mgr.all_steps("persistent") == sorted(self.persistent)
+        if self.local_on:
+            assert self.mgr.all_steps("local") == sorted(self.local)
+        assert self.mgr.latest_step() == self._newest()
+        for step in steps:
+            self._check_step(step)
+        if steps:  # restore() returns the newest save of the branch saved last
+            assert self.mgr.restore(target=TARGET)["v"] == self._value(max(steps))
+            assert self.mgr.restored_from.step == max(steps)
+
+    def _value(self, step: int) -> int:
+        return self.local[step][0] if step in self.local else self.persistent[step]
+
+    @invariant()
+    def nothing_leaks(self):
+        if self.mgr is None:
+            return
+        self.mgr.wait()
+        kept = {f"{s:08d}" for s in self.persistent}
+        for s in self.persistent:  # arrays of other steps that listed steps reference
+            for t in jaxckpt.metadata(f"{self.run}/{s:08d}").refs.values():
+                kept.add(t.split("/")[1])
+        found = _top_level(self.run)
+        extra = found - kept - {"metrics.json", "local-tier.json"}
+        assert not extra, f"{self.run} holds {sorted(extra)} beyond steps {sorted(kept)}"
+        for name in (
+            found - {f"{s:08d}" for s in self.persistent} - {"metrics.json", "local-tier.json"}
+        ):
+            assert not _exists(f"{self.run}/{name}")  # kept arrays only, no checkpoint
+        if self.local_on:
+            held = {int(p.name) for p in self.local_dir.glob("jaxckpt-*/p0/*") if p.name.isdigit()}
+            assert held <= set(self.local), (held, self.local)
+            temporaries = list(self.local_dir.glob("jaxckpt-*/p0/*/.*"))
+            assert not temporaries, temporaries
+
+    def teardown(self):
+        if self.mgr is not None:
+            self.mgr.close()
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+
+
+def _top_level(run: str) -> set[str]:
+    """The names directly in the run directory (local) or its first key parts (object store)."""
+    loc = Location(run)
+    if loc.local is not None:
+        return {p.name for p in loc.local.iterdir()} if loc.local.exists() else set()
+    kv = kvstore(loc.kvstore, loc)
+    return {k.decode().split("/", 1)[0] for k in kv.list().result()}
+
+
 def _restores(fn, want: dict, broken: bool) -> None:
     """``fn()`` returns ``want`` bit-exactly; where a deletion by hand broke it, it may instead
     raise a ``CheckpointError`` that says so."""
@@ -371,13 +653,14 @@ def _fail(code: int):
     return fail
 
 
-def _run(root: str, store: str) -> None:
+def _run(root: str, store: str, model: type = CheckpointModel) -> None:
     STATS.clear()
-    machine = type("Model", (CheckpointModel,), {"root": root})
+    machine = type("Model", (model,), {"root": root})
+    examples = EXAMPLES[store] if model is CheckpointModel else RUN_EXAMPLES[store]
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=EXAMPLES[store],
+            max_examples=examples,
             stateful_step_count=STEPS,
             deadline=None,
             suppress_health_check=list(HealthCheck),
@@ -396,3 +679,15 @@ def test_model_memory():
 
 def test_model_s3(s3):  # noqa: F811
     _run(f"s3://{BUCKET}/model-{uuid.uuid4().hex[:8]}", "s3")
+
+
+def test_run_model_local(tmp_path: Path):
+    _run(str(tmp_path), "local", RunModel)
+
+
+def test_run_model_memory():
+    _run(f"memory://run-model-{uuid.uuid4().hex[:8]}", "memory", RunModel)
+
+
+def test_run_model_s3(s3):  # noqa: F811
+    _run(f"s3://{BUCKET}/run-model-{uuid.uuid4().hex[:8]}", "s3", RunModel)

@@ -1,7 +1,9 @@
 """The ``CheckpointManager``: steps of a run, retention, metrics, tiers.
 
 Builds on the public entry points (``jaxckpt._api``) and the storage catalog; the ``manager``
-module is the class, ``retention`` decides which steps go and keeps the metrics file,
+module is the class, ``ledger`` the run's one view of both tiers that every call of it
+consults (which steps exist, whether a step may be saved, deleting and rolling back,
+restore's choice), ``retention`` decides which steps go and keeps the metrics file,
 ``tiers`` is the optional local tier (node-local parts, their replicas, the agreement on what
 to restore) and ``local_part`` one process's part as a single-process checkpoint.
 

@@ -18,8 +18,10 @@ branch, and no step of the new one exists before it returns.
 What the ledger holds in memory is one number, :attr:`Ledger.newest`: the newest step saved
 in any tier (committed, or started by this manager), the same on every process. It is read
 when the manager opens (a listing of the directory and, with a local tier, the steps the
-processes agree some tier holds whole), raised by each save, and read again after a delete
-or a rollback. Everything else is listed afresh at each call, so steps another process
+processes agree some tier holds whole), raised by each save, and read again after a restore,
+a delete or a rollback. So a step whose only copy was lost (a wiped local disk) still
+counts until the next of those: the loop that goes on from a ``restore()`` numbers from what
+the run holds. Everything else is listed afresh at each call, so steps another process
 commits (a plain ``jaxckpt.save`` into the run) show up; ``save`` lists the directory once.
 
 Cost: a listing of the run (O(steps)) per save, delete and ``all_steps``; with a local tier
@@ -124,12 +126,13 @@ class Ledger:
             raise CheckpointExistsError(
                 f"Step {step} is already saved in {directory}. A saved step is never replaced, "
                 f"force=True included (force only skips save_interval_steps). Save a later step, "
-                f"or restore it (CheckpointManager.restore({step})) and go on from there "
+                f"or restore it (CheckpointManager.restore({step})) and go on from there; to "
+                f"save it anew, call CheckpointManager.rollback({step}) and .delete({step}) first "
                 f"(docs/manager.md, *Going back to an older step*)."
             )
         newer = sorted(set(self.newer(step)) | {s for s in persistent if s > step})
         if newer:
-            back = restored if restored is not None and restored < step else step - 1
+            back = restored if restored is not None and restored < step else max(step - 1, 0)
             raise CheckpointExistsError(
                 f"Step {step} is older than steps already saved in {directory} ({newer}, in "
                 f"either tier): saving it would leave a newer step of another branch that a "
@@ -172,9 +175,10 @@ class Ledger:
             tree, got = self.run.restore(
                 step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
             )
+            self.refresh()
             return tree, RestoredFrom("persistent", got)
         self.local.settle()
-        return self.local.restore_newest(
+        restored = self.local.restore_newest(
             step,
             target,
             self.run.steps(),
@@ -183,6 +187,8 @@ class Ledger:
             planner=planner,
             iterators=iterators,
         )
+        self.refresh()  # a tier may have lost steps (a wiped disk): number from what is held
+        return restored
 
     # -- deleting -------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
-from jaxckpt._staged import budget_arg
+from jaxckpt._staged import BudgetError, budget_arg
 from jaxckpt._storage import directwrite as _directwrite
 from jaxckpt._storage import location as _location
 
@@ -260,8 +260,15 @@ class CheckpointManager(RunReader):
                     iterators=iterators,
                     max_host_bytes=self.max_host_bytes,
                 )
-        except BaseException:
+        except BaseException as e:
             self._ledger.failed(step, local_saved=self._local_saves(step))
+            if isinstance(e, BudgetError):  # save_async's advice names its own arguments
+                raise CheckpointError(
+                    f"CheckpointManager(max_host_bytes={self.max_host_bytes}) cannot save step "
+                    f"{step}: a chunk of key {e.key!r} needs {e.need} bytes of host memory at "
+                    f"once, and a budgeted save stages whole chunks. Make the manager with "
+                    f"max_host_bytes={e.need} or more (or None). Nothing was written."
+                ) from e
             raise
         self._schedule.began(began)
         self.last_save = handle

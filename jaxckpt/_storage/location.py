@@ -198,8 +198,8 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
         f"{loc.io_timeout:g} s): {server} is not answering, or too slowly. Check that it is up "
         f"and reachable (endpoint, network, credentials), or raise {IO_TIMEOUT_ENV} (or "
-        f"CheckpointManager(io_timeout=...)) for a slow link. A save that fails so has not "
-        f"committed; the last committed checkpoint is intact."
+        f"CheckpointManager(io_timeout=...)) for a slow link. A save that fails so before its "
+        f"commit has not committed; the last committed checkpoint is intact."
     )
     if loc.one_operation:
         loc.stalled = message
