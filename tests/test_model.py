@@ -140,7 +140,9 @@ class CheckpointModel(RuleBasedStateMachine):
         def score(s: int) -> float | None:
             return -loss(values[s]) if s in scored else None
 
-        return steps_to_delete(sorted(steps), **self.policy, score=score if self.best else None)
+        return steps_to_delete(
+            sorted(steps), **self.policy, score=score if self.best else None, keep_unscored=True
+        )
 
     @rule(ahead=st.integers(-1, 2), v=st.integers(0, 7))
     def manager_save(self, ahead, v):
@@ -376,16 +378,34 @@ class RunModel(RuleBasedStateMachine):
         best=st.sampled_from([None, "all", "some"]),
         secs=st.sampled_from([None, 0.0, 10.0]),
         incremental=st.booleans(),
+        keep_every=st.sampled_from([None, 2, 3]),
+        unscored=st.booleans(),
     )
-    def open_run(self, local, every, local_every, local_keep, max_to_keep, best, secs, incremental):
+    def open_run(
+        self,
+        local,
+        every,
+        local_every,
+        local_keep,
+        max_to_keep,
+        best,
+        secs,
+        incremental,
+        keep_every,
+        unscored,
+    ):
+        schedule = [(0, 1), (4, every)] if every == 3 else every  # one that changes at step 4
         self.cfg = dict(
             max_to_keep=max_to_keep,
-            save_interval_steps=every if secs is None else None,
+            keep_every_n_steps=keep_every,
+            save_interval_steps=schedule if secs is None else None,
             save_interval_secs=secs,
             best_fn=(lambda m: m["loss"]) if best else None,
+            keep_checkpoints_without_metrics=unscored,
             incremental=incremental,
             async_save=secs is None,  # a time-based decision waits on no background commit
         )
+        self.pinned: set[int] = set()
         if local:
             self.cfg.update(
                 local_directory=self.local_dir,
@@ -442,7 +462,12 @@ class RunModel(RuleBasedStateMachine):
             else None
         )
         for gone in steps_to_delete(
-            sorted(self.persistent), max_to_keep=self.cfg["max_to_keep"], score=score
+            sorted(self.persistent),
+            max_to_keep=self.cfg["max_to_keep"],
+            keep_every_n_steps=self.cfg["keep_every_n_steps"],
+            score=score,
+            pinned=self.pinned,
+            keep_unscored=self.cfg["keep_checkpoints_without_metrics"],
         ):
             del self.persistent[gone]
             self.scored.discard(gone)
@@ -485,6 +510,20 @@ class RunModel(RuleBasedStateMachine):
             self.persistent.pop(s, None)
             self.local.pop(s, None)
             self.scored.discard(s)
+            self.pinned.discard(s)
+
+    @precondition(lambda self: self.persistent)
+    @rule(data=st.data(), pin=st.booleans())
+    def pin(self, data, pin):
+        """Pin a step (no retention deletes it) or give it back to the policy."""
+        STATS["pin"] += 1
+        step = data.draw(st.sampled_from(sorted(self.persistent)))
+        if pin:
+            self.mgr.pin(step)
+            self.pinned.add(step)
+        else:
+            self.mgr.unpin(step)
+            self.pinned.discard(step)
 
     @precondition(lambda self: self.local_on)
     @rule()
@@ -534,6 +573,7 @@ class RunModel(RuleBasedStateMachine):
         if self.local_on:
             assert self.mgr.all_steps("local") == sorted(self.local)
         assert self.mgr.latest_step() == self._newest()
+        assert self.mgr.pinned_steps() == sorted(self.pinned)
         for step in steps:
             self._check_step(step)
         if steps:  # restore() returns the newest save of the branch saved last

@@ -95,3 +95,61 @@ def test_a_damaged_commit_time_is_ignored(tmp_path):
 def test_policy_refuses_a_bad_window(bad):
     with pytest.raises(ValueError, match="keep_every_n_secs must be a positive number"):
         Policy(max_to_keep=1, keep_every_n_secs=bad)
+
+
+# Retention as Orbax, t5x, Flax and Levanter users know it (issue 51.4) ---------------------------
+
+
+def test_steps_without_metrics_are_kept_by_default_with_best_fn(tmp_path):
+    best = dict(max_to_keep=1, best_fn=lambda m: m["loss"])
+    with jaxckpt.CheckpointManager(tmp_path / "kept", **best, async_save=False) as mgr:
+        mgr.save(1, {"x": np.zeros(2)})  # no metrics: kept (Orbax, t5x)
+        for step, loss in ((2, 0.5), (3, 0.9), (4, 0.7)):
+            mgr.save(step, {"x": np.zeros(2)}, metrics={"loss": loss})
+        assert mgr.all_steps() == [1, 2, 4]  # 2: the best; 4: the newest; 3 deleted
+    kw = dict(**best, keep_checkpoints_without_metrics=False, async_save=False)
+    with jaxckpt.CheckpointManager(tmp_path / "worst", **kw) as mgr:
+        mgr.save(1, {"x": np.zeros(2)})
+        for step, loss in ((2, 0.5), (3, 0.9)):
+            mgr.save(step, {"x": np.zeros(2)}, metrics={"loss": loss})
+        assert mgr.all_steps() == [2, 3]  # without metrics: ranked worst, deleted first
+
+
+def test_keep_every_n_steps_keeps_one_step_per_span_of_continuous_saves():
+    steps = [3, 7, 12, 13, 18, 21, 26]  # saved by time: none lands on a multiple of 10
+    gone = steps_to_delete(steps, max_to_keep=1, keep_every_n_steps=10)
+    assert gone == [3, 7, 13, 18]  # kept: 12 (first at or after 10), 21 (20), 26 (the newest)
+    # Where the multiples are saved, the rule is the one of exact multiples.
+    assert steps_to_delete(list(range(1, 11)), max_to_keep=2, keep_every_n_steps=4) == [
+        1,
+        2,
+        3,
+        5,
+        6,
+        7,
+    ]
+
+
+def test_a_pinned_step_survives_retention_until_unpinned(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as mgr:
+        mgr.save(1, {"x": np.zeros(2)})
+        mgr.pin(1)
+        mgr.save(2, {"x": np.zeros(2)})
+        mgr.save(3, {"x": np.zeros(2)})
+        assert mgr.all_steps() == [1, 3] and mgr.pinned_steps() == [1]
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"Step 2 .*\[1, 3\].*Pin one"):
+            mgr.pin(2)
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as mgr:
+        assert mgr.pinned_steps() == [1]  # stored with the run
+        assert json.loads((tmp_path / "metrics.json").read_text())["pinned"] == [1]
+        mgr.unpin(1)
+        mgr.save(4, {"x": np.zeros(2)})
+        assert mgr.all_steps() == [4] and mgr.pinned_steps() == []
+
+
+def test_a_deleted_pinned_step_is_unpinned(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"x": np.zeros(2)})
+        mgr.pin(1)
+        mgr.delete(1)
+        assert mgr.pinned_steps() == []

@@ -141,3 +141,20 @@ def test_answers_since_the_last_save_are_all_the_store_keeps(loops_group):
     records, _ = loops_group
     timed = records[0]["timed"]
     assert records[0]["answers_left"] == timed["steps"] - timed["saved"][-1]
+
+
+def test_a_schedule_that_changes_with_the_step(tmp_path):
+    """Levanter's "every 1,000 until 10,000, then every 5,000", scaled down."""
+    sched = [(0, 10), (100, 50)]
+    with jaxckpt.CheckpointManager(tmp_path, save_interval_steps=sched, async_save=False) as mgr:
+        wanted = [s for s in range(0, 260) if mgr.should_save(s)]
+        assert wanted == [*range(0, 100, 10), 100, 150, 200, 250]
+        for s in range(0, 160):
+            mgr.save(s, {"x": np.zeros(1)})
+        assert mgr.all_steps() == [*range(0, 100, 10), 100, 150]
+
+
+@pytest.mark.parametrize("bad", [0, -1, [], [(0, 0)], [(5, 1), (2, 3)], [(0, 1, 2)], "10", 1.5])
+def test_a_bad_schedule_is_refused_naming_the_argument(tmp_path, bad):
+    with pytest.raises(ValueError, match="save_interval_steps must be a positive int"):
+        jaxckpt.CheckpointManager(tmp_path, save_interval_steps=bad)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Literal
@@ -61,15 +61,19 @@ class CheckpointManager(RunReader):
       max_to_keep: keep this many steps (the newest, or the best with ``best_fn``);
         ``None`` keeps all. The newest committed step is never deleted, so with ``best_fn``
         it is kept on top of the best ones when it is not among them.
-      keep_every_n_steps: also keep, forever, every step that is a multiple of this; those
-        steps do not count toward ``max_to_keep`` (unlike Orbax's ``keep_period``).
+      keep_every_n_steps: also keep, forever, for each multiple of this the first step saved
+        at or after it (the multiple itself where it was saved: one step per span with
+        continuous or time-based saves); those steps do not count toward ``max_to_keep``
+        (unlike Orbax's ``keep_period``).
       save_interval_steps: ``save()`` saves the steps that are multiples of this (and those
-        ``force=True``, a preemption or ``save_interval_secs`` asks for). Default: 1 (every
-        step) without ``save_interval_secs``, none with it.
+        ``force=True``, a preemption or ``save_interval_secs`` asks for); or a schedule that
+        changes with the step, ``(first step, interval)`` pairs such as ``[(0, 1000),
+        (10_000, 5000)]``. Default: 1 (every step) without ``save_interval_secs``, none with
+        it.
       async_save: write in the background (default); ``False`` makes ``save()`` block until
         the step is committed.
       best_fn: ``metrics -> float``; with it, ``max_to_keep`` keeps the best steps instead of
-        the newest. Steps saved without metrics rank last.
+        the newest. Steps saved without metrics are kept (see the next argument).
       best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
       save_on_preemption: on SIGTERM (or JAX's multi-host preemption notice), the next
         ``save()`` saves its step whatever the interval and waits for the commit;
@@ -101,6 +105,9 @@ class CheckpointManager(RunReader):
       keep_every_n_secs: also keep, forever, the first step committed in each window of
         this many seconds; like ``keep_every_n_steps``, those do not count toward
         ``max_to_keep`` (the rule: ``jaxckpt._manager.retention``).
+      keep_checkpoints_without_metrics: with ``best_fn``, keep the steps saved without
+        metrics for good (the default, as Orbax and t5x do); ``False`` ranks them last, so
+        ``max_to_keep`` deletes them first.
       max_host_bytes: the host memory each save of the directory may stage in at once, in
         bytes, on each process (``jaxckpt.save_async``'s): ``save()`` then blocks until all
         but about this much of the state is written (docs/manager.md, "Asynchronous
@@ -126,7 +133,7 @@ class CheckpointManager(RunReader):
         *,
         max_to_keep: int | None = None,
         keep_every_n_steps: int | None = None,
-        save_interval_steps: int | None = None,
+        save_interval_steps: int | Sequence[tuple[int, int]] | None = None,
         async_save: bool = True,
         best_fn: Callable[[Mapping[str, Any]], float] | None = None,
         best_mode: Literal["min", "max"] = "min",
@@ -141,17 +148,15 @@ class CheckpointManager(RunReader):
         save_interval_secs: float | None = None,
         keep_every_n_secs: float | None = None,
         max_host_bytes: int | None = None,
+        keep_checkpoints_without_metrics: bool = True,
     ) -> None:
         _check_counts(
-            max_to_keep=max_to_keep,
-            keep_every_n_steps=keep_every_n_steps,
-            save_interval_steps=save_interval_steps,
-            local_save_interval_steps=local_save_interval_steps,
-            local_max_to_keep=local_max_to_keep,
+            local_save_interval_steps=local_save_interval_steps, local_max_to_keep=local_max_to_keep
         )
         _check_options(best_mode, local_replicas, read_only=read_only, local=local_directory)
         self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
-        self.policy = Policy(max_to_keep, keep_every_n_steps, best_fn, best_mode, keep_every_n_secs)
+        keep = (max_to_keep, keep_every_n_steps, best_fn, best_mode, keep_every_n_secs)
+        self.policy = _policy(*keep, keep_without_metrics=keep_checkpoints_without_metrics)
         self.save_interval_steps = check(save_interval_steps, save_interval_secs)
         self._schedule = Schedule(self.save_interval_steps, save_interval_secs)
         self.async_save = async_save
@@ -374,6 +379,31 @@ class CheckpointManager(RunReader):
         self._wait_persistent()
         return self._ledger.rollback(step, primary=self._primary, clean_up=self._clean_up)
 
+    def pin(self, step: int) -> None:
+        """Keep the committed ``step`` whatever the retention policy (t5x's pinned
+        checkpoints, Orbax's preservation of chosen steps); ``unpin`` gives it back to the
+        policy. Stored with the run (``metrics.json``), listed by ``pinned_steps()`` and by
+        ``jaxckpt ls``. ``delete`` and ``rollback`` still delete a pinned step.
+
+        Raises:
+          CheckpointNotFoundError: ``step`` is not a committed step of the directory.
+          CheckpointError: the manager is read-only or closed.
+        """
+        self._check_open()
+        step = step_arg(step, "pin(step)")
+        self._wait_persistent()
+        if self._primary:
+            self._run.pin(step, True)
+
+    def unpin(self, step: int) -> None:
+        """Give a pinned ``step`` back to the retention policy (nothing if it is not pinned);
+        it goes at the next save that the policy deletes it at."""
+        self._check_open()
+        step = step_arg(step, "unpin(step)")
+        self._wait_persistent()
+        if self._primary:
+            self._run.pin(step, False)
+
     def _wait_persistent(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -478,6 +508,26 @@ def _local_tier(
 
 def _timeout_arg(seconds: float | None) -> float | None:
     return None if seconds is None else _location.positive_seconds(seconds, "io_timeout")
+
+
+def _policy(
+    max_to_keep: int | None,
+    keep_every_n_steps: int | None,
+    best_fn: Callable[[Mapping[str, Any]], float] | None,
+    best_mode: Literal["min", "max"],
+    keep_every_n_secs: float | None,
+    *,
+    keep_without_metrics: bool,
+) -> Policy:
+    _check_counts(max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps)
+    return Policy(
+        max_to_keep,
+        keep_every_n_steps,
+        best_fn,
+        best_mode,
+        keep_every_n_secs,
+        keep_without_metrics=bool(keep_without_metrics),
+    )
 
 
 def _check_counts(**counts: int | None) -> None:

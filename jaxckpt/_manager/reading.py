@@ -63,6 +63,10 @@ class RunReader:
         scores = {s: self.policy.score(metrics.get(str(s))) for s in steps}
         return max(steps, key=lambda s: (scores[s] is not None, scores[s] or 0.0, s))
 
+    def pinned_steps(self) -> list[int]:
+        """The steps ``pin()`` keeps from retention, ascending."""
+        return self._metrics.pinned()
+
     def reload(self) -> None:
         """See the steps other processes committed since: nothing is cached, every listing
         reads the directory afresh, so this only exists for code written for Orbax."""

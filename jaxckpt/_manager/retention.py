@@ -5,18 +5,21 @@ The policy is a free function, :func:`steps_to_delete`, so it can be read and te
 Metrics live in one small file, ``DIR/metrics.json``::
 
     {"format": 1, "steps": {"100": {"loss": 0.31}, "200": {"loss": 0.27}},
-     "committed": {"100": 1767225600.5, "200": 1767229200.25}}
+     "committed": {"100": 1767225600.5, "200": 1767229200.25}, "pinned": [100]}
 
 written whole (a temporary file renamed over it) by the primary process after each commit.
 ``committed`` holds each step's commit time (seconds since the Unix epoch), recorded when the
-manager has ``keep_every_n_secs``; older jaxckpt read only ``steps`` and ignore it.
+manager has ``keep_every_n_secs``; ``pinned`` the steps ``CheckpointManager.pin`` keeps from
+retention. Older jaxckpt read only ``steps`` and ignore the rest.
 
-The rule, in one place (:func:`steps_to_delete`): steps kept for good are the multiples of
-``keep_every_n_steps`` and, with ``keep_every_n_secs=T``, the first step committed in each
-T-second window of the clock (windows start at multiples of T seconds since the Unix epoch; a
-step without a recorded time is in none). They do not count toward ``max_to_keep``, which
-keeps that many of the other steps: the newest, or the best by ``best_fn``. The newest step is
-always kept.
+The rule, in one place (:func:`steps_to_delete`): steps kept for good are, for each multiple
+of ``keep_every_n_steps``, the first step at or after it (the multiple itself where it was
+saved); with ``keep_every_n_secs=T``, the first step committed in each T-second window of the
+clock (windows start at multiples of T seconds since the Unix epoch; a step without a recorded
+time is in none); the pinned steps; and with ``best_fn``, unless
+``keep_checkpoints_without_metrics=False``, the steps saved without metrics. They do not count
+toward ``max_to_keep``, which keeps that many of the other steps: the newest, or the best by
+``best_fn``. The newest step is always kept.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def steps_to_delete(
     score: Callable[[int], float | None] | None = None,
     keep_every_n_secs: float | None = None,
     committed: Mapping[int, float] | None = None,
+    pinned: Iterable[int] = (),
+    keep_unscored: bool = False,
 ) -> list[int]:
     """The steps retention deletes: all but the newest (or best) ``max_to_keep`` of those
     not kept for good (the module's docstring states the rule).
@@ -63,12 +68,17 @@ def steps_to_delete(
     Args:
       steps: the committed steps.
       max_to_keep: how many to keep (``None``: all), not counting the steps kept for good:
-        the multiples of ``keep_every_n_steps`` and the first step committed in each
-        ``keep_every_n_secs`` window.
-      score: ``step -> float | None``, higher is better; ``None`` ranks last. Without it the
-        newest steps are kept. The newest step is kept whatever its score.
+        for each multiple of ``keep_every_n_steps``, the first step at or after it; the first
+        step committed in each ``keep_every_n_secs`` window; the ``pinned`` steps; and with
+        ``keep_unscored``, the steps ``score`` has no value for.
+      score: ``step -> float | None``, higher is better; ``None`` ranks last (or, with
+        ``keep_unscored``, is kept). Without it the newest steps are kept. The newest step
+        is kept whatever its score.
       committed: each step's commit time, in seconds since the Unix epoch; steps missing
         from it are in no ``keep_every_n_secs`` window.
+      pinned: steps no retention deletes (``CheckpointManager.pin``).
+      keep_unscored: keep the steps without a score (Orbax's and t5x's default,
+        ``keep_checkpoints_without_metrics=True``).
 
     Returns:
       The steps to delete, ascending.
@@ -76,20 +86,46 @@ def steps_to_delete(
     Example:
       >>> steps_to_delete([1, 2, 3, 4, 5], max_to_keep=1, keep_every_n_steps=2)
       [1, 3]
+      >>> steps_to_delete([1, 3, 7, 8, 9], max_to_keep=1, keep_every_n_steps=5)  # 5: 7
+      [1, 3, 8]
       >>> times = {1: 0.0, 2: 30.0, 3: 61.0, 4: 65.0, 5: 130.0}  # windows of 60 s
       >>> steps_to_delete([1, 2, 3, 4, 5], max_to_keep=1, keep_every_n_secs=60, committed=times)
       [2]
     """
     if max_to_keep is None or not steps:
         return []
-    forever = {s for s in steps if keep_every_n_steps and s % keep_every_n_steps == 0}
+    forever = first_at_or_after_multiples(steps, keep_every_n_steps) | set(pinned)
     forever |= first_in_windows(steps, keep_every_n_secs, committed or {})
     candidates = sorted(s for s in steps if s not in forever)
     if score is not None:
         scores = {s: score(s) for s in candidates}
+        if keep_unscored:
+            candidates = [s for s in candidates if scores[s] is not None]
         candidates.sort(key=lambda s: (scores[s] is not None, scores[s] or 0.0, s))
     keep = set(candidates[-max_to_keep:]) | {max(steps)}
     return sorted(s for s in candidates if s not in keep)
+
+
+def first_at_or_after_multiples(steps: Iterable[int], n: int | None) -> set[int]:
+    """For each multiple of ``n``, the first of ``steps`` at or after it (before the next
+    step): the multiples themselves where they were saved, one step per ``n``-step span for
+    continuous or time-based saves, which rarely land on a multiple.
+
+    Example:
+      >>> sorted(first_at_or_after_multiples([0, 3, 5, 6, 12, 13], 5))
+      [0, 5, 12]
+      >>> sorted(first_at_or_after_multiples([1, 2, 3, 4], 2))  # 0 was not saved
+      [2, 4]
+    """
+    if not n:
+        return set()
+    out, previous = set(), None
+    for s in sorted(steps):
+        # A multiple lies in (previous, s]; before the first step: step 0, or one of n or more.
+        if (s // n > previous // n) if previous is not None else (s == 0 or s >= n):
+            out.add(s)
+        previous = s
+    return out
 
 
 def first_in_windows(
@@ -122,6 +158,7 @@ class Policy:
     best_fn: Callable[[Mapping[str, Any]], float] | None = None
     best_mode: Literal["min", "max"] = "min"
     keep_every_n_secs: float | None = None
+    keep_without_metrics: bool = True
 
     def __post_init__(self) -> None:
         secs = self.keep_every_n_secs
@@ -143,10 +180,15 @@ class Policy:
         return None if math.isnan(value) else (-value if self.best_mode == "min" else value)
 
     def doomed(
-        self, steps: list[int], metrics: Mapping[str, Any], committed: Mapping[str, float]
+        self,
+        steps: list[int],
+        metrics: Mapping[str, Any],
+        committed: Mapping[str, float],
+        pinned: Iterable[int] = (),
     ) -> list[int]:
         """The steps of ``steps`` retention deletes, given every step's ``metrics`` and
-        commit time (``committed``, by step as a string, as ``metrics.json`` holds them)."""
+        commit time (``committed``, by step as a string, as ``metrics.json`` holds them) and
+        the ``pinned`` steps."""
         score = None if self.best_fn is None else lambda s: self.score(metrics.get(str(s)))
         times = {int(s): t for s, t in committed.items()}
         return steps_to_delete(
@@ -156,6 +198,8 @@ class Policy:
             score=score,
             keep_every_n_secs=self.keep_every_n_secs,
             committed=times,
+            pinned=pinned,
+            keep_unscored=self.keep_without_metrics,
         )
 
 
@@ -180,13 +224,15 @@ def apply(
     Returns:
       The steps deleted.
     """
-    doomed = policy.doomed(steps, metrics, committed)
+    pinned = metrics_file.pinned()
+    doomed = policy.doomed(steps, metrics, committed, pinned)
     keep = referenced(run, [step_name(s) for s in steps if s not in doomed]) if doomed else {}
     gone = {str(s) for s in doomed} & (set(metrics) | set(committed))
     if gone or changed:
         metrics_file.write(
             {k: v for k, v in metrics.items() if k not in gone},
             {k: t for k, t in committed.items() if k not in gone},
+            pinned,
         )
     deleted = []
     for step in doomed:
@@ -251,7 +297,8 @@ def json_metrics(step: int, metrics: Mapping[str, Any] | None) -> dict[str, Any]
 
 
 class MetricsFile:
-    """``metrics.json`` of a checkpoint directory: ``{step: {name: value}}``."""
+    """``metrics.json`` of a checkpoint directory: ``{step: {name: value}}``, commit times and
+    pinned steps (see the module's docstring)."""
 
     def __init__(self, loc: _location.Location) -> None:
         self.loc = loc
@@ -263,6 +310,19 @@ class MetricsFile:
     def read_all(self) -> tuple[dict[str, Any], dict[str, float]]:
         """Every step's metrics and every recorded commit time (seconds since the epoch),
         both keyed by the step as a string."""
+        doc = self._doc()
+        steps, committed = doc.get("steps", {}), doc.get("committed", {})
+        times = committed if isinstance(committed, dict) else {}
+        return steps, {k: float(t) for k, t in times.items() if _is_time(k, t)}
+
+    def pinned(self) -> list[int]:
+        """The pinned steps, ascending."""
+        pins = self._doc().get("pinned", [])
+        ok = isinstance(pins, list) and all(type(p) is int and p >= 0 for p in pins)
+        return sorted(set(pins)) if ok else []
+
+    def _doc(self) -> dict[str, Any]:
+        """The file's JSON object (``{}`` if absent or not a jaxckpt metrics file)."""
         if self.loc.local is not None:
             path = self.loc.local / METRICS
             raw = path.read_bytes() if path.is_file() else None
@@ -274,24 +334,32 @@ class MetricsFile:
             )
             raw = got.value if got.state == "value" else None
         if raw is None:
-            return {}, {}
+            return {}
         try:
             doc = json.loads(raw)
-            steps, committed = doc["steps"], doc.get("committed", {})
-        except (ValueError, KeyError, TypeError, AttributeError):
-            steps = committed = None
-        if not isinstance(steps, dict):
+            ok = isinstance(doc, dict) and isinstance(doc["steps"], dict)
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
             logger.warning("%s/%s is not a jaxckpt metrics file; ignoring it", self.loc, METRICS)
-            return {}, {}
-        times = committed if isinstance(committed, dict) else {}
-        return steps, {k: float(t) for k, t in times.items() if _is_time(k, t)}
+            return {}
+        result: dict[str, Any] = doc
+        return result
 
-    def write(self, steps: Mapping[str, Any], committed: Mapping[str, float] | None = None) -> None:
-        """Replace the file with ``steps`` and the commit times ``committed`` (atomically on a
-        local disk)."""
+    def write(
+        self,
+        steps: Mapping[str, Any],
+        committed: Mapping[str, float] | None = None,
+        pinned: Iterable[int] | None = None,
+    ) -> None:
+        """Replace the file with ``steps``, the commit times ``committed`` and the ``pinned``
+        steps (``None``: those pinned now), atomically on a local disk."""
         doc: dict[str, Any] = {"format": 1, "steps": dict(steps)}
         if committed:
             doc["committed"] = dict(committed)
+        pins = sorted(set(self.pinned() if pinned is None else pinned))
+        if pins:
+            doc["pinned"] = pins
         raw = json.dumps(doc, indent=1, sort_keys=True).encode()
         if self.loc.local is None:
             _location.wait(

@@ -109,11 +109,26 @@ class Run:
         others = [step_name(s) for s in self.steps() if s != step]
         keep = referenced(self.loc, others)
         metrics, committed = self.metrics.read_all()
-        if str(step) in metrics or str(step) in committed:
+        pinned = self.metrics.pinned()
+        if str(step) in metrics or str(step) in committed or step in pinned:
             committed.pop(str(step), None)
-            self.metrics.write({k: v for k, v in metrics.items() if k != str(step)}, committed)
+            rest = {k: v for k, v in metrics.items() if k != str(step)}
+            self.metrics.write(rest, committed, [p for p in pinned if p != step])
         _catalog.delete(self.path(step), keep=keep.get(step_name(step), ()))
         logger.info("deleted step %d from %s", step, self.directory)
+
+    def pin(self, step: int, pinned: bool) -> None:
+        """Pin (``pinned=True``) or unpin the committed ``step``.
+
+        Raises:
+          CheckpointNotFoundError: ``step`` is not committed (to pin); names the steps.
+        """
+        if pinned:
+            self.require(step, "Pin one of those.")
+        pins = set(self.metrics.pinned())
+        if (step in pins) != pinned:
+            metrics, committed = self.metrics.read_all()
+            self.metrics.write(metrics, committed, pins | {step} if pinned else pins - {step})
 
     def explain(self, step: int, path: str, e: BaseException) -> BaseException:
         """The error a failed save of ``step`` raises: specific errors (exists, distributed,

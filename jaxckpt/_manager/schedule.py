@@ -3,7 +3,10 @@
 ``save(step)`` saves when any of these holds (docs/manager.md, *When to save*):
 
 1. ``force=True``, or a preemption notice asks for the step (the manager checks these);
-2. the step is a multiple of ``save_interval_steps``;
+2. the step is a multiple of ``save_interval_steps`` (or, for a schedule that changes with the
+   step such as ``[(0, 1000), (10_000, 5000)]``, of the interval of the last entry whose start
+   is at or below the step: every 1,000 steps until 10,000, then every 5,000, as Levanter's
+   step policies and Orbax's ``save_decision_policy`` let users say);
 3. ``save_interval_secs=S`` is set, no save is in flight (the previous one has committed), and
    at least S seconds have passed since the last save began (any save; the clock starts when
    the manager is made). ``S=0`` is continuous checkpointing: a new save as soon as the last
@@ -25,6 +28,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
@@ -39,7 +43,7 @@ _posted = False  # (process 0) answers were posted in this round
 class Schedule:
     """The save schedule of one manager (see the module's docstring)."""
 
-    def __init__(self, every_steps: int | None, every_secs: float | None) -> None:
+    def __init__(self, every_steps: Steps | None, every_secs: float | None) -> None:
         self.every_steps, self.every_secs = every_steps, every_secs
         self.clock: Callable[[], float] = time.monotonic  # seconds; tests set another
         self.last_start = self.clock()  # the clock starts with the manager
@@ -51,7 +55,8 @@ class Schedule:
         same steps."""
         if self._asked is not None and self._asked[0] == step:
             return self._asked[1]
-        if self.every_steps is not None and step % self.every_steps == 0:
+        every = interval_at(self.every_steps, step)
+        if every is not None and step % every == 0:
             answer = True
         elif self.every_secs is None:
             answer = False
@@ -101,12 +106,34 @@ def agree(step: int, decide: Callable[[], bool]) -> bool:
         ) from e
 
 
-def check(save_interval_steps: int | None, save_interval_secs: float | None) -> int | None:
-    """The step interval in effect: ``save_interval_steps``, or by default (``None``) 1 without
+Steps = int | tuple[tuple[int, int], ...]  # an interval, or (first step, interval) pairs
+
+
+def interval_at(every: Steps | None, step: int) -> int | None:
+    """The step interval in force at ``step``: ``every``, or the interval of the last pair
+    whose first step is at or below ``step`` (``None`` before the first).
+
+    Example:
+      >>> [interval_at(((0, 1000), (10_000, 5000)), s) for s in (0, 9999, 10_000, 20_000)]
+      [1000, 1000, 5000, 5000]
+    """
+    if every is None or isinstance(every, int):
+        return every
+    found = None
+    for start, n in every:
+        if start <= step:
+            found = n
+    return found
+
+
+def check(save_interval_steps: Any, save_interval_secs: float | None) -> Steps | None:
+    """The step interval in effect: ``save_interval_steps`` (a positive int, or pairs
+    ``(first step, interval)`` in increasing order), or by default (``None``) 1 without
     ``save_interval_secs`` and none with it.
 
     Raises:
-      ValueError: ``save_interval_secs`` is not a number of seconds >= 0.
+      ValueError: ``save_interval_steps`` is not one of those, or ``save_interval_secs`` is
+        not a number of seconds >= 0.
     """
     secs = save_interval_secs
     if secs is not None and (
@@ -118,6 +145,26 @@ def check(save_interval_steps: int | None, save_interval_secs: float | None) -> 
             f"save_interval_secs must be a number of seconds >= 0 (0: continuous "
             f"checkpointing) or None, got {secs!r}"
         )
-    if save_interval_steps is None and secs is None:
-        return 1
-    return save_interval_steps
+    if save_interval_steps is None:
+        return 1 if secs is None else None
+    return _steps_arg(save_interval_steps)
+
+
+def _steps_arg(every: Any) -> Steps:
+    def count(x: Any, least: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+    if count(every, 1):
+        return int(every)
+    try:
+        pairs = tuple((int(a), int(b)) for a, b in every if count(a, 0) and count(b, 1))
+        ok = len(pairs) == len(every) > 0 and all(x[0] < y[0] for x, y in zip(pairs, pairs[1:]))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"save_interval_steps must be a positive int, or (first step, interval) pairs in "
+            f"increasing order such as [(0, 1000), (10_000, 5000)] (every 1,000 steps, from "
+            f"step 10,000 every 5,000); got {every!r}"
+        )
+    return pairs
