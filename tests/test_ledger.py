@@ -349,3 +349,27 @@ def test_a_deadline_message_does_not_claim_an_uncommitted_commit():
     loc.io_timeout = 0.01
     with pytest.raises(jaxckpt.CheckpointError, match="before its commit has not committed"):
         location.wait(Never(), loc, "writing manifest.json")
+
+
+# The restore's log line names the one condition that failed (issue 56.3) -------------------------
+
+
+def test_the_restore_log_names_why_the_local_tier_was_not_used(tmp_path, caplog):
+    with _tiered(tmp_path) as mgr:
+        for step in range(3):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        cases = [
+            (dict(target=None), "restore() was given no target"),
+            (dict(target=_target(), keys="w"), "keys= or planner= were given"),
+            (dict(target={**_target(), "v": 0.0}), "leaves are not all jax.Arrays"),
+        ]
+        for kwargs, why in cases:
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="jaxckpt"):
+                mgr.restore(**kwargs)
+            assert mgr.restored_from.tier == "persistent"
+            line = [r.getMessage() for r in caplog.records if "persistent tier" in r.getMessage()]
+            assert line and why in line[0], (why, line)
+            others = {w for _, w in cases} - {why}
+            assert not any(o in line[0] for o in others)

@@ -122,6 +122,8 @@ class Ledger:
             that forgot ``rollback()``): naming them and the call that rolls back.
         """
         persistent = self.run.steps()
+        if self.local is None:  # the listing is the whole truth (a step deleted by hand too)
+            self.newest = max(persistent, default=None)
         if step in persistent or step == self.newest:
             raise CheckpointExistsError(
                 f"Step {step} is already saved in {directory}. A saved step is never replaced, "

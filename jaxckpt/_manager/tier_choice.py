@@ -82,7 +82,7 @@ def choose(
     out: dict[str, Any] = {"tier": None, "fetch": {}, "fallback": newest}
     out["local_steps"] = sorted({k[0] for k in complete})
     if not usable:
-        out["why"] = _why_not(holders, complete, step)
+        out["why"] = _why_not(holders, complete, step, posted)
     elif newest is not None and newest > usable[-1][0][0]:
         out["why"] = f"persistent step {newest} is newer than local step {usable[-1][0][0]}"
     else:
@@ -118,13 +118,21 @@ def _why_not(
     holders: dict[tuple[int, str, int, str], dict[int, list[int]]],
     complete: list[tuple[int, str, int, str]],
     step: int | None,
+    posted: Mapping[int, Mapping[str, Any]],
 ) -> str:
-    """Why no local step can be restored, for the log."""
+    """Why no local step can be restored, for the log: the one condition that failed."""
     if complete and any(step in (None, k[0]) for k in complete):
-        return (
-            "no complete local step fits (the target has no shardings, the processes' targets "
-            "differ, keys=/planner= were given, or iterators= with another layout)"
-        )
+        said = sorted({str(posted[p].get("why") or "") for p in posted} - {""})
+        if len({posted[p].get("target") for p in posted}) > 1:
+            return "no complete local step fits: the processes' restore targets differ"
+        if said and said != ["iterators= were given"]:
+            return f"no complete local step fits: {'; '.join(said)}"
+        if said:
+            return (
+                "no complete local step fits: iterators= were given and the local step was "
+                "saved for another layout (a position belongs to the process that saved it)"
+            )
+        return "no complete local step fits: it was saved for another layout"
     wanted = sorted(k for k in holders if step in (None, k[0]))
     if not wanted:
         return "no complete local step"

@@ -239,17 +239,31 @@ class LocalTier:
     # -- restoring ------------------------------------------------------------------------------
 
     def agree(
-        self, target: Any, persistent: list[int], step: int | None, *, elastic: bool = True
+        self,
+        target: Any,
+        persistent: list[int],
+        step: int | None,
+        *,
+        elastic: bool = True,
+        why: str = "",
     ) -> dict[str, Any]:
         """:func:`choose` on every process's holdings (every process calls it); ``elastic``:
         whether a step of another layout may be resharded (not with data iterators, whose
-        positions belong to the processes that saved them)."""
+        positions belong to the processes that saved them); ``why``: why this process's
+        restore cannot use the local tier at all (for the log), if it cannot."""
         self._held = self.disk.holdings(everywhere=True)
+        layout = _part.target_layout(target, self.count, self._newest_info())
+        if not why and target is not None and layout is None:
+            why = (
+                "the target's leaves are not all jax.Arrays, ShapeDtypeStructs with shardings, "
+                "bare Shardings or None"
+            )
         mine = {
             "parts": [[*k, layout] for k, (layout, _) in self._held.items()],
-            "target": _part.target_layout(target, self.count, self._newest_info()),
+            "target": layout,
             "elastic": _elastic.target_digest(target) if elastic else None,
             "persistent": persistent if self.process == 0 else [],
+            "why": why or ("" if elastic else "iterators= were given"),
         }
         count = self.count
 
@@ -286,8 +300,12 @@ class LocalTier:
         Raises:
           CheckpointNotFoundError: no tier holds a whole step (or ``step``).
         """
-        usable = keys is None and planner is None  # the local tier rebuilds whole targets only
-        choice = self.agree(target if usable else None, persistent, step, elastic=not iterators)
+        # The local tier rebuilds whole targets only.
+        why = "keys= or planner= were given" if keys is not None or planner is not None else ""
+        why = why or ("restore() was given no target" if target is None else "")
+        choice = self.agree(
+            None if why else target, persistent, step, elastic=not iterators, why=why
+        )
         if choice["tier"] == "local":
             restored = self.restore(choice, target, iterators)
             if restored is not None:
