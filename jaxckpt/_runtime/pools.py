@@ -3,7 +3,10 @@
 Each pool is made on first use, under one lock, and lives as long as the process: an idle
 thread is reused instead of started per call. ``ThreadPoolExecutor`` threads are not daemons:
 at interpreter exit Python runs what is queued and joins them, so a program that ends right
-after ``save_async`` still commits (see :func:`in_background` for a save started even later).
+after ``save_async`` still commits. After that (an ``atexit`` hook, a signal handler run
+during shutdown) Python's executors take no new work; the pools here then run what is
+submitted on the calling thread (:class:`Pool`), so a save started that late still commits,
+blocking, instead of failing with "cannot schedule new futures after interpreter shutdown".
 
 Imports neither jax nor tensorstore, so storage may use it (tests/test_structure.py).
 """
@@ -15,9 +18,10 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 T = TypeVar("T")
+Args = ParamSpec("Args")
 logger = logging.getLogger("jaxckpt")
 
 SAVE_THREADS = 32
@@ -35,14 +39,44 @@ HASH_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 # sender, so all must run at once); threads are made as streams need them, up to this many.
 STREAM_THREADS = 512
 _lock = threading.Lock()
-_pools: dict[str, ThreadPoolExecutor] = {}
 
 
-def _get(name: str, threads: int) -> ThreadPoolExecutor:
+class Pool(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` that keeps working while the interpreter exits: once Python
+    takes no new threads (its executors refuse work after it joined their threads, before the
+    ``atexit`` hooks run), :meth:`submit` runs ``fn`` on the calling thread and returns a done
+    future with its outcome. A caller that hands a pool a task which waits for the caller
+    (a consumer of a queue the caller fills) asks :func:`start` instead."""
+
+    def submit(
+        self, fn: Callable[Args, T], /, *args: Args.args, **kwargs: Args.kwargs
+    ) -> Future[T]:
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError as e:
+            if not _exiting(e):
+                raise
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
+            future.set_exception(e)
+        return future
+
+
+def _exiting(error: RuntimeError) -> bool:
+    """Whether ``error`` is an executor's refusal of work as the interpreter exits."""
+    return "interpreter shutdown" in str(error)
+
+
+_pools: dict[str, Pool] = {}
+
+
+def _get(name: str, threads: int) -> Pool:
     with _lock:
         pool = _pools.get(name)
         if pool is None:
-            pool = _pools[name] = ThreadPoolExecutor(threads, name)
+            pool = _pools[name] = Pool(threads, name)
     return pool
 
 
@@ -92,29 +126,25 @@ def stream_pool() -> ThreadPoolExecutor:
     return _get("jaxckpt-stream", STREAM_THREADS)
 
 
-def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:
-    """Run ``fn(*args)`` on the save threads; ``None`` once it has run here instead, where the
-    interpreter is exiting (an ``atexit`` hook) and takes no new threads."""
+def start(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T] | None:
+    """Run ``fn(*args)`` on ``pool``'s threads; ``None`` where the interpreter is exiting and
+    takes no new threads, without running ``fn`` (for a task that waits on its caller, which
+    could not run on the caller's own thread)."""
     try:
-        return save_pool().submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        fn(*args)
+        return ThreadPoolExecutor.submit(pool, fn, *args)
+    except RuntimeError as e:
+        if not _exiting(e):
+            raise
         return None
 
 
-def submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
-    """``pool.submit(fn, *args)``; where the interpreter is exiting and ``pool`` takes no new
-    work (a ``save_async`` still writing as the program ends), ``fn(*args)`` runs here instead
-    and the returned future is done with its outcome."""
-    try:
-        return pool.submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        future: Future[T] = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
-            future.set_exception(e)
-        return future
+def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:
+    """Run ``fn(*args)`` on the save threads; ``None`` once it has run here instead, where the
+    interpreter is exiting (an ``atexit`` hook) and takes no new threads."""
+    future = start(save_pool(), fn, *args)
+    if future is None:
+        fn(*args)
+    return future
 
 
 class Repeating:
