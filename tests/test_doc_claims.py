@@ -76,3 +76,64 @@ def test_a_save_while_the_interpreter_exits_commits(tmp_path, form, how):
     np.testing.assert_array_equal(restored["one"], np.arange(N, dtype=np.float32))
     np.testing.assert_array_equal(restored["sharded"], np.arange(N, dtype=np.float32) * 2)
     assert jax.device_count() == 8  # the suite's devices, unchanged by the subprocess
+
+
+def _bad_arguments(d):
+    """(the call, the argument its message names): the documented bad-argument cases."""
+    tree = {"w": np.ones(4, np.float32)}
+    mgr = jaxckpt.CheckpointManager(d / "run", async_save=False)
+    return [
+        (lambda: jaxckpt.CheckpointManager(d / "a", max_to_keep=-1), "max_to_keep"),
+        (lambda: jaxckpt.CheckpointManager(d / "a", keep_every_n_steps=0), "keep_every_n_steps"),
+        (lambda: jaxckpt.CheckpointManager(d / "a", best_mode="median"), "best_mode"),
+        (lambda: jaxckpt.CheckpointManager(d / "a", save_interval_secs=-1), "save_interval_secs"),
+        (lambda: jaxckpt.CheckpointManager(d / "a", keep_every_n_secs=0), "keep_every_n_secs"),
+        (lambda: jaxckpt.CheckpointManager(d / "a", local_replicas=-1), "local_replicas"),
+        (lambda: jaxckpt.CheckpointManager(d / "a", max_host_bytes=0), "max_host_bytes"),
+        (lambda: mgr.save(-1, tree), "step"),
+        (lambda: mgr.save(1.5, tree), "the step comes first"),
+        (lambda: mgr.restore(tree), "the step comes first"),
+        (lambda: mgr.all_steps(tier="disk"), "tier"),
+        (lambda: jaxckpt.save_async(d / "c", tree, max_host_bytes=0), "max_host_bytes"),
+        (lambda: jaxckpt.save_async(d / "c", tree, max_host_bytes="1G"), "max_host_bytes"),
+        (lambda: jaxckpt.save(d / "c", tree, iterators=[iter([])]), "iterators="),
+        (lambda: jaxckpt.save(d / "c", tree, iterators={"t": [1, 2]}), "get_state"),
+        (lambda: jaxckpt.DefaultSavePlanner(dedup="random"), "dedup"),
+        (lambda: jaxckpt.DefaultLoadPlanner(max_host_bytes=0), "max_host_bytes"),
+        (lambda: jaxckpt.convert(d / "c", d / "e", max_chunk_bytes=0), "max_chunk_bytes"),
+    ]
+
+
+def test_every_bad_argument_is_a_checkpoint_error_and_a_builtin_one(tmp_path):
+    jaxckpt.save(tmp_path / "c", {"w": np.ones(4, np.float32)})  # what convert reads
+    for call, names in _bad_arguments(tmp_path):
+        with pytest.raises(jaxckpt.CheckpointError, match=names) as info:
+            call()
+        if isinstance(info.value, jaxckpt.ArgumentTypeError):
+            assert isinstance(info.value, TypeError)
+        else:  # `except ValueError` catches it, as before these were CheckpointErrors
+            assert type(info.value) is jaxckpt.InvalidArgumentError, (names, info.value)
+            assert isinstance(info.value, ValueError)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "e").exists()  # nothing written
+    assert jaxckpt.CheckpointManager(tmp_path / "run").all_steps() == []
+
+
+@pytest.mark.parametrize("store", ["file", "memory"])
+def test_deleting_where_nothing_is(tmp_path, store):
+    from jaxckpt._storage import catalog
+    from jaxckpt._storage.location import Location
+
+    root = str(tmp_path) if store == "file" else f"memory://{tmp_path.name}"
+    mgr = jaxckpt.CheckpointManager(f"{root}/run", async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": np.full(4, step, np.float32)})
+    with pytest.raises(
+        jaxckpt.CheckpointNotFoundError,
+        match=r"Step 99 is not in .*run; committed steps: \[1, 2\]. Nothing was deleted.",
+    ):
+        mgr.delete(99)
+    assert mgr.all_steps() == [1, 2]
+    assert catalog.delete(Location(f"{root}/run/00000099")) is False  # nothing, no error
+    assert catalog.delete(Location(f"{root}/nothing/at/all")) is False
+    mgr.delete(1)
+    assert mgr.all_steps() == [2]

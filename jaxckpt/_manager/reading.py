@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from jaxckpt._api import metadata
+from jaxckpt._errors import InvalidArgumentError
 from jaxckpt._iterators import Checkpointable
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run import Run, step_arg
@@ -40,7 +41,7 @@ class RunReader:
             whole, agreed by all processes (then every process must call it, as ``save``).
         """
         if tier not in (None, "local", "persistent"):
-            raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
+            raise InvalidArgumentError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
         if tier == "local":
             return [] if self._local is None else self._local.steps()
         steps = self._run.steps()

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxckpt._errors import DistributedError
+from jaxckpt._errors import DistributedError, InvalidArgumentError
 from jaxckpt._runtime import distributed as _distributed
 
 PREFIX = "jaxckpt/schedule"
@@ -114,7 +114,7 @@ def check(save_interval_steps: int | None, save_interval_secs: float | None) -> 
         or not isinstance(secs, (int, float))
         or not (math.isfinite(secs) and secs >= 0)
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"save_interval_secs must be a number of seconds >= 0 (0: continuous "
             f"checkpointing) or None, got {secs!r}"
         )

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from jaxckpt._errors import (
     CheckpointError,
     DtypeMismatchError,
+    InvalidArgumentError,
     KeyMismatchError,
     ShapeMismatchError,
 )
@@ -138,7 +139,7 @@ class DefaultLoadPlanner(LoadPlanner):
         share_reads: bool = True,
     ) -> None:
         if max_host_bytes < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"max_host_bytes must be a positive number of bytes, not {max_host_bytes}"
             )
         self.allow_dtype_cast = allow_dtype_cast
