@@ -39,11 +39,20 @@ state = {
     "step": 7,
 }
 
+class Staged(jaxckpt.DefaultSavePlanner):
+    def resolve_data(self, item):  # no device copies: staged in host memory, as on accelerators
+        return super().resolve_data(item)
+
 def save(*_):
     if form == "save":
         jaxckpt.save(out + "/ckpt", state)
     elif form == "save_async":
         jaxckpt.save_async(out + "/ckpt", state)  # no wait(): it saves before it returns
+    elif form == "save_async_host_staged":  # with 24 MiB more: copied on several threads
+        big = {**state, "big": jnp.ones(6 << 20, jnp.float32)}
+        jaxckpt.save_async(out + "/ckpt", big, planner=Staged())
+    elif form == "save_async_budget":  # streamed through a ring smaller than the state
+        jaxckpt.save_async(out + "/ckpt", state, max_host_bytes=5 << 20)
     else:
         jaxckpt.CheckpointManager(out + "/run").save(7, state)  # async_save=True, no close()
 
@@ -55,8 +64,18 @@ else:  # a signal arriving while the interpreter shuts down, as at a preemption
 """
 
 
-@pytest.mark.parametrize("how", ["atexit", "signal"])
-@pytest.mark.parametrize("form", ["save", "save_async", "manager"])
+@pytest.mark.parametrize(
+    "form,how",
+    [
+        *(
+            (form, how)
+            for form in ("save", "save_async", "manager")
+            for how in ("atexit", "signal")
+        ),
+        ("save_async_host_staged", "atexit"),
+        ("save_async_budget", "atexit"),
+    ],
+)
 def test_a_save_while_the_interpreter_exits_commits(tmp_path, form, how):
     env = {
         **os.environ,
@@ -73,6 +92,8 @@ def test_a_save_while_the_interpreter_exits_commits(tmp_path, form, how):
     else:
         restored = jaxckpt.restore(tmp_path / "ckpt")
     assert restored["step"] == 7
+    if form == "save_async_host_staged":
+        assert restored["big"].shape == (6 << 20,) and restored["big"].min() == 1
     np.testing.assert_array_equal(restored["one"], np.arange(N, dtype=np.float32))
     np.testing.assert_array_equal(restored["sharded"], np.arange(N, dtype=np.float32) * 2)
     assert jax.device_count() == 8  # the suite's devices, unchanged by the subprocess
