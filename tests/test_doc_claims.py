@@ -3,7 +3,9 @@ in tests/test_docs.py.
 
 - docs/manager.md: a save (``save``, ``save_async``, ``CheckpointManager.save``) called from an
   ``atexit`` hook, or from a signal handler while the interpreter shuts down, commits before
-  it returns, for device arrays (one device, sharded over eight).
+  it returns, for device arrays (one device, sharded over eight); as the program's first save
+  (``atexit_first``: no library thread has run) or after others (Python has then marked the
+  pools whose threads it joined as shut down).
 - docs/faq.md: every error jaxckpt raises is a ``CheckpointError``, bad arguments included
   (which are also ``ValueError`` / ``TypeError``).
 - docs/object_storage.md: what deleting does where there is nothing to delete.
@@ -56,7 +58,12 @@ def save(*_):
     else:
         jaxckpt.CheckpointManager(out + "/run").save(7, state)  # async_save=True, no close()
 
-if how == "atexit":
+if how != "atexit_first":  # the library's threads have run before, as in a training loop
+    with jaxckpt.CheckpointManager(out + "/warm") as mgr:
+        mgr.save(0, state)
+    big = {**state, "big": jnp.ones(6 << 20, jnp.float32)}
+    jaxckpt.save_async(out + "/warm/big", big, planner=Staged()).wait()
+if how.startswith("atexit"):
     atexit.register(save)
 else:  # a signal arriving while the interpreter shuts down, as at a preemption
     signal.signal(signal.SIGUSR1, save)
@@ -70,8 +77,9 @@ else:  # a signal arriving while the interpreter shuts down, as at a preemption
         *(
             (form, how)
             for form in ("save", "save_async", "manager")
-            for how in ("atexit", "signal")
+            for how in ("atexit_first", "atexit", "signal")
         ),
+        ("save_async_host_staged", "atexit_first"),
         ("save_async_host_staged", "atexit"),
         ("save_async_budget", "atexit"),
     ],

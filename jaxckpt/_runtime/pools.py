@@ -65,8 +65,12 @@ class Pool(ThreadPoolExecutor):
 
 
 def _exiting(error: RuntimeError) -> bool:
-    """Whether ``error`` is an executor's refusal of work as the interpreter exits."""
-    return "interpreter shutdown" in str(error)
+    """Whether ``error`` is a refusal of work as the interpreter exits: an executor's ("cannot
+    schedule new futures after interpreter shutdown", or "... after shutdown" from a pool whose
+    threads had run: they mark it shut down as they end; the library never shuts one down) or,
+    on Python 3.12, a thread's ("can't create new thread at interpreter shutdown")."""
+    message = str(error)
+    return message.startswith("cannot schedule new futures") or "interpreter shutdown" in message
 
 
 _pools: dict[str, Pool] = {}
@@ -149,13 +153,15 @@ def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:
 
 class Repeating:
     """``fn()`` every ``seconds`` on a daemon thread of its own until :meth:`stop` (a live
-    save's heartbeat, ``jaxckpt._storage.lease``). An error of ``fn`` skips one beat."""
+    save's heartbeat, ``jaxckpt._storage.lease``). An error of ``fn`` skips one beat. No
+    beats where no thread can start (see :func:`_start`)."""
 
     def __init__(self, seconds: float, fn: Callable[[], object]) -> None:
         self._stopped = threading.Event()
-        threading.Thread(
+        beat = threading.Thread(
             target=self._run, args=(seconds, fn), name="jaxckpt-beat", daemon=True
-        ).start()
+        )
+        _start(beat)
 
     def _run(self, seconds: float, fn: Callable[[], object]) -> None:
         while not self._stopped.wait(seconds):
@@ -174,8 +180,19 @@ def after(seconds: float, fn: Callable[[], object]) -> threading.Timer:
     timer = threading.Timer(seconds, fn)
     timer.daemon = True
     timer.name = "jaxckpt-after"
-    timer.start()
+    _start(timer)
     return timer
+
+
+def _start(thread: threading.Thread) -> None:
+    """``thread.start()``, except where the interpreter is exiting and starts no threads
+    (Python 3.12, in an ``atexit`` hook): a heartbeat or a delayed release is then skipped, as
+    the work it would accompany runs on the calling thread and the process ends after it."""
+    try:
+        thread.start()
+    except RuntimeError as e:
+        if not _exiting(e):
+            raise
 
 
 def repeat(seconds: float, fn: Callable[[], object]) -> Repeating:
