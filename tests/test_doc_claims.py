@@ -107,6 +107,33 @@ def test_a_save_while_the_interpreter_exits_commits(tmp_path, form, how):
     assert jax.device_count() == 8  # the suite's devices, unchanged by the subprocess
 
 
+# The tasks of the stream pools must run together at exit too (an elastic restore's receivers,
+# the local tier's send and receive): one waits for the other here.
+ALONGSIDE = """
+import atexit, threading
+from jaxckpt._runtime import pools
+
+def at_exit():
+    for pool in (pools.stream_pool(), pools.save_pool()):
+        ready = threading.Event()
+        waiting = pool.submit(ready.wait, 60)
+        pool.submit(ready.set).result()
+        print(pool.name, waiting.result())
+
+pools.save_pool().submit(print).result()  # one pool has run threads, one has not
+atexit.register(at_exit)
+"""
+
+
+@pytest.mark.skipif(sys.version_info[:2] == (3, 12), reason="Python 3.12 starts no thread at exit")
+def test_tasks_that_wait_on_each_other_run_alongside_at_exit():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    args = [sys.executable, "-c", ALONGSIDE]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.split("\n")[-3:] == ["jaxckpt-stream True", "jaxckpt-save True", ""]
+
+
 def _bad_arguments(d):
     """(the call, the argument its message names): the documented bad-argument cases."""
     tree = {"w": np.ones(4, np.float32)}

@@ -43,10 +43,22 @@ _lock = threading.Lock()
 
 class Pool(ThreadPoolExecutor):
     """A ``ThreadPoolExecutor`` that keeps working while the interpreter exits: once Python
-    takes no new threads (its executors refuse work after it joined their threads, before the
+    takes no new work (its executors refuse it after it joined their threads, before the
     ``atexit`` hooks run), :meth:`submit` runs ``fn`` on the calling thread and returns a done
     future with its outcome. A caller that hands a pool a task which waits for the caller
-    (a consumer of a queue the caller fills) asks :func:`start` instead."""
+    (a consumer of a queue the caller fills) asks :func:`start` instead.
+
+    Args:
+      threads: at most this many threads.
+      name: their name.
+      alongside: the pool's tasks must run alongside their caller (a stream's receiver while
+        the caller sends): at exit each runs on a thread of its own instead, where Python still
+        starts threads (not 3.12), and its caller must wait for it before returning.
+    """
+
+    def __init__(self, threads: int, name: str, *, alongside: bool = False) -> None:
+        super().__init__(threads, name)
+        self.name, self.alongside = name, alongside
 
     def submit(
         self, fn: Callable[Args, T], /, *args: Args.args, **kwargs: Args.kwargs
@@ -57,10 +69,15 @@ class Pool(ThreadPoolExecutor):
             if not _exiting(e):
                 raise
         future: Future[T] = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
-            future.set_exception(e)
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
+                future.set_exception(e)
+
+        if not (self.alongside and _start(threading.Thread(target=run, name=self.name))):
+            run()
         return future
 
 
@@ -76,19 +93,20 @@ def _exiting(error: RuntimeError) -> bool:
 _pools: dict[str, Pool] = {}
 
 
-def _get(name: str, threads: int) -> Pool:
+def _get(name: str, threads: int, *, alongside: bool = False) -> Pool:
     with _lock:
         pool = _pools.get(name)
         if pool is None:
-            pool = _pools[name] = Pool(threads, name)
+            pool = _pools[name] = Pool(threads, name, alongside=alongside)
     return pool
 
 
 def save_pool() -> ThreadPoolExecutor:
     """Background saves (``save_async``, the manager's finishing step). Starting a thread per
     save would make ``save_async`` wait until the new thread runs, while the device copies keep
-    the cores busy."""
-    return _get("jaxckpt-save", SAVE_THREADS)
+    the cores busy. The local tier's streams, sent and received at once, run here too (so its
+    tasks run alongside their callers at exit, see :class:`Pool`)."""
+    return _get("jaxckpt-save", SAVE_THREADS, alongside=True)
 
 
 def read_pool() -> ThreadPoolExecutor:
@@ -127,7 +145,7 @@ def hash_pool() -> ThreadPoolExecutor:
 def stream_pool() -> ThreadPoolExecutor:
     """The receivers of an elastic restore's streams (``jaxckpt._manager.elastic_restore``):
     up to ``STREAM_THREADS`` at once, each waiting on one sender."""
-    return _get("jaxckpt-stream", STREAM_THREADS)
+    return _get("jaxckpt-stream", STREAM_THREADS, alongside=True)
 
 
 def start(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T] | None:
@@ -184,8 +202,8 @@ def after(seconds: float, fn: Callable[[], object]) -> threading.Timer:
     return timer
 
 
-def _start(thread: threading.Thread) -> None:
-    """``thread.start()``, except where the interpreter is exiting and starts no threads
+def _start(thread: threading.Thread) -> bool:
+    """``thread.start()``; ``False`` where the interpreter is exiting and starts no threads
     (Python 3.12, in an ``atexit`` hook): a heartbeat or a delayed release is then skipped, as
     the work it would accompany runs on the calling thread and the process ends after it."""
     try:
@@ -193,6 +211,8 @@ def _start(thread: threading.Thread) -> None:
     except RuntimeError as e:
         if not _exiting(e):
             raise
+        return False
+    return True
 
 
 def repeat(seconds: float, fn: Callable[[], object]) -> Repeating:
