@@ -84,7 +84,10 @@ def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
     for sl, dim in zip(index, shape):
         start, stop, step = sl.indices(dim)
         if step != 1:
-            raise InvalidArgumentError(f"strided shard index {sl} is not supported")
+            raise InvalidArgumentError(
+                f"strided shard index {sl} is not supported: a shard must be a contiguous box "
+                f"of its array; put the array on a NamedSharding (jax.device_put) first."
+            )
         offsets.append(start)
         sizes.append(max(stop - start, 0))
     return tuple(offsets), tuple(sizes)

@@ -145,7 +145,11 @@ def _generic_layout(shape: tuple[int, ...], sharding: Any) -> Layout:
         by_box.setdefault(index_to_box(index, shape), []).append(pos)
     boxes = sorted(by_box)
     if len({len(v) for v in by_box.values()}) != 1:
-        raise InvalidArgumentError(f"sharding {sharding} replicates its shards unevenly")
+        raise InvalidArgumentError(
+            f"sharding {sharding} replicates its shards unevenly (some boxes are held by more "
+            f"devices than others); jaxckpt saves arrays whose every box is held by as many "
+            f"devices: put the array on a NamedSharding (jax.device_put) before saving."
+        )
     box = tuple(max(b[1][d] for b in boxes) for d in range(len(shape)))
     return Layout(
         shape=shape,
