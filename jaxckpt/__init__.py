@@ -5,6 +5,7 @@ from jaxckpt._api import metadata as metadata
 from jaxckpt._api import restore as restore
 from jaxckpt._api import save as save
 from jaxckpt._api import save_async as save_async
+from jaxckpt._errors import ArgumentTypeError as ArgumentTypeError
 from jaxckpt._errors import CheckpointChangedError as CheckpointChangedError
 from jaxckpt._errors import CheckpointError as CheckpointError
 from jaxckpt._errors import CheckpointExistsError as CheckpointExistsError
@@ -12,6 +13,7 @@ from jaxckpt._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from jaxckpt._errors import CorruptChunkError as CorruptChunkError
 from jaxckpt._errors import DistributedError as DistributedError
 from jaxckpt._errors import DtypeMismatchError as DtypeMismatchError
+from jaxckpt._errors import InvalidArgumentError as InvalidArgumentError
 from jaxckpt._errors import KeyMismatchError as KeyMismatchError
 from jaxckpt._errors import ManifestError as ManifestError
 from jaxckpt._errors import PlanValidationError as PlanValidationError
@@ -35,6 +37,7 @@ from jaxckpt._sources.convert import convert as convert
 from jaxckpt._version import __version__ as __version__
 
 __all__ = [
+    "ArgumentTypeError",
     "ArrayEntry",
     "CheckpointChangedError",
     "CheckpointError",
@@ -47,6 +50,7 @@ __all__ = [
     "DistributedError",
     "DtypeMismatchError",
     "GlobalSavePlan",
+    "InvalidArgumentError",
     "KeyMismatchError",
     "LoadPlan",
     "LoadPlanner",

@@ -129,7 +129,7 @@ def save_async(
       A :class:`SaveHandle`; ``wait()`` re-raises any error of the save.
 
     Raises:
-      ValueError: ``max_host_bytes`` is not a positive int.
+      InvalidArgumentError: ``max_host_bytes`` is not a positive int.
       CheckpointError: ``max_host_bytes`` cannot hold this process's largest chunk (nothing
         is written), or any error of the save met before the call returns.
 

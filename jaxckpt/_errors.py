@@ -6,6 +6,8 @@ expected, what was found, where (path, key, chunk) and what to do about it::
     CheckpointError
     ├── CheckpointNotFoundError   no committed checkpoint at the path
     ├── CheckpointExistsError     a checkpoint is there and overwrite=False
+    ├── InvalidArgumentError      an argument's value is out of range (also a ValueError)
+    ├── ArgumentTypeError         an argument is of the wrong type (also a TypeError)
     ├── ManifestError             manifest.json is malformed, unsafe or of an unknown version
     ├── KeyMismatchError          missing / unexpected keys under strict=True
     ├── ShapeMismatchError        target shape differs from the saved shape
@@ -30,6 +32,18 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A checkpoint already exists at the path and ``overwrite=False``."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument's value is out of range (``max_to_keep=-1``, ``best_mode="median"``, a
+    negative step); the message names the argument and what it takes. Also a ``ValueError``,
+    so ``except ValueError`` catches it as before."""
+
+
+class ArgumentTypeError(CheckpointError, TypeError):
+    """An argument is of a type the call does not take (a float step, an iterator without
+    ``get_state()``); the message names the argument and what it takes. Also a
+    ``TypeError``."""
 
 
 class ManifestError(CheckpointError):

@@ -17,7 +17,13 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from jaxckpt._errors import CheckpointError, DistributedError, KeyMismatchError, ManifestError
+from jaxckpt._errors import (
+    ArgumentTypeError,
+    CheckpointError,
+    DistributedError,
+    KeyMismatchError,
+    ManifestError,
+)
 from jaxckpt._format import iterators as _records
 from jaxckpt._runtime import distributed as _distributed
 
@@ -34,7 +40,7 @@ def capture(iterators: Mapping[str, Checkpointable] | None) -> dict[str, _record
     """Each iterator's state now, as a record (none without ``iterators``).
 
     Raises:
-      TypeError: ``iterators`` is not a mapping of names to iterators.
+      ArgumentTypeError: ``iterators`` is not a mapping of names to iterators.
       UnsupportedLeafError: a state is neither JSON nor bytes (names the iterator).
     """
     if not iterators:
@@ -157,17 +163,17 @@ def _own(
 
 def _check(iterators: Any) -> None:
     if not isinstance(iterators, Mapping):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"iterators= maps names to iterators, e.g. {{'train': iter(loader)}}; got a "
             f"{type(iterators).__name__}."
         )
     for name, it in iterators.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"iterators= names must be non-empty str; got {name!r}.")
+            raise ArgumentTypeError(f"iterators= names must be non-empty str; got {name!r}.")
         if not (
             callable(getattr(it, "get_state", None)) and callable(getattr(it, "set_state", None))
         ):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"Iterator {name!r} is a {type(it).__name__}, which has no get_state() and "
                 f"set_state(). Pass the iterator (for Grain: iter(data_loader) or "
                 f"iter(dataset)), not the loader or dataset."

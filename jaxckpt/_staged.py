@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from jaxckpt._errors import CheckpointError
+from jaxckpt._errors import CheckpointError, InvalidArgumentError
 from jaxckpt._format.manifest import dtype_from_name
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._planning.reuse import HASH_AHEAD
@@ -45,17 +45,17 @@ def budget_arg(value: object) -> int | None:
     """``max_host_bytes`` as given to ``save_async`` or ``CheckpointManager``, checked.
 
     Raises:
-      ValueError: not ``None`` nor a positive int.
+      InvalidArgumentError: not ``None`` nor a positive int.
     """
     if value is None:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"max_host_bytes must be a positive int (bytes of host memory) or None, got "
             f"{value!r} of type {type(value).__name__}: e.g. max_host_bytes=1 << 30 for 1 GiB."
         )
     if value <= 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"max_host_bytes must be a positive number of bytes, got {value}: pass None for no "
             f"budget (the whole share staged at once), or e.g. 1 << 30 for 1 GiB."
         )

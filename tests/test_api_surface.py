@@ -5,9 +5,9 @@ import inspect
 import jaxckpt
 
 PUBLIC = {
-    "ArrayEntry", "CheckpointChangedError", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
+    "ArgumentTypeError", "ArrayEntry", "CheckpointChangedError", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
     "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
-    "DtypeMismatchError", "GlobalSavePlan", "KeyMismatchError", "LoadPlan", "LoadPlanner",
+    "DtypeMismatchError", "GlobalSavePlan", "InvalidArgumentError", "KeyMismatchError", "LoadPlan", "LoadPlanner",
     "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",
     "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem", "convert",
     "metadata", "plan_cache_info", "restore", "save", "save_async",

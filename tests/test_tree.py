@@ -60,6 +60,33 @@ def test_none_and_an_empty_node_stand_for_each_other_in_a_strict_restore(tmp_pat
         jaxckpt.restore(tmp_path / "c", {"w": jnp.ones(2), "empty": (), "nested": {"e": {}}})
 
 
+def test_a_leaf_saved_as_none_keeps_the_targets_under_strict_false(tmp_path, caplog):
+    """Levanter's allow_partial: a leaf saved as None (no leaf) leaves the target's in place
+    under strict=False, as a key the checkpoint lacks does (issue 51.3)."""
+    m = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    sharded = jax.device_put(
+        jnp.arange(16.0), jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec("x"))
+    )
+    jaxckpt.save(
+        tmp_path / "c", {"w": jnp.full(2, 5.0), "head": None, "opt": {"mu": None, "n": None}}
+    )
+    target = {"w": jnp.zeros(2), "head": sharded, "opt": {"mu": np.ones(3, np.int8), "n": 4}}
+    back = jaxckpt.restore(tmp_path / "c", target, strict=False)
+    assert back["head"] is sharded and back["opt"]["mu"] is target["opt"]["mu"]
+    assert back["opt"]["n"] == 4
+    np.testing.assert_array_equal(back["w"], [5.0, 5.0])  # the saved leaves still restore
+    assert "['head', 'opt/mu', 'opt/n']" in caplog.text and "saved as None" in caplog.text
+    # Without a target, or with None there, the None comes back as saved.
+    assert jaxckpt.restore(tmp_path / "c")["head"] is None
+    assert jaxckpt.restore(tmp_path / "c", target | {"head": None}, strict=False)["head"] is None
+    with pytest.raises(
+        jaxckpt.ShapeMismatchError,
+        match=r"Key 'head': the target holds an array of shape \(16,\) but the checkpoint None "
+        r".*Pass strict=False to keep the target's array",
+    ):
+        jaxckpt.restore(tmp_path / "c", target)
+
+
 def test_structure_is_json_and_unflatten_drops_unselected():
     tree = {"a": [1, 2], "b": {"c": 3}}
     node = _tree.structure(tree)

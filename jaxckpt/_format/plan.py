@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from jaxckpt._errors import PlanValidationError
+from jaxckpt._errors import InvalidArgumentError, PlanValidationError
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import ceil_div
 
@@ -84,7 +84,10 @@ def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
     for sl, dim in zip(index, shape):
         start, stop, step = sl.indices(dim)
         if step != 1:
-            raise ValueError(f"strided shard index {sl} is not supported")
+            raise InvalidArgumentError(
+                f"strided shard index {sl} is not supported: a shard must be a contiguous box "
+                f"of its array; put the array on a NamedSharding (jax.device_put) first."
+            )
         offsets.append(start)
         sizes.append(max(stop - start, 0))
     return tuple(offsets), tuple(sizes)

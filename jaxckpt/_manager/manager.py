@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from jaxckpt._api import SaveHandle, save_async
-from jaxckpt._errors import CheckpointError
+from jaxckpt._errors import CheckpointError, InvalidArgumentError
 from jaxckpt._iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
@@ -533,13 +533,17 @@ def _policy(
 def _check_counts(**counts: int | None) -> None:
     for name, value in counts.items():
         if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            raise InvalidArgumentError(f"{name} must be a positive int or None, got {value!r}")
 
 
 def _check_options(best_mode: str, local_replicas: int, *, read_only: bool, local: object) -> None:
     if not isinstance(local_replicas, int) or local_replicas < 0:
-        raise ValueError(f"local_replicas must be a non-negative int, got {local_replicas!r}")
+        raise InvalidArgumentError(
+            f"local_replicas must be a non-negative int, got {local_replicas!r}"
+        )
     if best_mode not in ("min", "max"):
-        raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
     if read_only and local is not None:
-        raise ValueError("a read_only manager has no local tier: pass local_directory=None")
+        raise InvalidArgumentError(
+            "a read_only manager has no local tier: pass local_directory=None"
+        )

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from jaxckpt._api import metadata
+from jaxckpt._errors import InvalidArgumentError
 from jaxckpt._iterators import Checkpointable
 from jaxckpt._manager.ledger import Ledger
 from jaxckpt._manager.retention import MetricsFile, Policy
@@ -42,7 +43,7 @@ class RunReader:
             whole, agreed by all processes (then every process must call it, as ``save``).
         """
         if tier not in (None, "local", "persistent"):
-            raise ValueError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
+            raise InvalidArgumentError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
         return self._ledger.steps(tier)
 
     def latest_step(self, tier: Literal["local", "persistent"] | None = None) -> int | None:

@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxckpt._errors import (
     CheckpointNotFoundError,
+    InvalidArgumentError,
     ManifestError,
     UnsupportedLeafError,
 )
@@ -167,7 +168,9 @@ class Policy:
             or not isinstance(secs, (int, float))
             or not (math.isfinite(secs) and secs > 0)
         ):
-            raise ValueError(f"keep_every_n_secs must be a positive number or None, got {secs!r}")
+            raise InvalidArgumentError(
+                f"keep_every_n_secs must be a positive number or None, got {secs!r}"
+            )
 
     def score(self, record: Mapping[str, Any] | None) -> float | None:
         """Higher is better; ``None`` (ranked last) without metrics or a usable value."""

@@ -16,7 +16,12 @@ from typing import Any
 import numpy as np
 
 from jaxckpt._api import restore
-from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._errors import (
+    ArgumentTypeError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+)
 from jaxckpt._format.names import parse_step, step_name
 from jaxckpt._manager.retention import MetricsFile, referenced
 from jaxckpt._storage import catalog as _catalog
@@ -166,13 +171,13 @@ def step_arg(step: Any, call: str) -> int:
     if _integer_scalar(step):
         step = int(step)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"CheckpointManager.{call}: the step comes first, a non-negative int (for restore, "
             f"None means the latest); got a {type(step).__name__}. Pass the other arguments "
             f"after it, or by name (e.g. restore(target=state))."
         )
     if step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step}")
+        raise InvalidArgumentError(f"step must be a non-negative int, got {step}")
     return int(step)
 
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxckpt._errors import DistributedError
+from jaxckpt._errors import DistributedError, InvalidArgumentError
 from jaxckpt._runtime import distributed as _distributed
 
 PREFIX = "jaxckpt/schedule"
@@ -141,7 +141,7 @@ def check(save_interval_steps: Any, save_interval_secs: float | None) -> Steps |
         or not isinstance(secs, (int, float))
         or not (math.isfinite(secs) and secs >= 0)
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"save_interval_secs must be a number of seconds >= 0 (0: continuous "
             f"checkpointing) or None, got {secs!r}"
         )
@@ -162,7 +162,7 @@ def _steps_arg(every: Any) -> Steps:
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"save_interval_steps must be a positive int, or (first step, interval) pairs in "
             f"increasing order such as [(0, 1000), (10_000, 5000)] (every 1,000 steps, from "
             f"step 10,000 every 5,000); got {every!r}"

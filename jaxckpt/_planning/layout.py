@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from jaxckpt._errors import InvalidArgumentError
 from jaxckpt._format.grid import ceil_div
 from jaxckpt._format.plan import Box, IntArray, index_to_box
 
@@ -144,7 +145,11 @@ def _generic_layout(shape: tuple[int, ...], sharding: Any) -> Layout:
         by_box.setdefault(index_to_box(index, shape), []).append(pos)
     boxes = sorted(by_box)
     if len({len(v) for v in by_box.values()}) != 1:
-        raise ValueError(f"sharding {sharding} replicates its shards unevenly")
+        raise InvalidArgumentError(
+            f"sharding {sharding} replicates its shards unevenly (some boxes are held by more "
+            f"devices than others); jaxckpt saves arrays whose every box is held by as many "
+            f"devices: put the array on a NamedSharding (jax.device_put) before saving."
+        )
     box = tuple(max(b[1][d] for b in boxes) for d in range(len(shape)))
     return Layout(
         shape=shape,

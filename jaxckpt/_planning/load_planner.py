@@ -26,6 +26,7 @@ import numpy.typing as npt
 from jaxckpt._errors import (
     CheckpointError,
     DtypeMismatchError,
+    InvalidArgumentError,
     KeyMismatchError,
     ShapeMismatchError,
 )
@@ -138,7 +139,7 @@ class DefaultLoadPlanner(LoadPlanner):
         share_reads: bool = True,
     ) -> None:
         if max_host_bytes < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"max_host_bytes must be a positive number of bytes, not {max_host_bytes}"
             )
         self.allow_dtype_cast = allow_dtype_cast
@@ -183,9 +184,13 @@ class DefaultLoadPlanner(LoadPlanner):
                 )
             if strict and (missing or unexpected):
                 raise KeyMismatchError(_mismatch.key_message(missing, unexpected))
+            self.selected = in_target & set(saved)
+            if not strict:  # a saved None holds no leaf: the target's stays, as for a missing key
+                nones = _mismatch.saved_none(self.selected, manifest, self.targets)
+                self.selected -= set(nones)
+                missing = sorted([*missing, *nones])
             if missing:  # strict=False: they come back as the target holds them; say so
                 logger.warning(_mismatch.kept_message(missing, unexpected, self.targets))
-            self.selected = in_target & set(saved)
         self.wants = {}  # key -> (dtype to return, sharding | _HOST)
         order = {k: i for i, k in enumerate(saved)}
         errors: list[CheckpointError] = []

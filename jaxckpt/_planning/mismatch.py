@@ -13,6 +13,7 @@ matches a target to a manifest; ``jaxckpt.restore``, ``verify`` and ``export`` c
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -25,7 +26,7 @@ from jaxckpt._errors import (
     ShapeMismatchError,
 )
 from jaxckpt._format import manifest_check
-from jaxckpt._format.manifest import ArrayEntry, Manifest
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._planning import tree as _tree
 
 # -- keys ---------------------------------------------------------------------------------------
@@ -58,6 +59,18 @@ def empty_alike(
     return missing, unexpected
 
 
+def saved_none(keys: Iterable[str], manifest: Manifest, leaves: dict[str, Any]) -> list[str]:
+    """The ``keys`` the checkpoint holds as ``None`` (no leaf: Levanter's and Orbax's
+    placeholder of a leaf left out) where the target holds a leaf; ``restore(strict=False)``
+    keeps the target's there, as for a key the checkpoint lacks."""
+    saved = manifest.entries
+    return sorted(
+        k
+        for k in keys
+        if isinstance(e := saved[k], ValueEntry) and e.value is None and leaves[k] is not None
+    )
+
+
 def key_message(missing: list[str], unexpected: list[str]) -> str:
     """The message of a :class:`KeyMismatchError`: the keys on one side only, and the fix.
 
@@ -87,8 +100,8 @@ def kept_message(missing: list[str], unexpected: list[str], targets: dict[str, A
     kinds = (jax.ShapeDtypeStruct, jax.sharding.Sharding)
     abstract = [k for k in missing if isinstance(targets[k], kinds)]
     msg = (
-        f"restore(strict=False): {len(missing)} key(s) in `target` are not in the checkpoint and "
-        f"come back as the target holds them: {missing[:5]!r}."
+        f"restore(strict=False): {len(missing)} key(s) in `target` are not in the checkpoint (or "
+        f"saved as None) and come back as the target holds them: {missing[:5]!r}."
     )
     if abstract:
         msg += (
@@ -226,6 +239,12 @@ def device_dtype(key: str, dtype: np.dtype[Any], found: str, cast: bool) -> np.d
 def value_shape_error(key: str, shape: tuple[int, ...], value: Any) -> ShapeMismatchError:
     """The target holds an array of ``shape`` where the checkpoint holds the Python ``value``
     that no array of that shape can take (only a number fits, and only a scalar array)."""
+    if value is None:
+        return ShapeMismatchError(
+            f"Key {key!r}: the target holds an array of shape {shape} but the checkpoint None "
+            f"(no leaf was saved there). Pass strict=False to keep the target's array where "
+            f"the checkpoint holds None, or put None at this key in `target`."
+        )
     return ShapeMismatchError(
         f"Key {key!r}: the target holds an array of shape {shape} but the "
         f"checkpoint a Python value ({value!r}). Use a Python value or None at this key "

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import numpy.typing as npt
 
-from jaxckpt._errors import UnsupportedLeafError
+from jaxckpt._errors import InvalidArgumentError, UnsupportedLeafError
 from jaxckpt._format import dtypes, manifest_check
 from jaxckpt._format import manifest as _manifest
 from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
@@ -148,7 +148,7 @@ class DefaultSavePlanner(SavePlanner):
         pack_bytes: int | None = None,
     ) -> None:
         if dedup not in ("balanced", "lowest"):
-            raise ValueError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
+            raise InvalidArgumentError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
         self.dedup = dedup
         self.max_chunk_bytes = max_chunk_bytes
         self.pack_bytes = _pack.DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes

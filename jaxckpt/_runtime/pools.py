@@ -3,7 +3,10 @@
 Each pool is made on first use, under one lock, and lives as long as the process: an idle
 thread is reused instead of started per call. ``ThreadPoolExecutor`` threads are not daemons:
 at interpreter exit Python runs what is queued and joins them, so a program that ends right
-after ``save_async`` still commits (see :func:`in_background` for a save started even later).
+after ``save_async`` still commits. After that (an ``atexit`` hook, a signal handler run
+during shutdown) Python's executors take no new work; the pools here then run what is
+submitted on the calling thread (:class:`Pool`), so a save started that late still commits,
+blocking, instead of failing with "cannot schedule new futures after interpreter shutdown".
 
 Imports neither jax nor tensorstore, so storage may use it (tests/test_structure.py).
 """
@@ -15,9 +18,10 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 T = TypeVar("T")
+Args = ParamSpec("Args")
 logger = logging.getLogger("jaxckpt")
 
 SAVE_THREADS = 32
@@ -35,22 +39,74 @@ HASH_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))
 # sender, so all must run at once); threads are made as streams need them, up to this many.
 STREAM_THREADS = 512
 _lock = threading.Lock()
-_pools: dict[str, ThreadPoolExecutor] = {}
 
 
-def _get(name: str, threads: int) -> ThreadPoolExecutor:
+class Pool(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` that keeps working while the interpreter exits: once Python
+    takes no new work (its executors refuse it after it joined their threads, before the
+    ``atexit`` hooks run), :meth:`submit` runs ``fn`` on the calling thread and returns a done
+    future with its outcome. A caller that hands a pool a task which waits for the caller
+    (a consumer of a queue the caller fills) asks :func:`start` instead.
+
+    Args:
+      threads: at most this many threads.
+      name: their name.
+      alongside: the pool's tasks must run alongside their caller (a stream's receiver while
+        the caller sends): at exit each runs on a thread of its own instead, where Python still
+        starts threads (not 3.12), and its caller must wait for it before returning.
+    """
+
+    def __init__(self, threads: int, name: str, *, alongside: bool = False) -> None:
+        super().__init__(threads, name)
+        self.name, self.alongside = name, alongside
+
+    def submit(
+        self, fn: Callable[Args, T], /, *args: Args.args, **kwargs: Args.kwargs
+    ) -> Future[T]:
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError as e:
+            if not _exiting(e):
+                raise
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
+                future.set_exception(e)
+
+        if not (self.alongside and _start(threading.Thread(target=run, name=self.name))):
+            run()
+        return future
+
+
+def _exiting(error: RuntimeError) -> bool:
+    """Whether ``error`` is a refusal of work as the interpreter exits: an executor's ("cannot
+    schedule new futures after interpreter shutdown", or "... after shutdown" from a pool whose
+    threads had run: they mark it shut down as they end; the library never shuts one down) or,
+    on Python 3.12, a thread's ("can't create new thread at interpreter shutdown")."""
+    message = str(error)
+    return message.startswith("cannot schedule new futures") or "interpreter shutdown" in message
+
+
+_pools: dict[str, Pool] = {}
+
+
+def _get(name: str, threads: int, *, alongside: bool = False) -> Pool:
     with _lock:
         pool = _pools.get(name)
         if pool is None:
-            pool = _pools[name] = ThreadPoolExecutor(threads, name)
+            pool = _pools[name] = Pool(threads, name, alongside=alongside)
     return pool
 
 
 def save_pool() -> ThreadPoolExecutor:
     """Background saves (``save_async``, the manager's finishing step). Starting a thread per
     save would make ``save_async`` wait until the new thread runs, while the device copies keep
-    the cores busy."""
-    return _get("jaxckpt-save", SAVE_THREADS)
+    the cores busy. The local tier's streams, sent and received at once, run here too (so its
+    tasks run alongside their callers at exit, see :class:`Pool`)."""
+    return _get("jaxckpt-save", SAVE_THREADS, alongside=True)
 
 
 def read_pool() -> ThreadPoolExecutor:
@@ -89,43 +145,41 @@ def hash_pool() -> ThreadPoolExecutor:
 def stream_pool() -> ThreadPoolExecutor:
     """The receivers of an elastic restore's streams (``jaxckpt._manager.elastic_restore``):
     up to ``STREAM_THREADS`` at once, each waiting on one sender."""
-    return _get("jaxckpt-stream", STREAM_THREADS)
+    return _get("jaxckpt-stream", STREAM_THREADS, alongside=True)
+
+
+def start(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T] | None:
+    """Run ``fn(*args)`` on ``pool``'s threads; ``None`` where the interpreter is exiting and
+    takes no new threads, without running ``fn`` (for a task that waits on its caller, which
+    could not run on the caller's own thread)."""
+    try:
+        return ThreadPoolExecutor.submit(pool, fn, *args)
+    except RuntimeError as e:
+        if not _exiting(e):
+            raise
+        return None
 
 
 def in_background(fn: Callable[..., T], *args: Any) -> Future[T] | None:
     """Run ``fn(*args)`` on the save threads; ``None`` once it has run here instead, where the
     interpreter is exiting (an ``atexit`` hook) and takes no new threads."""
-    try:
-        return save_pool().submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+    future = start(save_pool(), fn, *args)
+    if future is None:
         fn(*args)
-        return None
-
-
-def submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
-    """``pool.submit(fn, *args)``; where the interpreter is exiting and ``pool`` takes no new
-    work (a ``save_async`` still writing as the program ends), ``fn(*args)`` runs here instead
-    and the returned future is done with its outcome."""
-    try:
-        return pool.submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        future: Future[T] = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller with the future
-            future.set_exception(e)
-        return future
+    return future
 
 
 class Repeating:
     """``fn()`` every ``seconds`` on a daemon thread of its own until :meth:`stop` (a live
-    save's heartbeat, ``jaxckpt._storage.lease``). An error of ``fn`` skips one beat."""
+    save's heartbeat, ``jaxckpt._storage.lease``). An error of ``fn`` skips one beat. No
+    beats where no thread can start (see :func:`_start`)."""
 
     def __init__(self, seconds: float, fn: Callable[[], object]) -> None:
         self._stopped = threading.Event()
-        threading.Thread(
+        beat = threading.Thread(
             target=self._run, args=(seconds, fn), name="jaxckpt-beat", daemon=True
-        ).start()
+        )
+        _start(beat)
 
     def _run(self, seconds: float, fn: Callable[[], object]) -> None:
         while not self._stopped.wait(seconds):
@@ -144,8 +198,21 @@ def after(seconds: float, fn: Callable[[], object]) -> threading.Timer:
     timer = threading.Timer(seconds, fn)
     timer.daemon = True
     timer.name = "jaxckpt-after"
-    timer.start()
+    _start(timer)
     return timer
+
+
+def _start(thread: threading.Thread) -> bool:
+    """``thread.start()``; ``False`` where the interpreter is exiting and starts no threads
+    (Python 3.12, in an ``atexit`` hook): a heartbeat or a delayed release is then skipped, as
+    the work it would accompany runs on the calling thread and the process ends after it."""
+    try:
+        thread.start()
+    except RuntimeError as e:
+        if not _exiting(e):
+            raise
+        return False
+    return True
 
 
 def repeat(seconds: float, fn: Callable[[], object]) -> Repeating:

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import numpy.typing as npt
 
+from jaxckpt._errors import InvalidArgumentError
 from jaxckpt._format import dtypes
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.names import storage_name
@@ -56,7 +57,7 @@ def convert(
       CheckpointNotFoundError: nothing jaxckpt reads is at ``src``.
       CheckpointExistsError: ``dst`` holds a checkpoint and ``overwrite=False``.
       ManifestError, CorruptChunkError: the source is damaged (names the file and key).
-      ValueError: ``max_chunk_bytes`` is not a positive number of bytes.
+      InvalidArgumentError: ``max_chunk_bytes`` is not a positive number of bytes.
 
     Example:
       >>> import numpy as np, jaxckpt, tempfile
@@ -89,7 +90,7 @@ def convert_checkpoint(
     """:func:`convert`, with the CLI's choices of where progress goes and whether it shows."""
     limit = BLOCK_BYTES if max_chunk_bytes is None else max_chunk_bytes
     if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"max_chunk_bytes must be a positive number of bytes, not {max_chunk_bytes!r} "
             f"(e.g. 8 << 20 for 8 MiB chunks)"
         )

@@ -79,8 +79,11 @@ def _leaves(loc: _location.Location, doc: Any) -> list[_Leaf]:
 
 
 def _tree(loc: _location.Location, leaves: list[_Leaf], empty: dict[str, str]) -> dict[str, Any]:
-    """jaxckpt's JSON tree from Orbax key paths (key_type 2: dict key, 1: sequence index)."""
-    root: dict[str, Any] = {"kind": "dict", "kids": {}}
+    """jaxckpt's JSON tree from Orbax key paths (key_type 2: dict key, 1: sequence index).
+    The root is a list where every path starts with an index (Orbax saved a list or tuple:
+    it does not record which), otherwise a dict."""
+    top = {kinds[0] for _, kinds, _ in leaves}
+    root: dict[str, Any] = {"kind": "list" if top == {1} else "dict", "kids": {}}
     for parts, kinds, _ in leaves:
         node = root
         for i, (part, kind) in enumerate(zip(parts, kinds)):

@@ -163,7 +163,7 @@ class ChunkWriter:
             )
             path = os.path.join(folder, chunk_key(idx))
             check = entry.checksum == "crc32c"
-            futures.append(pools.submit(pool, self._chunk, path, data[part], entry.chunks, check))
+            futures.append(pool.submit(self._chunk, path, data[part], entry.chunks, check))
         return BoxWrite(futures)
 
     def _chunk(self, path: str, src: npt.NDArray[Any], shape: tuple[int, ...], check: bool) -> None:

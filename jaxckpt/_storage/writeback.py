@@ -98,10 +98,8 @@ class Hints:
 
     def _submit(self) -> None:
         if self._group:
-            try:
-                self._tasks.append(pools.writeback_pool().submit(_when_written, self._group))
-            except RuntimeError:  # the interpreter is exiting (a save_async still writing)
-                pass  # no hint then: syncfs makes the files durable all the same
+            # Where the interpreter is exiting, the hints run here, once the group is written.
+            self._tasks.append(pools.writeback_pool().submit(_when_written, self._group))
             self._group, self._bytes = [], 0
 
 

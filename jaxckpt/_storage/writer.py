@@ -335,10 +335,8 @@ class Holder:
     def __init__(self, loc: Location) -> None:
         self.loc = loc
         self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
-        try:
-            self._task: Any = pools.save_pool().submit(self._run)
-        except RuntimeError:  # the interpreter is exiting: no new threads
-            self._task = None
+        # None where the interpreter is exiting: no new threads, and _run waits for add()
+        self._task = pools.start(pools.save_pool(), self._run)
 
     def add(self, fut: Any, data: Any) -> None:
         """Drop ``data`` once the write ``fut`` of it has completed."""
