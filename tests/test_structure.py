@@ -93,6 +93,8 @@ FORBIDDEN = {
 ALLOWED = {
     "jaxckpt._storage": ("jaxckpt._runtime.pools", "jaxckpt._runtime.libc"),
     "jaxckpt._runtime": ("jaxckpt._format.grid",),
+    # progress of long work: one implementation for every layer's long calls (stdlib only)
+    "jaxckpt._sources": ("jaxckpt._runtime.progress",),
 }
 
 
