@@ -32,11 +32,14 @@ from jaxckpt._planning.plan_cache import plan_cache_info as plan_cache_info
 from jaxckpt._planning.save_planner import DefaultSavePlanner as DefaultSavePlanner
 from jaxckpt._planning.save_planner import SavePlanner as SavePlanner
 from jaxckpt._sources.convert import convert as convert
+from jaxckpt._sources.diff import CheckpointDiff as CheckpointDiff
+from jaxckpt._sources.diff import diff as diff
 from jaxckpt._version import __version__ as __version__
 
 __all__ = [
     "ArrayEntry",
     "CheckpointChangedError",
+    "CheckpointDiff",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointManager",
@@ -62,6 +65,7 @@ __all__ = [
     "ValueEntry",
     "WriteItem",
     "convert",
+    "diff",
     "metadata",
     "plan_cache_info",
     "restore",

@@ -5,11 +5,11 @@ import inspect
 import jaxckpt
 
 PUBLIC = {
-    "ArrayEntry", "CheckpointChangedError", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
+    "ArrayEntry", "CheckpointChangedError", "CheckpointDiff", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
     "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
     "DtypeMismatchError", "GlobalSavePlan", "KeyMismatchError", "LoadPlan", "LoadPlanner",
     "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",
-    "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem", "convert",
+    "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem", "convert", "diff",
     "metadata", "plan_cache_info", "restore", "save", "save_async",
 }  # fmt: skip
 
