@@ -25,6 +25,8 @@ from jaxckpt._format.plan import ReadItem as ReadItem
 from jaxckpt._format.plan import SavePlan as SavePlan
 from jaxckpt._format.plan import WriteItem as WriteItem
 from jaxckpt._manager.manager import CheckpointManager as CheckpointManager
+from jaxckpt._manager.table import RunTable as RunTable
+from jaxckpt._manager.table import run_table as run_table
 from jaxckpt._planning.global_plan import GlobalSavePlan as GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner as DefaultLoadPlanner
 from jaxckpt._planning.load_planner import LoadPlanner as LoadPlanner
@@ -57,6 +59,7 @@ __all__ = [
     "ManifestError",
     "PlanValidationError",
     "ReadItem",
+    "RunTable",
     "SaveHandle",
     "SavePlan",
     "SavePlanner",
@@ -69,6 +72,7 @@ __all__ = [
     "metadata",
     "plan_cache_info",
     "restore",
+    "run_table",
     "save",
     "save_async",
 ]

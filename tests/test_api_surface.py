@@ -8,9 +8,9 @@ PUBLIC = {
     "ArrayEntry", "CheckpointChangedError", "CheckpointDiff", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
     "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
     "DtypeMismatchError", "GlobalSavePlan", "KeyMismatchError", "LoadPlan", "LoadPlanner",
-    "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",
+    "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "RunTable", "SaveHandle", "SavePlan",
     "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem", "convert", "diff",
-    "metadata", "plan_cache_info", "restore", "save", "save_async",
+    "metadata", "plan_cache_info", "restore", "run_table", "save", "save_async",
 }  # fmt: skip
 
 

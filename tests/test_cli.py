@@ -247,22 +247,24 @@ def test_ls_lists_steps_in_order_with_status_and_size(capsys, runs):
     code, out, _ = run(capsys, "ls", runs)
     assert code == 0
     rows = [line.split() for line in out.splitlines()]
-    assert rows[0] == ["NAME", "STATUS", "SIZE", "BASE"]
-    assert [r[:2] for r in rows[1:]] == [
+    assert rows[0] == ["NAME", "STATUS", "SIZE", "ADDED", "SAVED", "TIERS"]
+    assert [r[:2] for r in rows[1:-1]] == [
         ["000020", "committed"],
         ["000100", "committed"],
         ["000300", "incomplete"],
     ]
     on_disk = sum(f.stat().st_size for f in (runs / "000100").rglob("*") if f.is_file())
-    assert rows[2][2:] == (
-        f"{on_disk / 1024:.1f} KiB".split() if on_disk >= 1024 else [str(on_disk), "B"]
-    )
+    size = f"{on_disk / 1024:.1f} KiB".split() if on_disk >= 1024 else [str(on_disk), "B"]
+    assert rows[2][2:6] == size + size  # nothing shared: it adds all it holds
+    assert rows[2][8] == "persistent" and rows[3][2:] == ["0", "B", "0", "B", "-", "-"]
+    assert out.splitlines()[-1].startswith("total: 3 entries (2 committed, 1 incomplete), ")
 
 
 def test_ls_all_and_json_include_hidden_temporaries(capsys, runs):
     code, out, _ = run(capsys, "ls", "--all", "--json", runs)
     assert code == 0
     doc = json.loads(out)
+    assert doc["total_bytes"] == sum(e["added"] for e in doc["entries"])
     names = [(e["name"], e["committed"]) for e in doc["entries"]]
     assert names == [
         ("000020", True),

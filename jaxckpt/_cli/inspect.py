@@ -11,12 +11,10 @@ from typing import Any
 
 from jaxckpt._api import metadata
 from jaxckpt._cli.text import UsageError, human_bytes, plural
-from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
-from jaxckpt._format.names import MANIFEST, SEP
+from jaxckpt._format.names import SEP
+from jaxckpt._manager.table import run_table
 from jaxckpt._planning.abstract import leaf_struct
-from jaxckpt._sources import orbax_step as _orbax_step
-from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 
 
@@ -116,68 +114,22 @@ def run_ls(args: argparse.Namespace) -> int:
             f"{args.path} is itself a checkpoint, not a directory of them: "
             f"`jaxckpt inspect {args.path}` shows what it holds."
         )
-    found = [(n, ok) for n, ok in _catalog.children(loc) if args.all or not n.startswith(".")]
-    rows = []
-    for name, committed in found:
-        child = loc.join(name)
-        orbax = not committed and _orbax_step.is_committed_step(child)
-        row = {
-            "name": name,
-            "committed": committed or orbax,
-            "format": "orbax" if orbax else "jaxckpt" if committed else None,
-            "nbytes": _size(child, committed),
-        }
-        rows.append({**row, **(_lineage(child) if committed else {})})
+    best, _, mode = (args.best or "").partition(":")
+    if mode not in ("", "min", "max"):
+        raise UsageError(f"--best {args.best}: say NAME, NAME:min or NAME:max (e.g. --best loss).")
+    table = run_table(
+        args.path,
+        local_directory=args.local,
+        best=best or None,
+        best_mode="max" if mode == "max" else "min",
+        hidden=args.all,
+    )
     if args.json:
-        print(json.dumps({"path": args.path, "entries": rows}, indent=1))
+        print(json.dumps(table.to_json(), indent=1))
         return 0
-    if not rows:
+    if not table.rows:
         print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)
         return 0
-    width = max(4, *(len(r["name"]) for r in rows))
-    foreign = any(r["format"] == "orbax" for r in rows)  # say which, only when it varies
-    fmt = f"  {'FORMAT':<7}" if foreign else ""
-    print(f"{'NAME':<{width}}  {'STATUS':<10}  {'SIZE':<9}{fmt}  BASE")
-    for r in rows:
-        status = "committed" if r["committed"] else "incomplete"
-        size = "?" if r["nbytes"] is None else human_bytes(r["nbytes"])
-        fmt = f"  {r['format'] or '-':<7}" if foreign else ""
-        print(f"{r['name']:<{width}}  {status:<10}  {size:<9}{fmt}  {_base_text(r)}".rstrip())
+    for line in table.lines():
+        print(line)
     return 0
-
-
-def _lineage(loc: _location.Location) -> dict[str, Any]:
-    """An incremental step's base and reuse, and the steps whose data it needs (refs)."""
-    try:
-        m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
-    except CheckpointError:
-        return {}
-    out: dict[str, Any] = {}
-    if "base" in m.created:
-        out["base"] = str(m.created["base"])
-        out["reused_bytes"] = m.created.get("reused_bytes")
-    if m.refs:
-        out["needs"] = sorted({t.split("/")[1] for t in m.refs.values()})
-    return out
-
-
-def _base_text(row: dict[str, Any]) -> str:
-    if "base" not in row:
-        return ""
-    reused = row.get("reused_bytes")
-    text = f"{row['base']}" + (
-        f" ({human_bytes(reused)} reused)" if isinstance(reused, int) else ""
-    )
-    if row.get("needs"):
-        text += f", needs {', '.join(row['needs'])}"
-    return text
-
-
-def _size(loc: _location.Location, committed: bool) -> int | None:
-    """Bytes on disk (local), or the arrays' bytes from the manifest (object stores)."""
-    if loc.local is not None:
-        return sum(f.stat().st_size for f in loc.local.rglob("*") if f.is_file())
-    if not committed:
-        return None
-    m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
-    return sum(e.nbytes for e in m.entries.values() if isinstance(e, ArrayEntry))

@@ -6,7 +6,7 @@ for ``diff``, checkpoints that differ, 2 a usage error or a path that holds no c
 
     jaxckpt inspect PATH [--json] [-v]     keys, shapes, dtypes, chunk grids, bytes
     jaxckpt verify PATH                    read every chunk, check every checksum
-    jaxckpt ls DIR [--all] [--json]        the checkpoints (steps) in a directory
+    jaxckpt ls DIR [--all] [--json]        a run's steps: status, tiers, sizes, metrics
     jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
     jaxckpt convert SRC DST                Orbax / safetensors / jaxckpt -> a jaxckpt checkpoint
     jaxckpt diff A B [--json]              what differs (exit 0 equal, 1 different)
@@ -24,6 +24,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from jaxckpt._cli.diff import run_diff
 from jaxckpt._cli.export import run_convert, run_export
@@ -67,12 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxckpt",
-        description="Inspect, verify, list, export and convert checkpoints. PATH and SRC may be "
+        description="Inspect, verify, list, export, convert and diff checkpoints. PATH and SRC may be "
         "a jaxckpt checkpoint, an Orbax checkpoint or safetensors weights (a .safetensors file, "
         "a folder of them, or model.safetensors.index.json), as a local path or a file://, "
         "memory://, s3:// or gs:// URL.",
         epilog="Run `jaxckpt COMMAND --help` for a command's options. Exit status: 0 success, "
-        "1 damage found, 2 a usage error or a path without a checkpoint.",
+        "1 damage found (diff: checkpoints that differ), 2 a usage error or a path without a "
+        "checkpoint.",
     )
     p.add_argument("--version", action="version", version=f"jaxckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -90,11 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("path", metavar="PATH")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
     c.set_defaults(run=run_verify)
-    c = sub.add_parser("ls", help="the checkpoints (e.g. steps) in a directory")
-    c.add_argument("path", metavar="DIR")
-    c.add_argument("--all", action="store_true", help="include hidden (temporary) directories")
-    c.add_argument("--json", action="store_true", help="print the listing as JSON")
-    c.set_defaults(run=run_ls)
+    _add_ls(sub)
     c = sub.add_parser("export", help="copy arrays to OUT.safetensors or OUT.npz on this host")
     c.add_argument("path", metavar="PATH")
     c.add_argument("out", metavar="OUT", type=Path)
@@ -114,13 +112,33 @@ def _parser() -> argparse.ArgumentParser:
         help="largest chunk written (default 64 MiB; smaller for restores on many hosts)",
     )
     c.set_defaults(run=run_convert)
+    _add_diff(sub)
+    return p
+
+
+def _add_ls(sub: Any) -> None:
+    c = sub.add_parser("ls", help="a run's steps: status, tiers, sizes, metrics, marks")
+    c.add_argument("path", metavar="DIR")
+    c.add_argument("--all", action="store_true", help="include hidden (temporary) directories")
+    c.add_argument("--json", action="store_true", help="print the listing as JSON")
+    c.add_argument(
+        "--best",
+        metavar="METRIC[:max]",
+        help="mark the best committed step by this metric (lowest; :max for highest)",
+    )
+    c.add_argument(
+        "--local", metavar="LOCAL_DIR", help="the manager's local_directory: show local tiers"
+    )
+    c.set_defaults(run=run_ls)
+
+
+def _add_diff(sub: Any) -> None:
     c = sub.add_parser("diff", help="what differs between two checkpoints (0 equal, 1 different)")
     c.add_argument("a", metavar="A")
     c.add_argument("b", metavar="B")
     c.add_argument("--json", action="store_true", help="print the differences as JSON")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
     c.set_defaults(run=run_diff)
-    return p
 
 
 def _positive_bytes(text: str) -> int:
