@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from jaxckpt._api import metadata
-from jaxckpt._cli.text import UsageError, human_bytes, plural
-from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
-from jaxckpt._format.names import SEP
+from jaxckpt._cli.text import UsageError
+from jaxckpt._format.manifest import ArrayEntry, ValueEntry
 from jaxckpt._manager.table import run_table
-from jaxckpt._planning.abstract import leaf_struct
+from jaxckpt._planning import display as _display
 from jaxckpt._storage import location as _location
 
 
@@ -56,55 +53,15 @@ def run_inspect(args: argparse.Namespace) -> int:
             doc["iterators"] = {n: it.to_json() for n, it in m.iterators.items()}
         print(json.dumps(doc, indent=1))
         return 0
-    n_values = len(m.entries) - len(arrays)
-    print(
-        f"{args.path}: {plural(len(arrays), 'array')} ({human_bytes(total)}), "
-        f"{plural(n_values, 'value')}, format v{m.version}"
-    )
-    rows = list(_tree_rows(m, args.verbose))
-    width = max((len(r[0]) for r in rows), default=0)
-    for name, cols in rows:
-        print(f"{name:<{width}}  {cols}".rstrip() if cols else name)
+    print(f"{args.path}: {_display.summary(m)}")
+    for line in _display.text(m, verbose=args.verbose):
+        print(line)
     for name, it in m.iterators.items():
         kinds = ", ".join(sorted({r.kind for r in it.states.values()}))
         count = it.process_count
         each = "1 process" if count == 1 else f"each of {count} processes"
         print(f"iterator {name!r}: the position of {each} ({kinds}; --json shows it)")
     return 0
-
-
-def _tree_rows(m: Manifest, verbose: bool = False) -> Iterator[tuple[str, str]]:
-    """(indented name, description) for each directory and entry, in saved order."""
-    shown: tuple[str, ...] = ()
-    for key, e in m.entries.items():
-        parts = key.split(SEP) if key else ["<root>"]
-        parents = tuple(parts[:-1])
-        common = 0
-        while common < min(len(shown), len(parents)) and shown[common] == parents[common]:
-            common += 1
-        for depth in range(common, len(parents)):
-            yield "  " * depth + parents[depth] + "/", ""
-        shown = parents
-        yield "  " * len(parents) + parts[-1], _describe(e, verbose)
-
-
-def _describe(e: ArrayEntry | ValueEntry, verbose: bool = False) -> str:
-    if isinstance(e, ValueEntry):
-        return f"= {e.value!r}"
-    shape = ",".join(map(str, e.shape))
-    grid = "x".join(map(str, e.grid)) or "1"
-    chunk = ",".join(map(str, e.chunks))
-    what = f"{e.dtype}[{shape}]"
-    if e.prng_impl:  # as restore returns it: keys of the key array's shape
-        keys = ",".join(map(str, leaf_struct(e).shape))
-        what = f"key<{e.prng_impl}>[{keys}] (key data {what})"
-    where = f"chunks {grid} of [{chunk}]"
-    if e.pack:  # where in its pack is storage detail: only asked for (--verbose, --json)
-        where = f"packed in {e.path} at {e.offset}" if verbose else "packed"
-    cols = [what, where, human_bytes(e.nbytes)]
-    if e.sharding:  # drop what is the same for nearly every array
-        cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))
-    return "  ".join(cols)
 
 
 def run_ls(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ import re
 import sys
 from collections.abc import Callable
 
-from jaxckpt._runtime.progress import human_bytes as human_bytes  # one rule, one place
+from jaxckpt._planning.display import plural as plural  # one rule, one place
+from jaxckpt._runtime.progress import human_bytes as human_bytes
 
 
 class UsageError(Exception):
@@ -48,10 +49,6 @@ def for_cli(message: str) -> str:
     for pattern, replacement in _FOR_CLI:
         message = pattern.sub(replacement, message)
     return message
-
-
-def plural(n: int, what: str) -> str:
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 def progress_arg(asked: bool) -> bool | None:
