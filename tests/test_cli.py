@@ -435,3 +435,19 @@ def test_cli_md_inspect_example_is_what_inspect_prints(capsys, tmp_path, monkeyp
     code, out, _ = run(capsys, "inspect", "--json", "checkpoints/000100")
     entries = {e["key"]: e for e in json.loads(out)["entries"]}
     assert entries["params/norm/scale"]["offset"] == 512
+
+
+def test_prng_keys_read_as_docs_cli_md_says(capsys, tmp_path):
+    """Issue 56.2: the doc shows what `inspect` prints for a key and for a batch of keys."""
+    import jax
+
+    jaxckpt.save(
+        tmp_path / "c", {"one": jax.random.key(0), "four": jax.random.split(jax.random.key(1), 4)}
+    )
+    code, out, _ = run(capsys, "inspect", tmp_path / "c")
+    doc = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    for shown in (
+        "key<threefry2x32>[] (key data uint32[2])",
+        "key<threefry2x32>[4] (key data uint32[4,2])",
+    ):
+        assert code == 0 and shown in out and f"`{shown}`" in doc

@@ -100,7 +100,9 @@ class CheckpointDiff:
             f"{len(self.only_a)} only in A" if self.only_a else "",
             f"{len(self.only_b)} only in B" if self.only_b else "",
             f"{len(self.changed)} other shape or dtype" if self.changed else "",
-            f"{len(self.values)} values differ" if self.values else "",
+            f"{len(self.values)} value{'s differ' if len(self.values) > 1 else ' differs'}"
+            if self.values
+            else "",
         ]
         return ", ".join(p for p in parts if p)
 
@@ -148,11 +150,12 @@ def _json_safe(v: Any) -> Any:
 
 
 def describe(e: ArrayEntry | ValueEntry) -> str:
-    """``float32[8,8]``, ``key<threefry2x32>:uint32[2]`` or ``value``: what a key holds."""
+    """``float32[8,8]``, ``key<threefry2x32> (key data uint32[2])`` or ``value int``: what a
+    key holds (as ``jaxckpt inspect`` says it, less the keys' shape, which takes jax)."""
     if isinstance(e, ValueEntry):
         return f"value {type(e.value).__name__}"
     what = f"{e.dtype}[{','.join(map(str, e.shape))}]"
-    return f"key<{e.prng_impl}>:{what}" if e.prng_impl else what
+    return f"key<{e.prng_impl}> (key data {what})" if e.prng_impl else what
 
 
 def diff(a: str, b: str, *, progress: _progress.ProgressArg = None) -> CheckpointDiff:
