@@ -209,3 +209,16 @@ def test_the_notebook_view_is_a_table_of_what_differs(tmp_path):
     jaxckpt.save(tmp_path / "b", _state(step=9, extra=np.zeros(1)))
     html = jaxckpt.diff(str(tmp_path / "a"), str(tmp_path / "b"))._repr_html_()
     assert "<td>extra</td><td>only in B</td>" in html and "9" in html
+
+
+def test_a_file_that_is_no_checkpoint_and_a_damaged_manifest_exit_2(tmp_path, capsys):
+    jaxckpt.save(tmp_path / "a", _state())
+    (tmp_path / "notes.txt").write_text("hello")
+    code, _, err = run(capsys, "diff", tmp_path / "a", tmp_path / "notes.txt")
+    assert code == 2 and str(tmp_path / "notes.txt") in err and "Traceback" not in err
+    jaxckpt.save(tmp_path / "b", _state())
+    (tmp_path / "b" / "manifest.json").write_text("{not json")
+    code, _, err = run(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert code == 2 and "manifest.json" in err
+    with pytest.raises(jaxckpt.ManifestError, match="manifest.json"):
+        jaxckpt.diff(str(tmp_path / "a"), str(tmp_path / "b"))

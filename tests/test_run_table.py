@@ -134,6 +134,10 @@ def test_local_tier_is_shown_when_its_directory_is_given(tmp_path, capsys):
     assert [r.step for r in jaxckpt.run_table(d).rows] == [2, 4]
     code, out, _ = run(capsys, "ls", d, "--local", tmp_path / "local")
     assert code == 0 and "persistent,local" in out
+    code, _, err = run(capsys, "ls", d, "--local", tmp_path / "nolocal")
+    assert code == 2 and f"--local {tmp_path / 'nolocal'} is not a directory" in err
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="local_directory '.*nolocal'"):
+        jaxckpt.run_table(d, local_directory=tmp_path / "nolocal")
 
 
 class _Cells(HTMLParser):

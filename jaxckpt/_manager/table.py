@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxckpt._errors import CheckpointError
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import Manifest, storage_entries
 from jaxckpt._format.names import MANIFEST, parse_step, step_name
 from jaxckpt._manager import local_part as _part
@@ -238,7 +238,7 @@ def run_table(
       A :class:`RunTable` (``rows``, oldest first): prints as a table, HTML in a notebook.
 
     Raises:
-      CheckpointNotFoundError: ``directory`` is not a directory.
+      CheckpointNotFoundError: ``directory`` or ``local_directory`` is not a directory.
       CheckpointError: ``directory`` is itself a checkpoint.
 
     Example:
@@ -307,10 +307,10 @@ def _listed(loc: _location.Location, hidden: bool) -> dict[str, list[str]]:
             f"{loc} is itself a checkpoint, not a run directory of steps: "
             f"jaxckpt.metadata({str(loc)!r}) shows what it holds."
         )
-    if loc.local is None:
+    if loc.local is None:  # one listing of the whole run: steps by number, then other names
         found = _catalog.listing(loc)
-        names = [n for n, _ in _catalog.children(loc)] if found else []
-        return {n: found[n] for n in names if hidden or not n.startswith(".")}
+        order = sorted(found, key=lambda n: (parse_step(n) is None, parse_step(n) or 0, n))
+        return {n: found[n] for n in order if hidden or not n.startswith(".")}
     return {
         n: [MANIFEST] if ok else []
         for n, ok in _catalog.children(loc)
@@ -407,6 +407,11 @@ def _local_steps(loc: _location.Location, local_directory: str | Path | None) ->
     """``{step: "local" or "local (k of N parts)"}`` of what the local tier's disk holds."""
     if local_directory is None:
         return {}
+    if not Path(local_directory).expanduser().is_dir():
+        raise CheckpointNotFoundError(
+            f"local_directory {str(local_directory)!r} is not a directory. Pass the "
+            f"local_directory the run's CheckpointManager was given (or None)."
+        )
     raw = _location.read_small(_location.kvstore(loc.kvstore, loc), loc, _local_run.RUN_FILE, 4096)
     try:
         run = json.loads(raw or b"")["run"]
