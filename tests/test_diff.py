@@ -149,6 +149,17 @@ def test_nan_equals_nan_and_a_number_against_nan_is_infinitely_far(tmp_path):
     assert d.differing == 1 and d.max_abs == np.inf
 
 
+def test_infinities_and_big_integers(tmp_path):
+    big = 2**60
+    jaxckpt.save(tmp_path / "a", {"f": np.array([np.inf, -np.inf, 1.0]), "i": np.array([big, 1])})
+    jaxckpt.save(
+        tmp_path / "b", {"f": np.array([np.inf, -np.inf, 2.0]), "i": np.array([big + 1, 1])}
+    )
+    r = jaxckpt.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert (r.arrays["f"].differing, r.arrays["f"].max_abs) == (1, 1.0)  # inf == inf
+    assert r.arrays["i"].differing == 1  # though float64 rounds both alike
+
+
 def test_prng_keys_and_ints_and_bools(tmp_path):
     a = {"k": jax.random.key(0), "i": np.array([1, 5], np.int32), "f": np.array([True, False])}
     b = {"k": jax.random.key(1), "i": np.array([1, 9], np.int32), "f": np.array([True, True])}

@@ -6,8 +6,8 @@ hold alike is then compared box by box over A's chunk grid (split into blocks of
 ``BLOCK_BYTES``), the same box read from B whatever its chunk grid (another mesh, another
 format). What is known to be equal is not read: boxes whose content digests both manifests
 record alike, and arrays that both read from the same stored bytes (an incremental step's
-reference to its base, on object stores). Memory: at most ``BATCH_BYTES`` of A's boxes and
-the reads in flight of B's.
+reference to its base, on object stores). Memory: at most ``BATCH_BYTES`` of A's boxes (plus
+one box), B's reads in flight (two blocks) and the temporaries of ``SLICE`` elements.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from jaxckpt._storage import location as _location
 from jaxckpt._storage.reader import Reader
 
 BLOCK_BYTES = 64 << 20  # the largest box read at once (a larger chunk is read in row blocks)
-BATCH_BYTES = 256 << 20  # A's boxes held while B's same boxes stream past
+BATCH_BYTES = 128 << 20  # A's boxes held while B's same boxes stream past
+SLICE = 1 << 20  # elements compared at once (float64 temporaries of a few MiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,27 +336,44 @@ def _compare_batch(
             acc.max_rel = max(acc.max_rel, max_rel)
 
 
-def _bits(x: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
-    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-
-
 def _differences(x: npt.NDArray[Any], y: npt.NDArray[Any]) -> tuple[int, float, float]:
-    """(unequal elements, max ``|x - y|``, max ``|x - y| / max(|x|, |y|)``) of two boxes."""
-    if x.dtype.kind == "b" or y.dtype.kind == "b":
+    """(unequal elements, max ``|x - y|``, max ``|x - y| / max(|x|, |y|)``) of two boxes,
+    compared ``SLICE`` elements at a time so that temporaries stay small."""
+    xf, yf = np.ascontiguousarray(x).reshape(-1), np.ascontiguousarray(y).reshape(-1)
+    unequal, max_abs, max_rel = 0, 0.0, 0.0
+    for i in range(0, xf.size, SLICE):
+        n, a, r = _slice_differences(xf[i : i + SLICE], yf[i : i + SLICE])
+        unequal, max_abs, max_rel = unequal + n, max(max_abs, a), max(max_rel, r)
+    return unequal, max_abs, max_rel
+
+
+def _wide(dtype: np.dtype[Any]) -> str:
+    """The dtype differences are computed in: float32 for floats of 4 bytes or fewer (and
+    bfloat16, float8, int4), else float64 (complex128 for complex)."""
+    if dtype.kind == "c":
+        return "complex128"
+    small = dtype.kind in "fV" or (dtype.kind in "iu" and dtype.itemsize <= 2)
+    return "float32" if small and dtype.itemsize <= 4 else "float64"
+
+
+def _slice_differences(x: npt.NDArray[Any], y: npt.NDArray[Any]) -> tuple[int, float, float]:
+    if np.array_equal(x.view(np.uint8), y.view(np.uint8)):  # the common case: no arithmetic
+        return 0, 0.0, 0.0
+    if x.dtype.kind == "b":
         unequal = int(np.count_nonzero(x != y))
         return unequal, float(unequal > 0), float(unequal > 0)
-    if np.array_equal(_bits(x), _bits(y)):  # the common case: equal boxes, no arithmetic
-        return 0, 0.0, 0.0
-    kind = "complex128" if x.dtype.kind == "c" else "float64"
-    xf, yf = x.astype(kind), y.astype(kind)
-    ne = ~((xf == yf) | (np.isnan(xf) & np.isnan(yf)))
-    unequal = int(np.count_nonzero(ne))
-    if not unequal:
-        return 0, 0.0, 0.0
+    xf, yf = x.astype(_wide(x.dtype)), y.astype(_wide(x.dtype))
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        d = np.abs(xf[ne] - yf[ne])
-        scale = np.maximum(np.abs(xf[ne]), np.abs(yf[ne]))
-        rel = np.where(scale > 0, d / np.where(scale > 0, scale, 1), 0.0)
-    d[np.isnan(d)] = np.inf  # a number against NaN: as far apart as can be
-    rel[np.isnan(rel)] = np.inf
-    return unequal, float(np.nanmax(d, initial=0.0)), float(np.nanmax(rel, initial=0.0))
+        d = np.abs(xf - yf)  # NaN where either is NaN
+        nan = np.isnan(d)
+        if nan.any():  # NaN equals NaN, inf equals inf; a number against NaN: infinitely far
+            xn, yn = xf[nan], yf[nan]
+            d[nan] = np.where((xn == yn) | (np.isnan(xn) & np.isnan(yn)), 0.0, np.inf)
+        # exact for integers, which float64 may round alike
+        unequal = int(np.count_nonzero(d if x.dtype.kind in "fcV" else x != y))
+        if not unequal:
+            return 0, 0.0, 0.0
+        scale = np.maximum(np.abs(xf), np.abs(yf))
+        rel = np.divide(d, scale, out=np.zeros_like(d), where=scale > 0)
+        rel[np.isnan(rel)] = np.inf  # inf / inf
+    return unequal, float(d.max()), float(rel.max())
