@@ -102,3 +102,14 @@ def test_close_twice_and_an_inactive_bar_cost_nothing():
     p.close()
     p.close()
     assert p.done == 5
+
+
+def test_cli_export_shows_progress_when_asked(tmp_path, capsys):
+    from jaxckpt._cli.main import main
+
+    jaxckpt.save(tmp_path / "c", _state())
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "o.npz"), "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "export" in err and "100%" in err
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "p.npz")]) == 0
+    assert "100%" not in capsys.readouterr().err  # stderr is no terminal here: quiet
