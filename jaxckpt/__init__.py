@@ -25,7 +25,7 @@ from jaxckpt._format.plan import ReadItem as ReadItem
 from jaxckpt._format.plan import SavePlan as SavePlan
 from jaxckpt._format.plan import WriteItem as WriteItem
 from jaxckpt._manager.manager import CheckpointManager as CheckpointManager
-from jaxckpt._manager.table import RunTable as RunTable
+from jaxckpt._manager.run_view import RunTable as RunTable
 from jaxckpt._manager.table import run_table as run_table
 from jaxckpt._planning.global_plan import GlobalSavePlan as GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner as DefaultLoadPlanner
