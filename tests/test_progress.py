@@ -113,3 +113,12 @@ def test_cli_export_shows_progress_when_asked(tmp_path, capsys):
     assert "export" in err and "100%" in err
     assert main(["export", str(tmp_path / "c"), str(tmp_path / "p.npz")]) == 0
     assert "100%" not in capsys.readouterr().err  # stderr is no terminal here: quiet
+
+
+def test_a_budgeted_async_save_reports_and_restores_exactly(tmp_path):
+    seen, fn = _calls()
+    two = {"a": np.zeros(1 << 18, np.float32), "b": np.ones(1 << 18, np.float32)}  # 1 MiB each
+    h = jaxckpt.save_async(tmp_path / "c", two, max_host_bytes=1 << 20, progress=fn)
+    h.wait()
+    assert seen[-1] == (2 << 20, 2 << 20)
+    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "c")["b"], 1.0)
