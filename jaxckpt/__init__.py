@@ -27,6 +27,8 @@ from jaxckpt._format.plan import ReadItem as ReadItem
 from jaxckpt._format.plan import SavePlan as SavePlan
 from jaxckpt._format.plan import WriteItem as WriteItem
 from jaxckpt._manager.manager import CheckpointManager as CheckpointManager
+from jaxckpt._manager.run_view import RunTable as RunTable
+from jaxckpt._manager.table import run_table as run_table
 from jaxckpt._planning.global_plan import GlobalSavePlan as GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner as DefaultLoadPlanner
 from jaxckpt._planning.load_planner import LoadPlanner as LoadPlanner
@@ -34,12 +36,15 @@ from jaxckpt._planning.plan_cache import plan_cache_info as plan_cache_info
 from jaxckpt._planning.save_planner import DefaultSavePlanner as DefaultSavePlanner
 from jaxckpt._planning.save_planner import SavePlanner as SavePlanner
 from jaxckpt._sources.convert import convert as convert
+from jaxckpt._sources.diff import CheckpointDiff as CheckpointDiff
+from jaxckpt._sources.diff import diff as diff
 from jaxckpt._version import __version__ as __version__
 
 __all__ = [
     "ArgumentTypeError",
     "ArrayEntry",
     "CheckpointChangedError",
+    "CheckpointDiff",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointManager",
@@ -58,6 +63,7 @@ __all__ = [
     "ManifestError",
     "PlanValidationError",
     "ReadItem",
+    "RunTable",
     "SaveHandle",
     "SavePlan",
     "SavePlanner",
@@ -66,9 +72,11 @@ __all__ = [
     "ValueEntry",
     "WriteItem",
     "convert",
+    "diff",
     "metadata",
     "plan_cache_info",
     "restore",
+    "run_table",
     "save",
     "save_async",
 ]

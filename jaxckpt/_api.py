@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from jaxckpt import _iterators
+from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
-from jaxckpt._format.plan import SavePlan
+from jaxckpt._format.plan import ReadItem, SavePlan, WriteItem
 from jaxckpt._incremental import Increment
 from jaxckpt._planning.abstract import CheckpointMetadata
 from jaxckpt._planning.global_plan import GlobalSavePlan
@@ -26,6 +28,7 @@ from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
 from jaxckpt._runtime import collector, pools
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import progress as _progress
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
 from jaxckpt._staged import Staged, budget_arg, stage_all, stream
@@ -46,11 +49,12 @@ def save(
     base: PathLike | None = None,
     digests: bool = False,
     iterators: Mapping[str, _iterators.Checkpointable] | None = None,
+    progress: _progress.ProgressArg = None,
 ) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
-    Blocks until the checkpoint is committed. Replicated shards are written once, spread
-    across devices and processes; ``manifest.json`` is written last.
+    Blocks until committed. Replicated shards are written once, spread across devices and
+    processes; ``manifest.json`` is written last.
 
     Args:
       path: a local directory (a leading ``~`` is the home directory, as in a shell), or a
@@ -61,16 +65,16 @@ def save(
         the new one is committed.
       planner: a :class:`SavePlanner`; default :class:`DefaultSavePlanner`.
       base: an earlier checkpoint to save incrementally against (e.g. the previous step):
-        every box whose bytes the base already holds is hard-linked from it (local files) or,
-        for arrays that did not change at all, referenced (object stores; the base must then
-        sit beside ``path``) instead of written. The new checkpoint is whole either way
-        (docs/format.md, "Incremental steps").
-      digests: record the content digests of what is written even without ``base`` (always
-        with one), so that a later save against this one compares without reading it back:
-        the first step of an incremental run. Costs hashing the state once.
+        boxes the base holds are hard-linked from it (local files) or, for arrays that did
+        not change at all, referenced (object stores; the base must sit beside ``path``)
+        instead of written; whole either way (docs/format.md, "Incremental").
+      digests: record content digests even without ``base`` (always with one), so that a later
+        save against this one compares without reading it back (costs one hash of the state).
       iterators: data iterators whose position goes into the checkpoint, by name (objects
         with ``get_state()``/``set_state()``: Grain's ``DataLoader`` iterators and
         ``DatasetIterator``s), each process its own; their states are taken during the call.
+      progress: ``True``: this process's bytes written, rate, time left on stderr (tqdm's bar
+        if installed); a callable: ``fn(done_bytes, total_bytes)`` as it goes; ``None``: quiet.
 
     Raises:
       CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite=False``.
@@ -93,6 +97,7 @@ def save(
             base=base,
             digests=digests,
             records=_iterators.capture(iterators),  # the positions now, not at the write
+            progress=_progress.check_arg(progress, "jaxckpt.save"),
         )
     handle.wait()
 
@@ -107,12 +112,12 @@ def save_async(
     digests: bool = False,
     iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     max_host_bytes: int | None = None,
+    progress: _progress.ProgressArg = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied off the caller's buffers.
 
     The caller may then donate or overwrite the arrays and advance the ``iterators``; storage
-    writes and the commit run in a background thread. Call ``wait()`` on the handle before
-    relying on the checkpoint.
+    writes and the commit run in a background thread (``wait()`` before relying on it).
 
     Args:
       max_host_bytes: the host memory this save may stage in at once, in bytes (each
@@ -123,7 +128,7 @@ def save_async(
         the last chunk is copied, after the writes of all but about ``max_host_bytes`` of
         the share (docs/manager.md, "Within a host-memory budget"). It must hold this
         process's largest chunk (``DefaultSavePlanner(max_chunk_bytes=...)``).
-      overwrite, planner, base, digests, iterators: as for :func:`save`.
+      overwrite, planner, base, digests, iterators, progress: as for :func:`save`.
 
     Returns:
       A :class:`SaveHandle`; ``wait()`` re-raises any error of the save.
@@ -155,6 +160,7 @@ def save_async(
             digests=digests,
             records=_iterators.capture(iterators),  # the positions now, not at the write
             budget=budget,
+            progress=_progress.check_arg(progress, "jaxckpt.save_async"),
         )
 
 
@@ -227,6 +233,7 @@ def _start_save(
     digests: bool = False,
     records: dict[str, Any] | None = None,
     budget: int | None = None,
+    progress: _progress.ProgressArg = None,
 ) -> SaveHandle:
     """Plan on every process, stage (if ``stage``: all at once, or streaming within
     ``budget`` host bytes), then write and commit: in the background when staged, else here."""
@@ -254,7 +261,8 @@ def _start_save(
     )
     t1 = time.perf_counter()
     order = local.items if increment is None else increment.order(local.items)
-    args = (handle, loc, sync, writer, entries, global_plan, local)
+    bar = _progress.Progress("save", local.nbytes, progress)
+    args = (handle, loc, sync, writer, entries, global_plan, local, bar)
     if not stage:
         data = Staged(((item, planner.resolve_data(item)) for item in order), None)
         handle.timings["stage"] = time.perf_counter() - t1
@@ -314,6 +322,7 @@ def _write_and_commit(
     entries: dict[str, ArrayEntry],
     global_plan: GlobalSavePlan,
     local: SavePlan,
+    bar: _progress.Progress,
     staged: Staged,
     increment: Increment | None = None,
     records: dict[str, Any] | None = None,
@@ -321,7 +330,7 @@ def _write_and_commit(
     """Create the arrays, write this process's items, commit; errors go to ``handle``."""
     try:
         t2 = time.perf_counter()
-        items, staged.items = staged.items, iter(())  # nothing else holds them once written
+        items, staged.items = _counted(staged.items, bar), iter(())  # none held once written
         skip: set[str] = set()
         if increment is not None:  # hash each box; the base's boxes are linked or referenced
             items, skip = increment.to_write(items, sync, writer, ahead_bytes=staged.ahead_bytes)
@@ -346,6 +355,7 @@ def _write_and_commit(
             writer.commit(manifest)
         sync.barrier("committed", wait_for_all=False)
         handle.reused_bytes = increment.reused_bytes if increment is not None else 0
+        bar.finish()
         handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
         logger.info(
             "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused), %s",
@@ -360,7 +370,24 @@ def _write_and_commit(
         handle._error = sync.failed(typed_os_error(e, loc))
         writer.abort()
     finally:
+        bar.close()
         handle._finished.set()
+
+
+def _counted(
+    items: Iterator[tuple[WriteItem, Any]], bar: _progress.Progress
+) -> Iterator[tuple[WriteItem, Any]]:
+    """``items``, each counted by ``bar`` as the writer takes it (as they are without a bar to
+    show); holds none of them (``map`` keeps no reference to what it returned, as
+    ``Writer.write``'s ``release_each`` needs)."""
+    if not bar.active:
+        return items
+
+    def count(pair: tuple[WriteItem, Any]) -> tuple[WriteItem, Any]:
+        bar.add(pair[0].nbytes)
+        return pair
+
+    return map(count, items)
 
 
 def restore(
@@ -371,6 +398,7 @@ def restore(
     strict: bool = True,
     planner: LoadPlanner | None = None,
     iterators: Mapping[str, _iterators.Checkpointable] | None = None,
+    progress: _progress.ProgressArg = None,
 ) -> Any:
     """Restore a checkpoint onto ``target``'s shardings, or onto the host.
 
@@ -392,6 +420,7 @@ def restore(
       planner: a :class:`LoadPlanner`; default :class:`DefaultLoadPlanner`.
       iterators: data iterators saved with the checkpoint (``save(..., iterators=)``), by
         name: each is set to the state this process saved, before any array is read.
+      progress: as for :func:`save`: this process's bytes read.
 
     Returns:
       The restored tree, with ``target``'s structure (or the saved one when ``target=None``).
@@ -413,14 +442,32 @@ def restore(
         set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path))
         planner = planner if planner is not None else DefaultLoadPlanner()
         planner.set_up_planner(target, manifest, keys=keys, strict=strict)
-        plan = planner.create_local_plan()
-        ahead = planner.read_ahead_bytes
-        for item, data in reader.read(manifest.entries, plan.items, max_inflight_bytes=ahead):
+        progress = _progress.check_arg(progress, "jaxckpt.restore")
+        tree = _read_into(planner, manifest, reader, planner.create_local_plan().items, progress)
+        set_iterators()  # only now: a restore refused on the way moves no iterator
+        return tree
+
+
+def _read_into(
+    planner: LoadPlanner,
+    manifest: Manifest,
+    reader: Any,
+    items: Sequence[ReadItem],
+    progress: _progress.ProgressArg,
+) -> Any:
+    """Read ``items`` and hand each box to ``planner``; the tree it builds of them."""
+    arrays = [e for e in manifest.entries.values() if isinstance(e, ArrayEntry)]
+    size = {e.key: dtype_from_name(e.dtype).itemsize for e in arrays}
+    total = sum(math.prod(i.sizes) * size[i.key] for i in items)
+    ahead = planner.read_ahead_bytes
+    with _progress.Progress("restore", total, progress) as bar:
+        for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
+            bar.add(data.nbytes)
             planner.commit_tensor(item, planner.transform_tensor(item, data))
             del data  # the planner owns the box now: dropping it frees it once placed
         tree = planner.finish()
-        set_iterators()  # only now: a restore refused on the way moves no iterator
-        return tree
+        bar.finish()
+    return tree
 
 
 def metadata(path: PathLike) -> CheckpointMetadata:

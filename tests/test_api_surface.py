@@ -5,12 +5,12 @@ import inspect
 import jaxckpt
 
 PUBLIC = {
-    "ArgumentTypeError", "ArrayEntry", "CheckpointChangedError", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
+    "ArgumentTypeError", "ArrayEntry", "CheckpointChangedError", "CheckpointDiff", "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError",
     "CorruptChunkError", "DefaultLoadPlanner", "DefaultSavePlanner", "DistributedError",
     "DtypeMismatchError", "GlobalSavePlan", "InvalidArgumentError", "KeyMismatchError", "LoadPlan", "LoadPlanner",
-    "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "SaveHandle", "SavePlan",
-    "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem", "convert",
-    "metadata", "plan_cache_info", "restore", "save", "save_async",
+    "Manifest", "ManifestError", "PlanValidationError", "ReadItem", "RunTable", "SaveHandle", "SavePlan",
+    "SavePlanner", "ShapeMismatchError", "UnsupportedLeafError", "ValueEntry", "WriteItem", "convert", "diff",
+    "metadata", "plan_cache_info", "restore", "run_table", "save", "save_async",
 }  # fmt: skip
 
 

@@ -237,7 +237,7 @@ def test_verify_missing_checkpoint_exits_2(capsys, tmp_path):
 def test_verify_progress_goes_to_stderr(capsys, runs):
     code, out, err = run(capsys, "verify", "--progress", runs / "000100")
     assert code == 0
-    assert "verify: 12/12" in err and "verify:" not in out
+    assert "verify:" in err and "100%" in err and "verify:" not in out
 
 
 # ls -----------------------------------------------------------------------------------------
@@ -247,22 +247,24 @@ def test_ls_lists_steps_in_order_with_status_and_size(capsys, runs):
     code, out, _ = run(capsys, "ls", runs)
     assert code == 0
     rows = [line.split() for line in out.splitlines()]
-    assert rows[0] == ["NAME", "STATUS", "SIZE", "BASE"]
-    assert [r[:2] for r in rows[1:]] == [
+    assert rows[0] == ["NAME", "STATUS", "SIZE", "ADDED", "SAVED", "TIERS"]
+    assert [r[:2] for r in rows[1:-1]] == [
         ["000020", "committed"],
         ["000100", "committed"],
         ["000300", "incomplete"],
     ]
     on_disk = sum(f.stat().st_size for f in (runs / "000100").rglob("*") if f.is_file())
-    assert rows[2][2:] == (
-        f"{on_disk / 1024:.1f} KiB".split() if on_disk >= 1024 else [str(on_disk), "B"]
-    )
+    size = f"{on_disk / 1024:.1f} KiB".split() if on_disk >= 1024 else [str(on_disk), "B"]
+    assert rows[2][2:6] == size + size  # nothing shared: it adds all it holds
+    assert rows[2][8] == "persistent" and rows[3][2:] == ["0", "B", "0", "B", "-", "-"]
+    assert out.splitlines()[-1].startswith("total: 3 entries (2 committed, 1 incomplete), ")
 
 
 def test_ls_all_and_json_include_hidden_temporaries(capsys, runs):
     code, out, _ = run(capsys, "ls", "--all", "--json", runs)
     assert code == 0
     doc = json.loads(out)
+    assert doc["total_bytes"] == sum(e["added"] for e in doc["entries"])
     names = [(e["name"], e["committed"]) for e in doc["entries"]]
     assert names == [
         ("000020", True),
@@ -345,7 +347,8 @@ def test_export_errors_name_the_file_and_the_fix(capsys, runs, tmp_path):
     assert_one_line_error(err, str(tmp_path / "no" / "dir"), "does not exist", "create it")
     code, _, err = run(capsys, "export", src, tmp_path / "y.npz", "--keys", "paramz")
     assert code == 2
-    assert_one_line_error(err, "['paramz']", "match no key", "jaxckpt inspect")
+    assert_one_line_error(err, "--keys paramz match no key", "jaxckpt inspect")
+    assert "keys=" not in err  # the flag, not the Python argument (issue 56)
     assert not (tmp_path / "y.npz").exists()
     code, _, err = run(capsys, "export", tmp_path / "absent", tmp_path / "z.npz")
     assert code == 2
@@ -432,3 +435,19 @@ def test_cli_md_inspect_example_is_what_inspect_prints(capsys, tmp_path, monkeyp
     code, out, _ = run(capsys, "inspect", "--json", "checkpoints/000100")
     entries = {e["key"]: e for e in json.loads(out)["entries"]}
     assert entries["params/norm/scale"]["offset"] == 512
+
+
+def test_prng_keys_read_as_docs_cli_md_says(capsys, tmp_path):
+    """Issue 56.2: the doc shows what `inspect` prints for a key and for a batch of keys."""
+    import jax
+
+    jaxckpt.save(
+        tmp_path / "c", {"one": jax.random.key(0), "four": jax.random.split(jax.random.key(1), 4)}
+    )
+    code, out, _ = run(capsys, "inspect", tmp_path / "c")
+    doc = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    for shown in (
+        "key<threefry2x32>[] (key data uint32[2])",
+        "key<threefry2x32>[4] (key data uint32[4,2])",
+    ):
+        assert code == 0 and shown in out and f"`{shown}`" in doc

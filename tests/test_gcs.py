@@ -321,11 +321,11 @@ def test_cli_on_gcs(gcs, prefix, capsys):
     gcs.put(f"{prefix}/run/000020/arrays/b/zarr.json", b"{}")  # what a crashed save leaves
     capsys.readouterr()
     assert main(["ls", run]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert rows == [
-        ["000002", "committed", "272", "B"],
-        ["000010", "committed", "272", "B"],
-        ["000020", "incomplete", "?"],
+    rows = [line.split()[:7] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert rows == [  # no save time on object stores without the manager's commit times
+        ["000002", "committed", "272", "B", "272", "B", "-"],
+        ["000010", "committed", "272", "B", "272", "B", "-"],
+        ["000020", "incomplete", "?", "?", "-", "-"],
     ]
     assert main(["inspect", f"{run}/000010"]) == 0
     assert "float32[8,8]  chunks 4x2 of [2,4]" in capsys.readouterr().out

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import jaxckpt
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -20,6 +24,63 @@ def _text(cell) -> str:
         out.append(o.get("text", ""))
         out.append(o.get("data", {}).get("text/plain", ""))
     return "".join(out)
+
+
+class Table(HTMLParser):
+    """The rows of an HTML table, each a list of its cells' text; checks every tag closes."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self.caption = ""
+        self.open: list[str] = []
+        self.feed(html)
+        self.close()
+        assert not self.open, f"unclosed: {self.open}"
+
+    def handle_starttag(self, tag, attrs):
+        self.open.append(tag)
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self.rows[-1].append("")
+
+    def handle_endtag(self, tag):
+        assert self.open and self.open.pop() == tag, f"</{tag}> closes nothing open"
+
+    def handle_data(self, data):
+        if "caption" in self.open:
+            self.caption += data
+        elif self.open and self.open[-1] in ("td", "th"):
+            self.rows[-1][-1] += data
+
+
+def _html(cell) -> str:
+    return "".join(o.get("data", {}).get("text/html", "") for o in cell.get("outputs", []))
+
+
+def test_metadata_renders_as_a_table_and_a_short_repr(tmp_path):
+    tree = {"params": {"w": np.zeros((512, 512), np.float32), "b": np.ones(3)}, "step": 7,
+            "name": "<run & 1>"}  # fmt: skip
+    jaxckpt.save(tmp_path / "c", tree)
+    info = jaxckpt.metadata(tmp_path / "c")
+    t = Table(info._repr_html_())
+    assert t.rows[0] == ["key", "type", "stored", "bytes", "sharding"]
+    assert "2 arrays (1.0 MiB), 2 values" in t.caption
+    rows = {r[0]: r[1:] for r in t.rows[1:]}
+    assert rows["params/"] == [""] and rows["w"][:3] == ["float32[512,512]", "chunks 1x1 of [512,512]",
+                                                         "1.0 MiB"]  # fmt: skip
+    assert rows["b"][0] == "float64[3]" and rows["step"] == ["= 7"]
+    assert rows["name"] == ["= '<run & 1>'"]  # escaped in the HTML, itself in the text
+    text = repr(info)
+    assert text.startswith("CheckpointMetadata: 2 arrays (1.0 MiB), 2 values, format v")
+    assert len(text.splitlines()) <= 10 and "float32[512,512]" in text
+
+
+def test_a_long_tree_repr_stays_a_few_lines(tmp_path):
+    jaxckpt.save(tmp_path / "c", {f"layer{i}": {"w": np.zeros(2)} for i in range(50)})
+    lines = repr(jaxckpt.metadata(tmp_path / "c")).splitlines()
+    assert len(lines) == 10 and lines[-1].strip().startswith("... 92 more lines (.entries")
 
 
 def test_quickstart_notebook_runs_on_cpu(tmp_path):
@@ -42,5 +103,13 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path):
     assert "params/" in everything and "float32[256,512]" in everything  # jaxckpt inspect
     assert "restored onto {'x': 2, 'y': 4} step 100" in everything
     assert "quickstart OK" in _text(code[-1])
+    # the notebook views: metadata, a run's table and a diff render as HTML tables
+    html = [Table(_html(c)) for c in code if _html(c)]
+    meta, run, changes = html
+    assert meta.rows[0] == ["key", "type", "stored", "bytes", "sharding"]
+    assert ["w1", "float32[256,512]"] == next(r[:2] for r in meta.rows if r[0] == "w1")
+    assert [r[0] for r in run.rows[1:]] == ["00000001", "00000002", "00000003"]
+    assert "best" in run.rows[3] and "total: 3 entries (3 committed)" in run.caption
+    assert ["step", "value", "1 → 3"] in changes.rows
     assert "manifest.json" in _text(code[4])  # the checkpoint's files, listed by the notebook
     assert not list(tmp_path.iterdir())  # written under a temporary directory, not here

@@ -142,9 +142,9 @@ def test_multi_item_step_points_to_its_arrays_and_json_items_restore_as_values(t
     assert jaxckpt.restore(tmp_path / "meta") == {"x": 5, "l": [1.5, None, "s", True]}
     (tmp_path / "run" / "7.orbax-checkpoint-tmp-123").mkdir()  # a save Orbax did not finish
     assert main(["ls", str(tmp_path / "run")]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert rows[0] == ["NAME", "STATUS", "SIZE", "FORMAT", "BASE"]
-    assert [(r[0], r[1], r[4]) for r in rows[1:]] == [
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[:-1]]
+    assert rows[0] == ["NAME", "STATUS", "SIZE", "ADDED", "SAVED", "TIERS", "FORMAT"]
+    assert [(r[0], r[1], r[-1]) for r in rows[1:]] == [
         ("5", "committed", "orbax"),
         ("6", "committed", "orbax"),
         ("7.orbax-checkpoint-tmp-123", "incomplete", "-"),

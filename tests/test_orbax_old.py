@@ -120,7 +120,7 @@ def test_old_manager_run_steps_items_and_listing(capsys):
             EXPECTED["manager"][step]["state"],
         )
     assert main(["ls", str(DATA / "manager")]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[:-1]]
     assert [(r[0], r[1], r[-1]) for r in rows[1:]] == [
         ("1", "committed", "orbax"),
         ("2", "committed", "orbax"),

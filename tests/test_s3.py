@@ -190,11 +190,11 @@ def test_cli_on_s3(s3, prefix, capsys):
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/run/000020/arrays/b/zarr.json", Body=b"{}")
     capsys.readouterr()
     assert main(["ls", run]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert rows == [
-        ["000002", "committed", "272", "B"],
-        ["000010", "committed", "272", "B"],
-        ["000020", "incomplete", "?"],
+    rows = [line.split()[:7] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert rows == [  # no save time on object stores without the manager's commit times
+        ["000002", "committed", "272", "B", "272", "B", "-"],
+        ["000010", "committed", "272", "B", "272", "B", "-"],
+        ["000020", "incomplete", "?", "?", "-", "-"],
     ]
     assert main(["inspect", f"{run}/000010"]) == 0
     assert "float32[8,8]  chunks 4x2 of [2,4]" in capsys.readouterr().out

@@ -6,7 +6,7 @@ Every import counts, function-level ones included. Rules:
   - ``_storage`` never imports jax or planning (of the runtime, only its thread pools and
     its libc);
   - ``_sources`` reach the load path only through storage's ``Reader`` protocol: no jax, no
-    planning;
+    planning (of the runtime, only ``progress``, the one display of long work);
   - ``_runtime`` imports no tensorstore and nothing above it; of ``_format``, only ``grid``:
     the host buffers it stages start on the data layout's ``ALIGN``, a constant of the
     on-disk layout that the in-place reads share (numpy only, so the runtime gains nothing
@@ -93,6 +93,8 @@ FORBIDDEN = {
 ALLOWED = {
     "jaxckpt._storage": ("jaxckpt._runtime.pools", "jaxckpt._runtime.libc"),
     "jaxckpt._runtime": ("jaxckpt._format.grid",),
+    # progress of long work: one implementation for every layer's long calls (stdlib only)
+    "jaxckpt._sources": ("jaxckpt._runtime.progress",),
 }
 
 

@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from jaxckpt._cli.text import Progress, UsageError, human_bytes, plural
+from jaxckpt._cli.text import UsageError, human_bytes, plural, progress_arg
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import ArrayEntry, ValueEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._planning import tree as _tree
 from jaxckpt._planning.mismatch import check_prng_keys
+from jaxckpt._runtime.progress import Progress
 from jaxckpt._sources import convert as _convert_mod
 from jaxckpt._sources import detect as _sources
 from jaxckpt._sources import safetensors as _safetensors
@@ -30,7 +31,8 @@ from jaxckpt._storage import location as _location
 _SAFETENSORS = {v: k for k, v in _safetensors.DTYPES.items()}
 
 
-def run_export(args: argparse.Namespace) -> int:
+def _out_path(args: argparse.Namespace) -> tuple[Path, str]:
+    """``OUT`` and its kind (``.safetensors``, ``.npz``), or a ``UsageError`` saying why not."""
     out: Path = args.out.expanduser()  # a quoted "~/w.npz" reaches us as it is
     kind = out.suffix.lower()
     if kind not in (".safetensors", ".npz"):
@@ -39,6 +41,11 @@ def run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"{out} exists: pass --force to replace it, or choose another name.")
     if not out.parent.is_dir():
         raise UsageError(f"{out}: directory {out.parent} does not exist; create it first.")
+    return out, kind
+
+
+def run_export(args: argparse.Namespace) -> int:
+    out, kind = _out_path(args)
     loc = _location.Location(args.path)
     m, reader = _sources.open_source(loc)
     check_prng_keys(m, f"{loc}/manifest.json")
@@ -61,7 +68,9 @@ def run_export(args: argparse.Namespace) -> int:
             f"{', '.join(skipped)}",
             file=sys.stderr,
         )
-    progress = Progress("export", len(arrays), args.progress, sys.stderr)
+    progress = Progress(
+        "export", sum(e.nbytes for e in arrays), progress_arg(args.progress), stream=sys.stderr
+    )
 
     def data() -> Iterator[tuple[ArrayEntry, npt.NDArray[Any]]]:
         whole = {e.key: ReadItem(e.key, (0,) * len(e.shape), e.shape) for e in arrays}
@@ -69,11 +78,11 @@ def run_export(args: argparse.Namespace) -> int:
         packed = {i.key: a for i, a in reader.read(m.entries, small)}
         for e in arrays:
             if e.key in packed:
-                progress.step(e.key)
+                progress.add(e.nbytes)
                 yield e, packed.pop(e.key)
                 continue
             for _, a in reader.read(m.entries, [whole[e.key]]):
-                progress.step(e.key)
+                progress.add(a.nbytes)
                 yield e, a
 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -170,12 +179,11 @@ def _write_npz(
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    m = _convert_mod.convert_checkpoint(
+    m = _convert_mod.convert(
         args.src,
         args.dst,
         overwrite=args.overwrite,
-        stream=sys.stderr,
-        progress=True if args.progress else None,
+        progress=progress_arg(args.progress),
         max_chunk_bytes=args.max_chunk_bytes,
     )
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]

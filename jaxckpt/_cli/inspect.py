@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from jaxckpt._api import metadata
-from jaxckpt._cli.text import UsageError, human_bytes, plural
-from jaxckpt._errors import CheckpointError
-from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
-from jaxckpt._format.names import MANIFEST, SEP
-from jaxckpt._planning.abstract import leaf_struct
-from jaxckpt._sources import orbax_step as _orbax_step
-from jaxckpt._storage import catalog as _catalog
+from jaxckpt._cli.text import UsageError
+from jaxckpt._format.manifest import ArrayEntry, ValueEntry
+from jaxckpt._manager.table import run_table
+from jaxckpt._planning import display as _display
 from jaxckpt._storage import location as _location
 
 
@@ -58,55 +53,15 @@ def run_inspect(args: argparse.Namespace) -> int:
             doc["iterators"] = {n: it.to_json() for n, it in m.iterators.items()}
         print(json.dumps(doc, indent=1))
         return 0
-    n_values = len(m.entries) - len(arrays)
-    print(
-        f"{args.path}: {plural(len(arrays), 'array')} ({human_bytes(total)}), "
-        f"{plural(n_values, 'value')}, format v{m.version}"
-    )
-    rows = list(_tree_rows(m, args.verbose))
-    width = max((len(r[0]) for r in rows), default=0)
-    for name, cols in rows:
-        print(f"{name:<{width}}  {cols}".rstrip() if cols else name)
+    print(f"{args.path}: {_display.summary(m)}")
+    for line in _display.text(m, verbose=args.verbose):
+        print(line)
     for name, it in m.iterators.items():
         kinds = ", ".join(sorted({r.kind for r in it.states.values()}))
         count = it.process_count
         each = "1 process" if count == 1 else f"each of {count} processes"
         print(f"iterator {name!r}: the position of {each} ({kinds}; --json shows it)")
     return 0
-
-
-def _tree_rows(m: Manifest, verbose: bool = False) -> Iterator[tuple[str, str]]:
-    """(indented name, description) for each directory and entry, in saved order."""
-    shown: tuple[str, ...] = ()
-    for key, e in m.entries.items():
-        parts = key.split(SEP) if key else ["<root>"]
-        parents = tuple(parts[:-1])
-        common = 0
-        while common < min(len(shown), len(parents)) and shown[common] == parents[common]:
-            common += 1
-        for depth in range(common, len(parents)):
-            yield "  " * depth + parents[depth] + "/", ""
-        shown = parents
-        yield "  " * len(parents) + parts[-1], _describe(e, verbose)
-
-
-def _describe(e: ArrayEntry | ValueEntry, verbose: bool = False) -> str:
-    if isinstance(e, ValueEntry):
-        return f"= {e.value!r}"
-    shape = ",".join(map(str, e.shape))
-    grid = "x".join(map(str, e.grid)) or "1"
-    chunk = ",".join(map(str, e.chunks))
-    what = f"{e.dtype}[{shape}]"
-    if e.prng_impl:  # as restore returns it: keys of the key array's shape
-        keys = ",".join(map(str, leaf_struct(e).shape))
-        what = f"key<{e.prng_impl}>[{keys}] (key data {what})"
-    where = f"chunks {grid} of [{chunk}]"
-    if e.pack:  # where in its pack is storage detail: only asked for (--verbose, --json)
-        where = f"packed in {e.path} at {e.offset}" if verbose else "packed"
-    cols = [what, where, human_bytes(e.nbytes)]
-    if e.sharding:  # drop what is the same for nearly every array
-        cols.append(re.sub(r", (memory_kind=device|axis_types=\([^)]*\))", "", e.sharding))
-    return "  ".join(cols)
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -116,68 +71,22 @@ def run_ls(args: argparse.Namespace) -> int:
             f"{args.path} is itself a checkpoint, not a directory of them: "
             f"`jaxckpt inspect {args.path}` shows what it holds."
         )
-    found = [(n, ok) for n, ok in _catalog.children(loc) if args.all or not n.startswith(".")]
-    rows = []
-    for name, committed in found:
-        child = loc.join(name)
-        orbax = not committed and _orbax_step.is_committed_step(child)
-        row = {
-            "name": name,
-            "committed": committed or orbax,
-            "format": "orbax" if orbax else "jaxckpt" if committed else None,
-            "nbytes": _size(child, committed),
-        }
-        rows.append({**row, **(_lineage(child) if committed else {})})
+    best, _, mode = (args.best or "").partition(":")
+    if mode not in ("", "min", "max"):
+        raise UsageError(f"--best {args.best}: say NAME, NAME:min or NAME:max (e.g. --best loss).")
+    table = run_table(
+        args.path,
+        local_directory=args.local,
+        best=best or None,
+        best_mode="max" if mode == "max" else "min",
+        hidden=args.all,
+    )
     if args.json:
-        print(json.dumps({"path": args.path, "entries": rows}, indent=1))
+        print(json.dumps(table.to_json(), indent=1))
         return 0
-    if not rows:
+    if not table.rows:
         print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)
         return 0
-    width = max(4, *(len(r["name"]) for r in rows))
-    foreign = any(r["format"] == "orbax" for r in rows)  # say which, only when it varies
-    fmt = f"  {'FORMAT':<7}" if foreign else ""
-    print(f"{'NAME':<{width}}  {'STATUS':<10}  {'SIZE':<9}{fmt}  BASE")
-    for r in rows:
-        status = "committed" if r["committed"] else "incomplete"
-        size = "?" if r["nbytes"] is None else human_bytes(r["nbytes"])
-        fmt = f"  {r['format'] or '-':<7}" if foreign else ""
-        print(f"{r['name']:<{width}}  {status:<10}  {size:<9}{fmt}  {_base_text(r)}".rstrip())
+    for line in table.lines():
+        print(line)
     return 0
-
-
-def _lineage(loc: _location.Location) -> dict[str, Any]:
-    """An incremental step's base and reuse, and the steps whose data it needs (refs)."""
-    try:
-        m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
-    except CheckpointError:
-        return {}
-    out: dict[str, Any] = {}
-    if "base" in m.created:
-        out["base"] = str(m.created["base"])
-        out["reused_bytes"] = m.created.get("reused_bytes")
-    if m.refs:
-        out["needs"] = sorted({t.split("/")[1] for t in m.refs.values()})
-    return out
-
-
-def _base_text(row: dict[str, Any]) -> str:
-    if "base" not in row:
-        return ""
-    reused = row.get("reused_bytes")
-    text = f"{row['base']}" + (
-        f" ({human_bytes(reused)} reused)" if isinstance(reused, int) else ""
-    )
-    if row.get("needs"):
-        text += f", needs {', '.join(row['needs'])}"
-    return text
-
-
-def _size(loc: _location.Location, committed: bool) -> int | None:
-    """Bytes on disk (local), or the arrays' bytes from the manifest (object stores)."""
-    if loc.local is not None:
-        return sum(f.stat().st_size for f in loc.local.rglob("*") if f.is_file())
-    if not committed:
-        return None
-    m = Manifest.from_json(_location.read_manifest(loc), where=f"{loc}/{MANIFEST}")
-    return sum(e.nbytes for e in m.entries.values() if isinstance(e, ArrayEntry))

@@ -1,19 +1,20 @@
-"""The ``jaxckpt`` command line: inspect, verify, ls and export checkpoints.
+"""The ``jaxckpt`` command line: inspect, verify, ls, export, convert and diff checkpoints.
 
 A thin layer over :func:`jaxckpt.metadata` and storage reading; it never touches a device.
-Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exporting),
-2 a usage error or a path that holds no checkpoint (one line on stderr, no traceback)::
+Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exporting) or,
+for ``diff``, checkpoints that differ, 2 a usage error or a path that holds no checkpoint (one line on stderr, no traceback)::
 
     jaxckpt inspect PATH [--json] [-v]     keys, shapes, dtypes, chunk grids, bytes
     jaxckpt verify PATH                    read every chunk, check every checksum
-    jaxckpt ls DIR [--all] [--json]        the checkpoints (steps) in a directory
+    jaxckpt ls DIR [--all] [--json]        a run's steps: status, tiers, sizes, metrics
     jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
     jaxckpt convert SRC DST                Orbax / safetensors / jaxckpt -> a jaxckpt checkpoint
+    jaxckpt diff A B [--json]              what differs (exit 0 equal, 1 different)
 
 PATH and SRC may also be an Orbax checkpoint or safetensors weights (see docs/migration.md).
 
 This module is the parser and the dispatch; the commands live in ``_cli_inspect`` (inspect,
-ls), ``_cli_verify`` (verify) and ``_cli_export`` (export, convert), their shared output
+ls), ``_cli_verify`` (verify), ``_cli_export`` (export, convert) and ``_cli_diff`` (diff), their shared output
 helpers in ``_cli_text``.
 """
 
@@ -23,7 +24,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from jaxckpt._cli.diff import run_diff
 from jaxckpt._cli.export import run_convert, run_export
 from jaxckpt._cli.inspect import run_inspect, run_ls
 from jaxckpt._cli.text import UsageError, for_cli, one_line
@@ -53,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = args.run(args)  # the subcommand's run_* function
         return status
     except (UsageError, CheckpointError, OSError) as e:
-        code = 1 if isinstance(e, (CorruptChunkError, ManifestError)) else 2
+        damaged = isinstance(e, (CorruptChunkError, ManifestError)) and args.command != "diff"
+        code = 1 if damaged else 2  # diff: 1 means "different"; an error is never that
         print(f"jaxckpt {args.command}: error: {for_cli(one_line(e))}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
@@ -64,12 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxckpt",
-        description="Inspect, verify, list, export and convert checkpoints. PATH and SRC may be "
+        description="Inspect, verify, list, export, convert and diff checkpoints. PATH and SRC may be "
         "a jaxckpt checkpoint, an Orbax checkpoint or safetensors weights (a .safetensors file, "
         "a folder of them, or model.safetensors.index.json), as a local path or a file://, "
         "memory://, s3:// or gs:// URL.",
         epilog="Run `jaxckpt COMMAND --help` for a command's options. Exit status: 0 success, "
-        "1 damage found, 2 a usage error or a path without a checkpoint.",
+        "1 damage found (diff: checkpoints that differ), 2 a usage error or a path without a "
+        "checkpoint.",
     )
     p.add_argument("--version", action="version", version=f"jaxckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -87,11 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("path", metavar="PATH")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
     c.set_defaults(run=run_verify)
-    c = sub.add_parser("ls", help="the checkpoints (e.g. steps) in a directory")
-    c.add_argument("path", metavar="DIR")
-    c.add_argument("--all", action="store_true", help="include hidden (temporary) directories")
-    c.add_argument("--json", action="store_true", help="print the listing as JSON")
-    c.set_defaults(run=run_ls)
+    _add_ls(sub)
     c = sub.add_parser("export", help="copy arrays to OUT.safetensors or OUT.npz on this host")
     c.add_argument("path", metavar="PATH")
     c.add_argument("out", metavar="OUT", type=Path)
@@ -111,7 +112,33 @@ def _parser() -> argparse.ArgumentParser:
         help="largest chunk written (default 64 MiB; smaller for restores on many hosts)",
     )
     c.set_defaults(run=run_convert)
+    _add_diff(sub)
     return p
+
+
+def _add_ls(sub: Any) -> None:
+    c = sub.add_parser("ls", help="a run's steps: status, tiers, sizes, metrics, marks")
+    c.add_argument("path", metavar="DIR")
+    c.add_argument("--all", action="store_true", help="include hidden (temporary) directories")
+    c.add_argument("--json", action="store_true", help="print the listing as JSON")
+    c.add_argument(
+        "--best",
+        metavar="METRIC[:max]",
+        help="mark the best committed step by this metric (lowest; :max for highest)",
+    )
+    c.add_argument(
+        "--local", metavar="LOCAL_DIR", help="the manager's local_directory: show local tiers"
+    )
+    c.set_defaults(run=run_ls)
+
+
+def _add_diff(sub: Any) -> None:
+    c = sub.add_parser("diff", help="what differs between two checkpoints (0 equal, 1 different)")
+    c.add_argument("a", metavar="A")
+    c.add_argument("b", metavar="B")
+    c.add_argument("--json", action="store_true", help="print the differences as JSON")
+    c.add_argument("--progress", action="store_true", help="show progress on stderr")
+    c.set_defaults(run=run_diff)
 
 
 def _positive_bytes(text: str) -> int:

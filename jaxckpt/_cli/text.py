@@ -1,9 +1,14 @@
-"""Output helpers shared by the ``jaxckpt`` subcommands: sizes, plurals, progress, usage errors."""
+"""Output helpers shared by the ``jaxckpt`` subcommands: sizes, plurals, usage errors, whether
+progress shows (``jaxckpt._runtime.progress`` draws it)."""
 
 from __future__ import annotations
 
 import re
-from typing import TextIO
+import sys
+from collections.abc import Callable
+
+from jaxckpt._planning.display import plural as plural  # one rule, one place
+from jaxckpt._runtime.progress import human_bytes as human_bytes
 
 
 class UsageError(Exception):
@@ -16,11 +21,18 @@ def one_line(e: BaseException) -> str:
 
 # The library's messages name Python arguments and calls; on the command line the same advice
 # names the flag or the command to run.
-_FOR_CLI = [
+_FOR_CLI: list[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]]] = [
     (re.compile(r"\boverwrite=True\b"), "--overwrite"),
     (re.compile(r", or jaxckpt\.CheckpointManager\('[^']*'\)\.restore\(\)"), ""),
     (re.compile(r"jaxckpt\.restore\('([^']*)'\)"), r"`jaxckpt inspect \1`"),
+    (re.compile(r"\blocal_directory '([^']*)'"), r"--local \1"),
+    # keys=['a', 'b/c'] (the list a selection repeats) -> --keys a b/c
+    (re.compile(r"\bkeys=\[((?:'[^']*'(?:, )?)*)\]"), lambda m: "--keys " + _unquoted(m[1])),
 ]
+
+
+def _unquoted(items: str) -> str:
+    return " ".join(re.findall(r"'([^']*)'", items))
 
 
 def for_cli(message: str) -> str:
@@ -32,37 +44,14 @@ def for_cli(message: str) -> str:
       >>> for_cli("e.g. the latest: jaxckpt.restore('/r/00000002'), or "
       ...         "jaxckpt.CheckpointManager('/r').restore().")
       'e.g. the latest: `jaxckpt inspect /r/00000002`.'
+      >>> for_cli("keys=['nosuchkey', 'opt/mu'] match no key in the checkpoint.")
+      '--keys nosuchkey opt/mu match no key in the checkpoint.'
     """
     for pattern, replacement in _FOR_CLI:
         message = pattern.sub(replacement, message)
     return message
 
 
-def plural(n: int, what: str) -> str:
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable
-
-
-class Progress:
-    """``\\r``-updated status on stderr, when it is a terminal or asked for."""
-
-    def __init__(self, label: str, total: int, enabled: bool, stream: TextIO) -> None:
-        self.label, self.total, self.done, self.stream = label, total, 0, stream
-        self.enabled = enabled or stream.isatty()
-
-    def step(self, what: str = "") -> None:
-        self.done += 1
-        if self.enabled:
-            self.stream.write(f"\r{self.label}: {self.done}/{self.total} {what}"[:120].ljust(60))
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
+def progress_arg(asked: bool) -> bool | None:
+    """The CLI's progress: shown when asked (``--progress``) or when stderr is a terminal."""
+    return True if asked or sys.stderr.isatty() else None

@@ -6,19 +6,20 @@ import argparse
 import collections
 import concurrent.futures
 import math
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import tensorstore as ts
 
-from jaxckpt._cli.text import Progress, human_bytes, one_line, plural
+from jaxckpt._cli.text import human_bytes, one_line, plural, progress_arg
 from jaxckpt._errors import CorruptChunkError
+from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import chunk_key, grid_indices
 from jaxckpt._format.manifest import ArrayEntry, storage_entries
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._planning.mismatch import check_prng_keys
+from jaxckpt._runtime.progress import Progress
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
@@ -56,7 +57,7 @@ def run_verify(args: argparse.Namespace) -> int:
     checked = [e for e in stored.values() if e.key not in missing]
     n_jobs = sum(math.prod(e.grid) for e in checked)
     jobs = ((e, idx, item) for e in checked for idx, item in _chunk_items(e))  # lazily
-    progress = Progress("verify", n_jobs, args.progress, sys.stderr)
+    progress = Progress("verify", sum(e.nbytes for e in checked), progress_arg(args.progress))
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
         try:
@@ -85,8 +86,8 @@ def run_verify(args: argparse.Namespace) -> int:
                 print(f"DAMAGED {_who(e, members)} metadata at {where}/zarr.json: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append("zarr.json")
-        for (e, idx, _), problem in _bounded_map(pool, check, jobs):
-            progress.step(e.key)
+        for (e, idx, job_item), problem in _bounded_map(pool, check, jobs):
+            progress.add(math.prod(job_item.sizes) * dtype_from_name(e.dtype).itemsize)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
                 where = e.path if foreign else f"{_where(reader, e.path)}/{chunk_key(idx)}"

@@ -14,39 +14,38 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import numpy as np
-
-from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.entries import ArrayEntry
 from jaxckpt._format.manifest import Manifest
+from jaxckpt._planning import display as _display
 from jaxckpt._planning import tree as _tree
+from jaxckpt._planning.structs import leaf_struct
 
 
-def leaf_struct(entry: ArrayEntry) -> jax.ShapeDtypeStruct:
-    """The ``ShapeDtypeStruct`` of what ``restore`` returns for ``entry`` (no sharding).
-
-    Example:
-      >>> from jaxckpt._format.entries import ArrayEntry
-      >>> e = ArrayEntry("rng", (2,), "uint32", "uint32", (2,), "arrays/rng",
-      ...                prng_impl="threefry2x32")
-      >>> s = leaf_struct(e); s.shape, str(s.dtype)
-      ((), 'key<fry>')
-    """
-    if entry.prng_impl:
-        impl = entry.prng_impl
-        data = jax.ShapeDtypeStruct(entry.shape, np.uint32)
-        keys: jax.ShapeDtypeStruct = jax.eval_shape(
-            lambda d: jax.random.wrap_key_data(d, impl=impl), data
-        )
-        return keys
-    return jax.ShapeDtypeStruct(entry.shape, dtype_from_name(entry.dtype))
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class CheckpointMetadata(Manifest):
     """A checkpoint's ``Manifest`` as :func:`jaxckpt.metadata` returns it, with
-    :meth:`abstract`."""
+    :meth:`abstract`; its ``repr`` is a short summary of the tree, and a notebook shows it as
+    an HTML table.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxckpt, tempfile
+      >>> d = tempfile.mkdtemp() + "/c"
+      >>> jaxckpt.save(d, {"w": jnp.zeros((4, 2)), "step": 3})
+      >>> jaxckpt.metadata(d)  # doctest: +ELLIPSIS
+      CheckpointMetadata: 1 array (32 B), 1 value, format v2
+        step  = 3
+        w     float32[4,2]  packed  32 B  SingleDeviceSharding(...)
+    """
+
+    def __repr__(self) -> str:
+        """A few lines: the counts, then the first keys of the tree (``.entries`` has all)."""
+        lines = [f"CheckpointMetadata: {_display.summary(self)}"]
+        lines += ["  " + line for line in _display.text(self, limit=8)]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's and Colab's view: the tree as a table of shapes, dtypes, shardings, bytes."""
+        return _display.html_table(self)
 
     @classmethod
     def of(cls, manifest: Manifest) -> CheckpointMetadata:

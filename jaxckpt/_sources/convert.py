@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
-import time
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import Any
 
 import numpy.typing as npt
 
@@ -22,24 +20,30 @@ from jaxckpt._format import dtypes
 from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.names import storage_name
 from jaxckpt._format.plan import ReadItem, WriteItem, chunk_boxes
+from jaxckpt._runtime import progress as _progress
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
+from jaxckpt._storage.reader import Reader
 from jaxckpt._version import __version__
 
 BLOCK_BYTES = 64 << 20
 _INFLIGHT = 256 << 20
-_QUIET_S = 2.0  # no progress line for runs shorter than this
 
 
 def convert(
-    src: str, dst: str, *, overwrite: bool = False, max_chunk_bytes: int | None = None
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool = False,
+    max_chunk_bytes: int | None = None,
+    progress: _progress.ProgressArg = None,
 ) -> Manifest:
     """Write the checkpoint or weights at ``src`` as a jaxckpt checkpoint at ``dst``.
 
     ``src`` is anything :func:`restore` reads: a jaxckpt checkpoint, an Orbax checkpoint
     (item or single-item step) or safetensors weights. Memory stays bounded (blocks of at most
-    64 MiB, 256 MiB in flight); runs longer than a few seconds show a progress line on stderr.
+    64 MiB, 256 MiB in flight).
 
     Args:
       src: the source path or URL.
@@ -49,6 +53,9 @@ def convert(
         is read whole, so a checkpoint that many hosts restore, each a part of every array
         (FSDP across hosts, or replicated with reads shared), reads less in smaller chunks:
         e.g. 8 MiB for a pod (docs/multihost.md).
+      progress: ``True`` shows bytes done, rate and time left on stderr (a tqdm bar where
+        tqdm is installed), a callable ``fn(done_bytes, total_bytes)`` is called as blocks are
+        read; ``None`` (default): nothing is shown.
 
     Returns:
       The written checkpoint's :class:`Manifest`.
@@ -68,26 +75,7 @@ def convert(
       >>> jaxckpt.restore(d + "/ckpt")["embed.weight"].shape
       (4, 2)
     """
-    return convert_checkpoint(
-        src,
-        dst,
-        overwrite=overwrite,
-        stream=sys.stderr,
-        progress=None,
-        max_chunk_bytes=max_chunk_bytes,
-    )
-
-
-def convert_checkpoint(
-    src: str,
-    dst: str,
-    *,
-    overwrite: bool,
-    stream: TextIO,
-    progress: bool | None,
-    max_chunk_bytes: int | None = None,
-) -> Manifest:
-    """:func:`convert`, with the CLI's choices of where progress goes and whether it shows."""
+    progress = _progress.check_arg(progress, "jaxckpt.convert")
     limit = BLOCK_BYTES if max_chunk_bytes is None else max_chunk_bytes
     if not isinstance(limit, numbers.Integral) or isinstance(limit, bool) or limit < 1:
         raise InvalidArgumentError(
@@ -97,6 +85,19 @@ def convert_checkpoint(
     limit = int(limit)  # a numpy integer would reach the manifest's JSON
     source, reader = _sources.open_source(_location.Location(src))
     manifest = _converted(source, reader.kind, limit)
+    writer = _storage.Writer(_location.Location(dst), overwrite=overwrite)
+    _copy(source, reader, manifest, writer, progress)
+    return manifest
+
+
+def _copy(
+    source: Manifest,
+    reader: Reader,
+    manifest: Manifest,
+    writer: _storage.Writer,
+    progress: _progress.ProgressArg,
+) -> None:
+    """Read ``source``'s arrays block by block and write them as ``manifest`` says; commit."""
     arrays = {k: e for k, e in manifest.entries.items() if isinstance(e, ArrayEntry)}
     items = [
         ReadItem(k, off, size)
@@ -107,26 +108,25 @@ def convert_checkpoint(
     total = sum(
         math.prod(i.sizes) * dtypes.dtype_from_name(arrays[i.key].dtype).itemsize for i in items
     )
-    writer = _storage.Writer(_location.Location(dst), overwrite=overwrite)
-    line = _Line(stream, total, progress)
+    line = _progress.Progress("convert", total, progress)
     try:
         writer.open_arrays(arrays.values(), create=True)
 
         def blocks() -> Iterator[tuple[WriteItem, npt.NDArray[Any]]]:
             for item, data in reader.read(source.entries, items, max_inflight_bytes=_INFLIGHT):
-                line.add(data.nbytes, item.key)
+                line.add(data.nbytes)
                 e = arrays[item.key]
                 yield WriteItem(item.key, item.offsets, item.sizes, e.dtype, 0), data
 
         writer.write(arrays, blocks(), max_inflight_bytes=_INFLIGHT)
         writer.flush()
         writer.commit(manifest)
+        line.finish()
     except BaseException:
         writer.abort()
         raise
     finally:
         line.close()
-    return manifest
 
 
 def _converted(source: Manifest, kind: str, limit: int) -> Manifest:
@@ -162,27 +162,3 @@ def _row_blocks(e: ArrayEntry, limit: int) -> tuple[int, ...]:
             return (*chunks, max(1, min(s, rows)), *(max(1, d) for d in e.shape[i + 1 :]))
         chunks.append(1)
     return tuple(chunks)
-
-
-class _Line:
-    """A ``\\r``-updated progress line once a run passes a few seconds (or when asked)."""
-
-    def __init__(self, stream: TextIO, total: int, enabled: bool | None) -> None:
-        self.stream, self.total, self.enabled = stream, total, enabled
-        self.done, self.t0, self.shown, self.last = 0, time.monotonic(), False, 0.0
-
-    def add(self, n: int, key: str) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled is False or now - self.last < 0.5:
-            return
-        if self.enabled or now - self.t0 > _QUIET_S:
-            pct = 100 * self.done / self.total if self.total else 100
-            line = f"\rconvert: {self.done >> 20}/{self.total >> 20} MiB ({pct:.0f}%) {key}"
-            self.stream.write(line[:120].ljust(60))
-            self.stream.flush()
-            self.shown, self.last = True, now
-
-    def close(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
