@@ -122,8 +122,12 @@ def carry_out(
     """
     leaves = [Leaf.from_json(raw) for raw in common["leaves"]]
     mine = json.loads(own)
-    plan = _elastic.plan_from_json(mine["plan"])
-    needs = {int(i): [_elastic.box_of(b) for b in boxes] for i, boxes in mine["needs"].items()}
+    layouts = [[int(i) for i in leaves] for leaves in common["layouts"]]
+    plan = _elastic.plan_from_json(mine["plan"]).expand(layouts)
+    needs = {}
+    for n, boxes in mine["needs"].items():
+        mine_n = [_elastic.box_of(b) for b in boxes]
+        needs.update(dict.fromkeys(layouts[int(n)], mine_n))
     _, targets, treedef = _tree.flatten_with_treedef(target)
     stats, slab = Stats(), int(common["slab"])
     assembly = _Assembly(leaves, needs, targets)

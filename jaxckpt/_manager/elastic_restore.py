@@ -29,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError
@@ -111,8 +112,8 @@ def _sharding_id(sharding: Any) -> list[Any]:
 
 
 def describe(paths: Mapping[int, Path], which: Sequence[int], first: int) -> str:
-    """What this process posts about the parts ``which`` it describes (1.): per part its boxes
-    and stored dtypes; for part ``first`` also the leaves."""
+    """What this process posts about the parts ``which`` it describes (1.): per part its
+    groups of boxes (:func:`part_description`); for part ``first`` also the leaves."""
     out: dict[str, Any] = {"parts": {}}
     try:
         for q in which:
@@ -124,14 +125,42 @@ def describe(paths: Mapping[int, Path], which: Sequence[int], first: int) -> str
             for i, li in enumerate(info.leaves):
                 e = entries.get(f"boxes/{i}/0")
                 if li.boxes and isinstance(e, ArrayEntry):
-                    data[str(i)] = [e.dtype, list(e.shape[len(li.shape) :])]
-            boxes = [[list(map(list, b)) for b in li.boxes] for li in info.leaves]
-            out["parts"][str(q)] = {"boxes": boxes, "data": data}
+                    data[i] = (e.dtype, tuple(e.shape[len(li.shape) :]))
+            out["parts"][str(q)] = part_description([li.boxes for li in info.leaves], data)
             if q == first:
                 out["leaves"] = [_leaf_json(i, li, entries) for i, li in enumerate(info.leaves)]
     except Exception as e:  # process 0 hears why, and every process falls back
         out = {"error": f"{type(e).__name__}: {e}"}
     return json.dumps(out)
+
+
+def part_description(
+    boxes: Sequence[Sequence[Box]], data: Mapping[int, tuple[str, tuple[int, ...]]]
+) -> dict[str, Any]:
+    """A part's description as posted: its distinct *groups* (a leaf's boxes in the part,
+    with their stored dtype and the key data's trailing dimensions) once each, and per leaf
+    its group's number (-1: the part holds no box of it). Leaves of one layout share a group,
+    so the boxes posted grow with the layouts, not the leaves.
+
+    Example:
+      >>> row = [((0,), (4,))]
+      >>> part_description([row, [], row], {0: ("float32", ()), 2: ("float32", ())})
+      {'groups': [[[[[0], [4]]], 'float32', []]], 'of': [0, -1, 0]}
+    """
+    number: dict[Any, int] = {}
+    groups: list[Any] = []
+    of = []
+    for i, leaf_boxes in enumerate(boxes):
+        if not leaf_boxes:
+            of.append(-1)
+            continue
+        stored, trailing = data.get(i, ("", ()))
+        key = (tuple(leaf_boxes), stored, trailing)
+        if key not in number:
+            number[key] = len(groups)
+            groups.append([[list(map(list, b)) for b in leaf_boxes], stored, list(trailing)])
+        of.append(number[key])
+    return {"groups": groups, "of": of}
 
 
 def _leaf_json(i: int, li: _part.LeafInfo, entries: Mapping[str, Any]) -> list[Any]:
@@ -143,35 +172,71 @@ def _leaf_json(i: int, li: _part.LeafInfo, entries: Mapping[str, Any]) -> list[A
     return [li.key, "host", list(e.shape), e.dtype, "", e.dtype, []]
 
 
+# Per leaf its target layout's number (None: a value), and per target layout the distinct
+# target boxes of each process that needs some: what process 0 computes from the target.
+Wanted = tuple[list[int | None], list[dict[int, list[Box]]]]
+
+
 def decide(
     posted: Mapping[int, str], target: Any, choice: Mapping[str, Any], count: int
 ) -> tuple[str, dict[int, str]]:
-    """(process 0) The verdict for all (the leaves, the slab size, or ``{"fallback": why}``)
-    and each process's share of the plan (2.)."""
+    """(process 0) The verdict for all (the leaves, their layouts, the slab size, or
+    ``{"fallback": why}``) and each process's share of the plan (2.)."""
     holders = {int(q): list(h) for q, h in choice["holders"].items()}
     if missing := sorted(set(range(count)) - set(posted)):
         return json.dumps({"fallback": f"processes {missing} did not answer (dead?)"}), {}
     try:
-        leaves, saved = _merge(posted, holders)
         keys, targets, _ = _tree.flatten_with_treedef(target)
-        _check_target(leaves, keys, targets)
-        shapes, needs = _needs(leaves, targets, count)
-        for i in shapes:
-            if leaves[i].kind == "host":
-                saved[i] = {q: [((0,) * len(shapes[i]), shapes[i])] for q in holders}
-        itemsize = {i: leaves[i].itemsize for i in shapes}
-        plans = _elastic.plan(shapes, saved, holders, needs, itemsize)
+
+        def wanted(leaves: list[Leaf]) -> Wanted:
+            _check_target(leaves, keys, targets)
+            return _wanted(leaves, targets, count)
+
+        return plan_shares(posted, holders, wanted, count)
     except (CheckpointError, ValueError, KeyError, TypeError, IndexError) as e:
         return json.dumps({"fallback": f"{type(e).__name__}: {e}"}), {}
+
+
+def plan_shares(
+    posted: Mapping[int, str],
+    holders: Mapping[int, list[int]],
+    wanted: Callable[[list[Leaf]], Wanted],
+    count: int,
+) -> tuple[str, dict[int, str]]:
+    """The verdict and the shares of :func:`decide` from what the describers ``posted`` and
+    the target's layouts (``wanted`` of the leaves): the leaves grouped into layouts (their
+    target layout, element size and saved boxes in every part alike), planned once per
+    layout (``elastic.plan_layouts``). Pure: benchmarks/_tiers_bench.py times it.
+
+    Raises:
+      CheckpointError, ValueError: the descriptions or the target do not fit a plan.
+    """
+    leaves, saved_of, saved = _merge(posted, holders)
+    target_of, needs = wanted(leaves)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        t = target_of[i]
+        if t is not None:
+            key = ("host" if leaf.kind == "host" else saved_of[i], t, leaf.itemsize)
+            groups.setdefault(key, []).append(i)
+    layouts = []
+    for (s, t, itemsize), members in groups.items():
+        shape = leaves[members[0]].shape
+        boxes = {q: [((0,) * len(shape), shape)] for q in holders} if s == "host" else saved[s]
+        layouts.append(_elastic.Layout(shape, itemsize, boxes, needs[t], tuple(members)))
+    plans = _elastic.plan_layouts(layouts, holders)
     common = {
         "leaves": [leaf.to_json() for leaf in leaves],
+        "layouts": [layout.leaves for layout in layouts],
         "slab": _streams.chunk_bytes(),
     }
     own = {
         p: json.dumps(
             {
                 "plan": plans.get(p, _elastic.Plan()).to_json(),
-                "needs": {str(i): b for i, b in needs.get(p, {}).items()},
+                "needs": {
+                    str(n): layout.needs[p] for n, layout in enumerate(layouts) if p in layout.needs
+                },
             }
         )
         for p in range(count)
@@ -181,8 +246,9 @@ def decide(
 
 def _merge(
     posted: Mapping[int, str], holders: Mapping[int, list[int]]
-) -> tuple[list[Leaf], dict[int, dict[int, list[Box]]]]:
-    """The leaves and every part's boxes per leaf, from what the describers posted."""
+) -> tuple[list[Leaf], list[int], list[dict[int, list[Box]]]]:
+    """The leaves, per leaf the number of its saved layout (its groups in every part alike)
+    and per saved layout every part's boxes, from what the describers posted."""
     parts: dict[int, Any] = {}
     described: list[Any] | None = None
     for p in sorted(posted):
@@ -193,22 +259,34 @@ def _merge(
         described = got.get("leaves", described)
     if described is None or set(parts) != set(holders):
         raise CheckpointError(f"parts {sorted(set(holders) - set(parts))} were not described")
-    data = {int(i): d for q in sorted(parts) for i, d in parts[q]["data"].items()}
+    qs = sorted(parts)
+    for q in qs:
+        if len(parts[q]["of"]) != len(described):
+            raise CheckpointError(
+                f"part {q} describes {len(parts[q]['of'])} leaves, not {len(described)}"
+            )
+    table = np.array([parts[q]["of"] for q in qs]).reshape(len(qs), len(described))
+    sizes = np.array([len(parts[q]["groups"]) for q in qs]).reshape(-1, 1)
+    if table.size and (table.dtype.kind != "i" or (table < -1).any() or (table >= sizes).any()):
+        raise CheckpointError("a part's description names groups it does not have")
+    columns, saved_of = np.unique(table.T, axis=0, return_inverse=True)
+    saved = [
+        {q: [_elastic.box_of(b) for b in parts[q]["groups"][g][0]] for q, g in zip(qs, c) if g >= 0}
+        for c in columns.tolist()
+    ]
+    data: list[Any] = [  # per saved layout: the stored dtype and trailing dims, from a part
+        next((parts[q]["groups"][g][1:] for q, g in zip(qs, c) if g >= 0), ["", []])
+        for c in columns.tolist()
+    ]
+    saved_of = saved_of.reshape(-1)
     leaves = []
     for i, raw in enumerate(described):
         key, kind, shape, dtype, prng, *more = raw
-        stored, trailing = more[:2] if more else data.get(i, ["", []])
+        stored, trailing = more[:2] if more else data[int(saved_of[i])]
         value = more[2] if len(more) > 2 else None
         leaf = Leaf(str(key), str(kind), tuple(shape), str(dtype), str(prng), str(stored))
         leaves.append(dataclasses.replace(leaf, trailing=tuple(trailing), value=value))
-    saved: dict[int, dict[int, list[Box]]] = {}
-    for q, d in parts.items():
-        if len(d["boxes"]) != len(leaves):
-            raise CheckpointError(f"part {q} describes {len(d['boxes'])} leaves, not {len(leaves)}")
-        for i, boxes in enumerate(d["boxes"]):
-            if leaves[i].kind in ("array", "prng"):
-                saved.setdefault(i, {})[q] = [_elastic.box_of(b) for b in boxes]
-    return leaves, saved
+    return leaves, saved_of.tolist(), saved
 
 
 def _check_target(leaves: list[Leaf], keys: list[str], targets: list[Any]) -> None:
@@ -232,23 +310,31 @@ def _check_target(leaves: list[Leaf], keys: list[str], targets: list[Any]) -> No
                 )
 
 
-def _needs(
-    leaves: list[Leaf], targets: list[Any], count: int
-) -> tuple[dict[int, tuple[int, ...]], dict[int, dict[int, list[Box]]]]:
-    """Each moved leaf's shape, and per process its distinct target boxes per leaf."""
-    shapes: dict[int, tuple[int, ...]] = {}
-    needs: dict[int, dict[int, list[Box]]] = {}
-    for i, (leaf, t) in enumerate(zip(leaves, targets)):
+def _wanted(leaves: list[Leaf], targets: list[Any], count: int) -> Wanted:
+    """Per leaf its target layout, and per target layout each process's distinct target
+    boxes: computed once per distinct shape and sharding, not per leaf."""
+    number: dict[Any, int] = {}
+    needs: list[dict[int, list[Box]]] = []
+    target_of: list[int | None] = []
+    for leaf, t in zip(leaves, targets):
         if leaf.kind == "value":
+            target_of.append(None)
             continue
-        shapes[i] = leaf.shape
-        if leaf.kind == "host":
-            for p in range(count):
-                needs.setdefault(p, {})[i] = [((0,) * len(leaf.shape), leaf.shape)]
-            continue
-        for device, index in sharding_of(t).devices_indices_map(leaf.shape).items():
-            boxes = needs.setdefault(device.process_index, {}).setdefault(i, [])
-            box = index_to_box(index, leaf.shape)
-            if box not in boxes:
-                boxes.append(box)
-    return shapes, needs
+        key = ("host", leaf.shape) if leaf.kind == "host" else (leaf.shape, sharding_of(t))
+        if key not in number:
+            number[key] = len(needs)
+            needs.append(_target_boxes(leaf, t, count))
+        target_of.append(number[key])
+    return target_of, needs
+
+
+def _target_boxes(leaf: Leaf, t: Any, count: int) -> dict[int, list[Box]]:
+    if leaf.kind == "host":
+        return {p: [((0,) * len(leaf.shape), leaf.shape)] for p in range(count)}
+    out: dict[int, list[Box]] = {}
+    for device, index in sharding_of(t).devices_indices_map(leaf.shape).items():
+        boxes = out.setdefault(device.process_index, [])
+        box = index_to_box(index, leaf.shape)
+        if box not in boxes:
+            boxes.append(box)
+    return out
