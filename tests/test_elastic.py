@@ -267,7 +267,7 @@ def _data(records: list, name: str) -> list:
 def elastic_job(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("elastic")
     out = {}
-    for stage, n in (("el_train", 4), ("el_two", 2), ("el_four", 4)):
+    for stage, n in (("el_train", 4), ("el_two", 2), ("el_four", 4), ("el_kill", 4)):
         out[stage] = run_group(WORKER, stage, n, work, GROUP_TIMEOUT_S)
     return out
 
@@ -303,6 +303,22 @@ def test_two_to_four_processes_with_empty_disks(elastic_job):
     assert _data(four, "el_grow") == [["local", 8, []]] * 4
     assert _data(four, "el_grow_resharded") == [2] * 4
     assert [m["read"] for m in _data(four, "el_grow_stats")][2:] == [0, 0]
+
+
+def test_a_sender_killed_mid_stream_is_seen_dead_and_all_fall_back(elastic_job):
+    # Process 1 dies as it sends its first piece to processes 2 and 3: they see it dead by
+    # its heartbeat within the I/O deadline (5 s here) and every survivor falls back to the
+    # persistent step, long before JAXCKPT_SYNC_TIMEOUT (90 s here) would have passed.
+    group = elastic_job["el_kill"]
+    killed = group[1]["data"].get("killed")
+    assert killed, "process 1 was not killed"
+    for p in (0, 2, 3):
+        _ok(group[p : p + 1], "el_kill")
+        assert group[p]["data"]["el_kill"] == ["persistent", 5, []]
+    after = max(group[p]["data"]["el_kill_end"] for p in (0, 2, 3)) - killed
+    restore = max(group[p]["data"]["el_kill_s"] for p in (0, 2, 3))
+    print(f"\nkilled sender: all fell back {after:.1f} s after the kill (restore {restore:.1f} s)")
+    assert after < 60, f"the fallback took {after:.0f} s: it waited for JAXCKPT_SYNC_TIMEOUT"
 
 
 def test_a_part_whose_boxes_do_not_tile_falls_back_with_the_reason(tmp_path, caplog):

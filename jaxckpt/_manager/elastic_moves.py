@@ -41,6 +41,7 @@ from jaxckpt._format.plan import Box, ReadItem, index_to_box
 from jaxckpt._manager import elastic as _elastic
 from jaxckpt._manager import local_part as _part
 from jaxckpt._planning import tree as _tree
+from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import streams as _streams
 from jaxckpt._sources.detect import open_source
@@ -132,9 +133,7 @@ def carry_out(
     stats, slab = Stats(), int(common["slab"])
     assembly = _Assembly(leaves, needs, targets)
     jobs: list[Future[int]] = [
-        pools.stream_pool().submit(
-            _receive, f"{prefix}/{h}-{process}/", reads, leaves, assembly, slab
-        )
+        pools.stream_pool().submit(_receive, prefix, h, process, reads, leaves, assembly, slab)
         for h, reads in sorted(plan.incoming.items())
     ]
     try:
@@ -190,7 +189,7 @@ def _serve(
     """Read each box of ``reads`` once, slab by slab; keep this process's pieces, stream the
     others' to them (one stream per receiver, opened first so its receiver can start)."""
     outs = {
-        p: _streams.Outgoing(f"{prefix}/{process}-{p}/", n)
+        p: _streams.Outgoing(f"{prefix}/{process}-{p}/", n, watch=_heartbeat.Watch(prefix, p))
         for p, n in sorted(_totals(reads, leaves).items())
         if p != process and n
     }
@@ -251,13 +250,22 @@ def _read_box(
 
 
 def _receive(
-    prefix: str, reads: Sequence[_elastic.Read], leaves: list[Leaf], assembly: _Assembly, slab: int
+    prefix: str,
+    sender: int,
+    process: int,
+    reads: Sequence[_elastic.Read],
+    leaves: list[Leaf],
+    assembly: _Assembly,
+    slab: int,
 ) -> int:
-    """Receive the pieces of ``reads`` from their sender, in its order; the bytes."""
+    """Receive the pieces of ``reads`` from ``sender``, in its order; the bytes. A sender
+    that dies or gives up ends the wait within its I/O deadline (its heartbeat)."""
     total = sum(_totals(reads, leaves).values())
     if not total:
         return 0
-    stream = _streams.Incoming(prefix, total=total, what=f"the boxes of {prefix}")
+    name = f"{prefix}/{sender}-{process}/"
+    watch = _heartbeat.Watch(prefix, sender)
+    stream = _streams.Incoming(name, total=total, what=f"the boxes of {name}", watch=watch)
     try:
         for read in reads:
             leaf = leaves[read.leaf]

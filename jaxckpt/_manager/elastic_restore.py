@@ -3,25 +3,39 @@
 When ``tier_choice.choose`` picks a local step saved by another process count or for another
 layout (``"elastic"``), ``jaxckpt._manager.tiers`` carries it out with these calls, in order:
 
-1. (the holder ``describe`` names for each part) :func:`describe`: posts the part's boxes per
-   leaf, as its description (``local_part.PartInfo``) lists them; the describer of the lowest
-   part also the leaves (keys, kinds, shapes, dtypes, key data) and the Python values;
-2. (process 0) :func:`decide`: checks the target against the leaves, computes every process's
-   target boxes from the target's shardings and plans who reads which box and sends which
-   piece to whom (``jaxckpt._manager.elastic.plan``); each process gets its own share
-   (``agreement.decide_each``), or all of them the reason to fall back;
-3. (every process) ``elastic_moves.carry_out``: reads the boxes its plan lists from its own
-   disk, slab by slab, sends the pieces others need over one stream per receiver
-   (``jaxckpt._runtime.streams``: peer to peer, as replicas go), receives its own pieces on one
-   thread per sender, and puts each leaf on its devices as soon as its boxes are whole.
+1. (the holder ``describe`` names for each part) :func:`describe`: posts the part's distinct
+   groups of boxes once each and one group number per leaf (:func:`part_description`); the
+   describer of the lowest part also the leaves (keys, kinds, shapes, dtypes, key data) and
+   the Python values;
+2. (process 0) :func:`decide`: checks the target against the leaves, computes the target
+   boxes once per distinct shape and sharding, groups the leaves into layouts (the same
+   saved groups in every part, target boxes and element size) and plans each layout once:
+   who reads which box and sends which piece to whom (``jaxckpt._manager.elastic``); each
+   process gets its own share, per layout (``agreement.decide_each``), or all of them the
+   reason to fall back;
+3. (every process) ``elastic_moves.carry_out``: expands its share to its leaves, reads the
+   boxes its plan lists from its own disk, slab by slab, sends the pieces others need over
+   one stream per receiver (``jaxckpt._runtime.streams``: peer to peer, as replicas go),
+   receives its own pieces on one thread per sender, and puts each leaf on its devices as
+   soon as its boxes are whole.
 
-Then every process reports whether it succeeded, and all fall back to the persistent tier if
-one did not (``tiers``). What is trusted: the parts on this host's disk are read with the
-checks of any checkpoint read (checksums, sizes, confinement); a description posted by another
-host is checked (boxes inside their arrays, tiling each array exactly once) before it is
-planned with; bytes from another host are checked by length and crc32 (damage, not an
-attacker: the job's network is trusted, as for replication), and every target box must be
-filled exactly.
+Through all three each process beats (``jaxckpt._runtime.heartbeat``, every few seconds,
+``failed`` if it gives up): a peer waiting for a process that died or gave up stops within
+that process's I/O deadline (``JAXCKPT_IO_TIMEOUT``), not ``JAXCKPT_SYNC_TIMEOUT``. Then
+every process reports whether it succeeded, and all fall back to the persistent tier if one
+did not (``tiers``; process 0 does not wait for a process whose heartbeat stopped). What is
+trusted: the parts on this host's disk are read with the checks of any checkpoint read
+(checksums, sizes, confinement); a description posted by another host is checked (group
+numbers within the part's groups, boxes inside their arrays, tiling each array exactly once)
+before it is planned with; bytes from another host are checked by length and crc32 (damage,
+not an attacker: the job's network is trusted, as for replication), and every target box
+must be filled exactly.
+
+What grows with what (docs/tiers.md, "Elastic recovery"): each holder posts its parts' groups
+(layouts x its devices' boxes) and one number per leaf; process 0 merges them (parts x
+leaves small integers, in numpy) and plans layouts x saved boxes; each process gets the
+verdict (the leaves' keys, kinds and dtypes: grows with the leaves, once per process) and its
+share (its layouts' reads and pieces).
 """
 
 from __future__ import annotations
@@ -45,7 +59,9 @@ from jaxckpt._manager import local_part as _part
 from jaxckpt._manager.elastic_moves import Leaf, Stats, carry_out, sharding_of
 from jaxckpt._planning import tree as _tree
 from jaxckpt._runtime import agreement as _agreement
+from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime import streams as _streams
+from jaxckpt._storage import location as _location
 
 
 def restore(
@@ -66,19 +82,25 @@ def restore(
     """
     mine = sorted(int(q) for q, h in choice["describe"].items() if h == process)
     first = min(int(q) for q in choice["describe"])
-    verdict, own = _agreement.decide_each(
-        "elastic",
-        describe(paths, mine, first),
-        lambda posted: decide(posted, target, choice, count),
-        survivors=True,  # a process dead by now makes every other one fall back, at once
-    )
-    common = json.loads(verdict)
-    if "fallback" in common:
-        return None, None, f"no plan: {common['fallback']}" if process == 0 else ""
+    agreed = False
     try:
-        tree, stats = carry_out(common, own, target, paths, prefix, process)
-        return tree, stats, ""
+        # Beating (posting "failed" if this raises), so that the peers of a process that dies
+        # or gives up stop waiting for it within its I/O deadline.
+        with _heartbeat.beating(prefix, _location.io_timeout()):
+            verdict, own = _agreement.decide_each(
+                "elastic",
+                describe(paths, mine, first),
+                lambda posted: decide(posted, target, choice, count),
+                survivors=True,  # a process dead by now makes every other one fall back
+            )
+            agreed, common = True, json.loads(verdict)
+            if "fallback" in common:
+                return None, None, f"no plan: {common['fallback']}" if process == 0 else ""
+            tree, stats = carry_out(common, own, target, paths, prefix, process)
+            return tree, stats, ""
     except Exception as e:  # every process hears of it and falls back together
+        if not agreed:
+            raise
         return None, None, f"process {process}: {type(e).__name__}: {e}"
 
 
