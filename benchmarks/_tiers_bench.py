@@ -312,64 +312,85 @@ def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts
     """The elastic agreement's planning on a simulated job: ``leaves`` FSDP leaves (of
     ``layouts`` distinct widths, as a model's layers share a few shapes) saved by ``n_old``
     processes x ``devices`` and restored onto ``n_new`` (each part held by its owner and the
-    next process, the old processes 0..n_new-1 surviving). What process 0 computes
-    (``elastic_restore.plan_shares``: the descriptions merged, the leaves grouped into
-    layouts, the plan, every share) is timed, with its peak RSS growth; the descriptions the
-    holders post are built first (one holder's ``describe`` work is timed too). Returns
-    seconds, bytes through the coordinator per process and in all, the plan's reads."""
-    import jax
+    next process, the old processes 0..n_new-1 surviving).
 
-    from jaxckpt._manager import elastic_restore
+    Timed, each with its peak RSS growth: what process 0 computes
+    (``elastic_restore.plan_shares``: the descriptions merged, the leaves grouped into
+    layouts, the plan, every share), and what the last process computes of the plan: its
+    description of one part (``part_description``) and its share expanded to its leaves
+    (``elastic_moves.share_of``). The other holders' descriptions are built directly (the
+    same JSON). Returns seconds, bytes through the coordinator per process and in all."""
+    from jaxckpt._manager import elastic_moves, elastic_restore
 
     rows = n_old * n_new * devices  # one row per box on both sides at least
     per_old, per_new = rows // (n_old * devices), rows // (n_new * devices)
-    width = [256 * (1 + i % layouts) for i in range(leaves)]
+    width = [256 * (1 + t) for t in range(layouts)]
 
-    def boxes(i: int, first: int, per: int) -> list:
+    def boxes(t: int, first: int, per: int) -> list:
         return [
-            ((r * per, 0), (per, width[i])) for r in range(first * devices, (first + 1) * devices)
+            ((r * per, 0), (per, width[t])) for r in range(first * devices, (first + 1) * devices)
         ]
 
     holders = {q: [h for h in (q, (q + 1) % n_old) if h < n_new] for q in range(n_old)}
     holders = {q: h or [q % n_new] for q, h in holders.items()}  # the rest: on some survivor
+    of = [i % layouts for i in range(leaves)]
     described: dict[int, dict] = {}
-    data = dict.fromkeys(range(leaves), ("float32", ()))
-    t0 = time.perf_counter()
     for q in range(n_old):
-        desc = elastic_restore.part_description([boxes(i, q, per_old) for i in range(leaves)], data)
-        described.setdefault(holders[q][0], {"parts": {}})["parts"][str(q)] = desc
-        if q == 0:
-            describe_s = time.perf_counter() - t0
+        groups = [
+            [[list(map(list, b)) for b in boxes(t, q, per_old)], "float32", []]
+            for t in range(layouts)
+        ]
+        described.setdefault(holders[q][0], {"parts": {}})["parts"][str(q)] = {
+            "groups": groups,
+            "of": of,
+        }
     described[holders[0][0]]["leaves"] = [
-        [f"layer{i // layouts}/w{i % layouts}", "array", [rows, width[i]], "float32", ""]
+        [f"layer{i // layouts}/w{i % layouts}", "array", [rows, width[i % layouts]], "float32", ""]
         for i in range(leaves)
     ]
     posted = {p: json.dumps(described.get(p, {"parts": {}})) for p in range(n_new)}
+    del described
 
     def wanted(got):
-        target_of = [i % layouts for i in range(len(got))]
-        return target_of, [{p: boxes(t, p, per_new) for p in range(n_new)} for t in range(layouts)]
+        return of, [{p: boxes(t, p, per_new) for p in range(n_new)} for t in range(layouts)]
 
-    jax.block_until_ready(0)
-    reset_peak()
-    base = vm("VmRSS")
-    t0 = time.perf_counter()
-    common, own = elastic_restore.plan_shares(posted, holders, wanted, n_new)
-    seconds = time.perf_counter() - t0
-    growth = vm("VmHWM") - base
+    zero = _measured(lambda: elastic_restore.plan_shares(posted, holders, wanted, n_new))
+    common, own = zero.pop("result")
     assert "fallback" not in common, common
+    last = n_new - 1
+    data = dict.fromkeys(range(leaves), ("float32", ()))
+    describe = _measured(
+        lambda: elastic_restore.part_description(
+            [boxes(i % layouts, last, per_old) for i in range(leaves)], data
+        )
+    )
+    share = _measured(lambda: elastic_moves.share_of(json.loads(common), own[last]))
     through = [len(posted[p]) + len(common) + len(own[p]) for p in range(n_new)]
     return {
-        "seconds": seconds,
-        "describe_s": describe_s,
-        "growth": growth,
+        "seconds": zero["seconds"],
+        "growth": zero["growth"],
+        "other_s": describe["seconds"] + share["seconds"],
+        "other_growth": max(describe["growth"], share["growth"]),
         "per_process": max(through),
         "share_bytes": max(len(v) for v in own.values()),
         "common_bytes": len(common),
         "posted_bytes": max(len(v) for v in posted.values()),
         "total_bytes": sum(through),
-        "reads": sum(len(json.loads(v)["plan"][0]) for v in own.values()),
+        "reads": len(share["result"][1].reads),
     }
+
+
+def _measured(fn) -> dict:
+    """``fn()``'s result, seconds and peak RSS growth (VmHWM reset first)."""
+    import gc
+
+    gc.collect()
+    reset_peak()
+    base = vm("VmRSS")
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    return {"result": result, "seconds": seconds, "growth": max(vm("VmHWM") - base, 0)}
 
 
 PLAN_SCALES = ((4, 2), (64, 32), (256, 128), (1000, 500))
@@ -382,8 +403,8 @@ def plan_report(leaves: int = 1000, layouts: int = 10) -> str:
         "",
         "| processes old -> new | saved boxes | plan (s) | process 0 peak RSS growth (MiB) "
         "| per process through the coordinator (KiB) | of it: posted / verdict / share (KiB) "
-        "| in all (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| in all (MiB) | last process (s) | its peak RSS growth (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     kib, mib = 1024, 1 << 20
     for n_old, n_new in PLAN_SCALES:
@@ -392,7 +413,8 @@ def plan_report(leaves: int = 1000, layouts: int = 10) -> str:
             f"| {n_old} -> {n_new} | {n_old * 8 * leaves:,} | {got['seconds']:.2f} | "
             f"{got['growth'] / mib:.0f} | {got['per_process'] / kib:.0f} | "
             f"{got['posted_bytes'] / kib:.0f} / {got['common_bytes'] / kib:.0f} / "
-            f"{got['share_bytes'] / kib:.0f} | {got['total_bytes'] / mib:.1f} |"
+            f"{got['share_bytes'] / kib:.0f} | {got['total_bytes'] / mib:.1f} | "
+            f"{got['other_s']:.3f} | {got['other_growth'] / mib:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -121,14 +121,7 @@ def carry_out(
     Raises:
       CheckpointError, DistributedError: a read, a stream or a box failed here.
     """
-    leaves = [Leaf.from_json(raw) for raw in common["leaves"]]
-    mine = json.loads(own)
-    layouts = [[int(i) for i in leaves] for leaves in common["layouts"]]
-    plan = _elastic.plan_from_json(mine["plan"]).expand(layouts)
-    needs = {}
-    for n, boxes in mine["needs"].items():
-        mine_n = [_elastic.box_of(b) for b in boxes]
-        needs.update(dict.fromkeys(layouts[int(n)], mine_n))
+    leaves, plan, needs = share_of(common, own)
     _, targets, treedef = _tree.flatten_with_treedef(target)
     stats, slab = Stats(), int(common["slab"])
     assembly = _Assembly(leaves, needs, targets)
@@ -148,6 +141,22 @@ def carry_out(
     if errors:
         raise errors[0]
     return jax.tree_util.tree_unflatten(treedef, assembly.finish()), stats
+
+
+def share_of(
+    common: Mapping[str, Any], own: str
+) -> tuple[list[Leaf], _elastic.Plan, dict[int, list[Box]]]:
+    """The leaves, this process's plan per leaf and its target boxes per leaf, from the
+    verdict (``common``) and its share (``own``, per layout): what a process other than 0
+    computes of the plan (benchmarks/_plan_bench.py times it)."""
+    leaves = [Leaf.from_json(raw) for raw in common["leaves"]]
+    mine = json.loads(own)
+    layouts = [[int(i) for i in members] for members in common["layouts"]]
+    plan = _elastic.plan_from_json(mine["plan"]).expand(layouts)
+    needs: dict[int, list[Box]] = {}
+    for n, boxes in mine["needs"].items():
+        needs.update(dict.fromkeys(layouts[int(n)], [_elastic.box_of(b) for b in boxes]))
+    return leaves, plan, needs
 
 
 def _totals(reads: Sequence[_elastic.Read], leaves: list[Leaf]) -> dict[int, int]:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import pools
 
 SLICE = 1.0  # seconds a watched wait blocks before it checks its peer again
 STOPPED, FAILED = "stopped", "failed"
@@ -69,8 +70,7 @@ def beating(prefix: str, deadline: float) -> Iterator[None]:
                 kv.key_value_delete(f"{_last}/beat/{_distributed.process_index()}/v")
             _stop, _last = threading.Event(), prefix
             _post(kv, key, f"{next(_counts)} {deadline:g}")  # before any peer waits
-            args = (kv, key, deadline, _stop)
-            threading.Thread(target=_beat, args=args, name="jaxckpt-beat", daemon=True).start()
+            pools.abandonable(_beat, kv, key, deadline, _stop)  # a daemon thread, never joined
     ended = FAILED
     try:
         yield
