@@ -334,6 +334,9 @@ def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts
     holders = {q: [h for h in (q, (q + 1) % n_old) if h < n_new] for q in range(n_old)}
     holders = {q: h or [q % n_new] for q, h in holders.items()}  # the rest: on some survivor
     of = [i % layouts for i in range(leaves)]
+    of_posted = elastic_restore.part_description(  # the group numbers, as posted
+        [[((t,), (1,))] for t in of], dict.fromkeys(range(leaves), ("float32", ()))
+    )["of"]
     described: dict[int, dict] = {}
     for q in range(n_old):
         groups = [
@@ -342,7 +345,7 @@ def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts
         ]
         described.setdefault(holders[q][0], {"parts": {}})["parts"][str(q)] = {
             "groups": groups,
-            "of": of,
+            "of": of_posted,
         }
     described[holders[0][0]]["leaves"] = [
         [f"layer{i // layouts}/w{i % layouts}", "array", [rows, width[i % layouts]], "float32", ""]

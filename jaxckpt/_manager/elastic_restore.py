@@ -40,6 +40,7 @@ share (its layouts' reads and pieces).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -49,6 +50,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 
 from jaxckpt._api import metadata
 from jaxckpt._errors import CheckpointError
@@ -161,13 +163,15 @@ def part_description(
 ) -> dict[str, Any]:
     """A part's description as posted: its distinct *groups* (a leaf's boxes in the part,
     with their stored dtype and the key data's trailing dimensions) once each, and per leaf
-    its group's number (-1: the part holds no box of it). Leaves of one layout share a group,
-    so the boxes posted grow with the layouts, not the leaves.
+    its group's number (-1: the part holds no box of it), as little-endian int32 in base64
+    (4 bytes a leaf, read by numpy at once). Leaves of one layout share a group, so the boxes
+    posted grow with the layouts, not the leaves.
 
     Example:
       >>> row = [((0,), (4,))]
-      >>> part_description([row, [], row], {0: ("float32", ()), 2: ("float32", ())})
-      {'groups': [[[[[0], [4]]], 'float32', []]], 'of': [0, -1, 0]}
+      >>> d = part_description([row, [], row], {0: ("float32", ()), 2: ("float32", ())})
+      >>> d["groups"], group_numbers(d["of"]).tolist()
+      ([[[[[0], [4]]], 'float32', []]], [0, -1, 0])
     """
     number: dict[Any, int] = {}
     groups: list[Any] = []
@@ -182,7 +186,19 @@ def part_description(
             number[key] = len(groups)
             groups.append([[list(map(list, b)) for b in leaf_boxes], stored, list(trailing)])
         of.append(number[key])
-    return {"groups": groups, "of": of}
+    return {"groups": groups, "of": base64.b64encode(np.array(of, "<i4").tobytes()).decode()}
+
+
+def group_numbers(of: Any) -> npt.NDArray[np.int32]:
+    """Per leaf, its group's number in a part's description (``part_description``'s ``of``).
+
+    Raises:
+      CheckpointError: ``of`` is not what ``part_description`` writes.
+    """
+    try:
+        return np.frombuffer(base64.b64decode(str(of), validate=True), "<i4")
+    except ValueError:
+        raise CheckpointError("a part's description is not what jaxckpt posts") from None
 
 
 def _leaf_json(i: int, li: _part.LeafInfo, entries: Mapping[str, Any]) -> list[Any]:
@@ -253,7 +269,7 @@ def plan_shares(
         "slab": _streams.chunk_bytes(),
     }
     own = {
-        p: json.dumps(
+        p: _compact(
             {
                 "plan": plans.get(p, _elastic.Plan()).to_json(),
                 "needs": {
@@ -263,7 +279,11 @@ def plan_shares(
         )
         for p in range(count)
     }
-    return json.dumps(common), own
+    return _compact(common), own
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _merge(
@@ -282,15 +302,14 @@ def _merge(
     if described is None or set(parts) != set(holders):
         raise CheckpointError(f"parts {sorted(set(holders) - set(parts))} were not described")
     qs = sorted(parts)
-    for q in qs:
-        if len(parts[q]["of"]) != len(described):
-            raise CheckpointError(
-                f"part {q} describes {len(parts[q]['of'])} leaves, not {len(described)}"
-            )
-    table = np.array([parts[q]["of"] for q in qs]).reshape(len(qs), len(described))
-    sizes = np.array([len(parts[q]["groups"]) for q in qs]).reshape(-1, 1)
-    if table.size and (table.dtype.kind != "i" or (table < -1).any() or (table >= sizes).any()):
-        raise CheckpointError("a part's description names groups it does not have")
+    table = np.empty((len(qs), len(described)), np.int64)
+    for row, q in enumerate(qs):
+        of = group_numbers(parts[q]["of"])
+        if len(of) != len(described):
+            raise CheckpointError(f"part {q} describes {len(of)} leaves, not {len(described)}")
+        if len(of) and (of.min() < -1 or of.max() >= len(parts[q]["groups"])):
+            raise CheckpointError(f"part {q}'s description names groups it does not have")
+        table[row] = of
     columns, saved_of = np.unique(table.T, axis=0, return_inverse=True)
     saved = [
         {q: [_elastic.box_of(b) for b in parts[q]["groups"][g][0]] for q, g in zip(qs, c) if g >= 0}
