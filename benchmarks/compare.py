@@ -169,7 +169,7 @@ def _restore_plan_report(points: list, add) -> None:
         add(
             f"| {r['processes']:,} | {_s(a['s'])} / {a['growth_mb']:.0f} | "
             f"{_s(b['s'])} / {b['growth_mb']:.0f} | {e['new']:,} | "
-            f"{_s(e['seconds'])} / {e['growth'] / mib:.0f} | "
+            f"{_s(e['seconds'])} ({_s(e['cpu_s'])} CPU) / {e['growth'] / mib:.0f} | "
             f"{_s(e['other_s'])} / {e['other_growth'] / mib:.0f} | {e['per_process'] / 1024:.0f} |"
         )
 

@@ -41,6 +41,7 @@ from jaxckpt._format.plan import Box, ReadItem, index_to_box
 from jaxckpt._manager import elastic as _elastic
 from jaxckpt._manager import local_part as _part
 from jaxckpt._planning import tree as _tree
+from jaxckpt._runtime import collector as _collector
 from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import streams as _streams
@@ -121,7 +122,8 @@ def carry_out(
     Raises:
       CheckpointError, DistributedError: a read, a stream or a box failed here.
     """
-    leaves, plan, needs = share_of(common, own)
+    with _collector.paused():
+        leaves, plan, needs = share_of(common, own)
     _, targets, treedef = _tree.flatten_with_treedef(target)
     stats, slab = Stats(), int(common["slab"])
     assembly = _Assembly(leaves, needs, targets)

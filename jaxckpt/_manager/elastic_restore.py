@@ -61,6 +61,7 @@ from jaxckpt._manager import local_part as _part
 from jaxckpt._manager.elastic_moves import Leaf, Stats, carry_out, sharding_of
 from jaxckpt._planning import tree as _tree
 from jaxckpt._runtime import agreement as _agreement
+from jaxckpt._runtime import collector as _collector
 from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime import streams as _streams
 from jaxckpt._storage import location as _location
@@ -230,7 +231,8 @@ def decide(
             _check_target(leaves, keys, targets)
             return _wanted(leaves, targets, count)
 
-        return plan_shares(posted, holders, wanted, count)
+        with _collector.paused():  # many small objects, no cycles: a full collection each time
+            return plan_shares(posted, holders, wanted, count)
     except (CheckpointError, ValueError, KeyError, TypeError, IndexError) as e:
         return json.dumps({"fallback": f"{type(e).__name__}: {e}"}), {}
 
