@@ -333,19 +333,23 @@ def _layout(
     weight = layout.itemsize * len(layout.leaves)  # bytes sent per element of a piece
     for b in sorted(wanted):
         holds: dict[int, tuple[int, int]] = {}  # holder -> the first (part, index) it holds
-        for q, j in sorted(where[b]):
+        for q, j in where[b]:  # in part order
             for h in holders.get(q, ()):
-                holds.setdefault(h, (q, j))
+                if h not in holds:
+                    holds[h] = (q, j)
         if not holds:
             raise ValueError(f"{name}: saved box {b} is held by no process")
-        by_reader: dict[int, list[Piece]] = collections.defaultdict(list)
+        by_reader: dict[int, list[Piece]] = {}
         remote: list[Piece] = []
         for c in wanted[b]:
-            (by_reader[c.process] if c.process in holds else remote).append(c)
+            if c.process in holds:
+                by_reader.setdefault(c.process, []).append(c)
+            else:
+                remote.append(c)
         if remote:
-            reader = min(list(by_reader) or list(holds), key=lambda h: (load[h], h))
-            load[reader] += sum(volume(c.region) for c in remote) * weight
-            by_reader[reader].extend(remote)
+            reader = min(by_reader or holds, key=lambda h: (load[h], h))
+            load[reader] += sum([math.prod(c.region[1]) for c in remote]) * weight
+            by_reader.setdefault(reader, []).extend(remote)
         for h in sorted(by_reader):
             q, j = holds[h]
             yield h, Read(n, q, j, b, tuple(by_reader[h]))
