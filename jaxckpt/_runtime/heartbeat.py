@@ -108,15 +108,20 @@ class Watch:
 
     def __init__(self, prefix: str, process: int) -> None:
         self.key, self.process = f"{prefix}/beat/{process}/v", process
+        self._value, self._read_at = "", -float("inf")
 
     def check(self, what: str) -> None:
-        """Raise if the process gave up or stopped beating without saying so (it died).
+        """Raise if the process gave up or stopped beating without saying so (it died). The
+        store is read at most twice per beat of the peer (once a second before its first).
 
         Raises:
           DistributedError: it did; names ``what`` was waited for.
         """
-        got = _distributed.kv_client().key_value_dir_get(self.key.rsplit("/", 1)[0] + "/")
-        value = next((v for k, v in got if k == self.key), "")
+        value, now = self._value, time.monotonic()
+        if now - self._read_at >= _every(value):
+            got = _distributed.kv_client().key_value_dir_get(self.key.rsplit("/", 1)[0] + "/")
+            value = self._value = next((v for k, v in got if k == self.key), "")
+            self._read_at = now
         if value == FAILED:
             raise DistributedError(f"{what}: process {self.process} gave up (see its log)")
         if value and _stale(self.key, value):
@@ -124,6 +129,14 @@ class Watch:
                 f"{what}: process {self.process} stopped answering (no sign of life for "
                 f"{value.split()[-1]} s, its I/O deadline): it died"
             )
+
+
+def _every(value: str) -> float:
+    """Seconds between two reads of a beat that was ``value``: half its period."""
+    try:
+        return period(float(value.split()[-1])) / 2
+    except (ValueError, IndexError):
+        return SLICE
 
 
 def dead(processes: Iterable[int]) -> list[int]:
