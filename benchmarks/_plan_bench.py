@@ -110,3 +110,70 @@ def run(processes: int, per_process: int = 8, arrays: int = 1000) -> dict:
         "manifest_bytes": len(plan.manifest.to_json()),
         "peak_rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
     }
+
+
+class FakeClient:
+    """What ``jax.sharding`` asks a device's client: which process this one is (the process
+    being simulated, so that its devices are the addressable ones)."""
+
+    me = 0
+
+    def process_index(self) -> int:
+        return FakeClient.me
+
+
+FakeDevice.client = FakeClient()  # type: ignore[attr-defined]
+
+
+def run_restore(processes: int, per_process: int = 8, arrays: int = 1000) -> dict:
+    """Restore planning on the simulated job, ``arrays`` arrays saved by ``processes`` x
+    ``per_process`` devices (the save plan's manifest, as :func:`run` makes it):
+
+    * the load plan (``DefaultLoadPlanner.set_up_planner`` and ``create_local_plan``, the
+      shared reads of a multi-process restore included) of process 0 and of the last
+      process, onto the same layout: every process makes its own, none waits for another;
+    * the elastic agreement (``benchmarks/_tiers_bench.simulate_plan``: ``processes`` ->
+      half as many, 1,000 leaves in 10 layouts): process 0's plan of everyone's share, and
+      the last process's description of a part and its share expanded.
+
+    Each with its time and peak RSS growth (VmHWM reset before it)."""
+    import _tiers_bench
+    from _procfs import reset_peak, vm
+
+    from jaxckpt._planning import load_planner as _load_planner
+    from jaxckpt._planning import plan_cache as _plan_cache
+    from jaxckpt._planning import save_planner as _save_planner
+
+    _plan_cache.clear_plan_cache()
+    planner = _save_planner.DefaultSavePlanner()
+    state = simulated_state(processes, per_process, arrays)
+    planner.set_up_planner(state, process_index=0, process_count=processes)
+    manifest = planner.create_global_plan().manifest
+    del planner, state
+    out: dict = {"processes": processes, "arrays": arrays}
+    count = jax.process_count
+    for name, me in (("load_0", 0), ("load_last", processes - 1)):
+        FakeClient.me = me
+        tree = simulated_state(processes, per_process, arrays)
+        target = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()
+        }
+        gc.collect()
+        reset_peak()
+        base = vm("VmRSS")
+        jax.process_count = lambda: processes  # the shared reads are planned as on a pod
+        try:
+            t0 = time.perf_counter()
+            load = _load_planner.DefaultLoadPlanner()
+            load.set_up_planner(target, manifest)
+            items = len(load.create_local_plan().items)
+            out[name] = {"s": time.perf_counter() - t0, "items": items}
+        finally:
+            jax.process_count = count
+        out[name]["growth_mb"] = max(vm("VmHWM") - base, 0) / 2**20
+        del load, tree, target
+    FakeClient.me = 0
+    new = max(processes // 2, 1)
+    got = _tiers_bench.simulate_plan(processes, new, arrays, per_process)
+    out["elastic"] = {"new": new, **got}
+    return out

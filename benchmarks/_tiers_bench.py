@@ -15,8 +15,9 @@ slowest, which is what the training loop waits for):
   restored by a new group of 2 processes on the disks of processes 0 and 1, onto a (2, 8)
   mesh; beside it the same 2 processes restoring the persistent step; the bytes each moved and
   its peak RSS growth beyond the state it restores (VmHWM, reset before the restore);
-* the elastic plan (``jaxckpt._manager.elastic.plan``, what process 0 computes) on simulated
-  jobs of up to 1,000 processes: its time and the bytes it sends (``simulate_plan``).
+* the elastic agreement's planning (``elastic_restore.plan_shares``, what process 0 computes)
+  on simulated jobs of up to 1,000 processes x 1,000 leaves: its time, memory and the bytes
+  through the coordinator (``simulate_plan``).
 
 Then the expected work lost per failure, computed from the intervals (see docs/tiers.md).
 """
@@ -34,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from _procfs import vm
+from _procfs import reset_peak, vm
 
 N = 4
 M = 2  # the elastic restart's process count
@@ -307,51 +308,124 @@ def _elastic_report(elastic: list[dict]) -> list[str]:
     ]
 
 
-def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts: int = 4) -> dict:
-    """The elastic plan process 0 computes for ``leaves`` FSDP leaves (of ``layouts`` distinct
-    widths, as a model's layers share a few shapes) saved by ``n_old`` processes x ``devices``
-    and restored onto ``n_new`` (each part held by its owner and the next process, the old
-    processes 0..n_new-1 surviving): seconds, and the bytes of the shares sent (JSON)."""
-    from jaxckpt._manager import elastic
+def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts: int = 10) -> dict:
+    """The elastic agreement's planning on a simulated job: ``leaves`` FSDP leaves (of
+    ``layouts`` distinct widths, as a model's layers share a few shapes) saved by ``n_old``
+    processes x ``devices`` and restored onto ``n_new`` (each part held by its owner and the
+    next process, the old processes 0..n_new-1 surviving).
+
+    Timed, each with its peak RSS growth: what process 0 computes
+    (``elastic_restore.plan_shares``: the descriptions merged, the leaves grouped into
+    layouts, the plan, every share), and what the last process computes of the plan: its
+    description of one part (``part_description``) and its share expanded to its leaves
+    (``elastic_moves.share_of``). The other holders' descriptions are built directly (the
+    same JSON). Returns seconds, bytes through the coordinator per process and in all."""
+    from jaxckpt._manager import elastic_moves, elastic_restore
+    from jaxckpt._runtime import collector
 
     rows = n_old * n_new * devices  # one row per box on both sides at least
     per_old, per_new = rows // (n_old * devices), rows // (n_new * devices)
-    width = {i: 256 * (1 + i % layouts) for i in range(leaves)}
+    width = [256 * (1 + t) for t in range(layouts)]
 
-    def boxes(i: int, first: int, per: int) -> list:
+    def boxes(t: int, first: int, per: int) -> list:
         return [
-            ((r * per, 0), (per, width[i])) for r in range(first * devices, (first + 1) * devices)
+            ((r * per, 0), (per, width[t])) for r in range(first * devices, (first + 1) * devices)
         ]
 
-    saved = {i: {q: boxes(i, q, per_old) for q in range(n_old)} for i in range(leaves)}
     holders = {q: [h for h in (q, (q + 1) % n_old) if h < n_new] for q in range(n_old)}
     holders = {q: h or [q % n_new] for q, h in holders.items()}  # the rest: on some survivor
-    needs = {p: {i: boxes(i, p, per_new) for i in range(leaves)} for p in range(n_new)}
-    shapes = {i: (rows, width[i]) for i in range(leaves)}
-    t0 = time.perf_counter()
-    plans = elastic.plan(shapes, saved, holders, needs, dict.fromkeys(range(leaves), 4))
-    seconds = time.perf_counter() - t0
-    share = sum(len(json.dumps(p.to_json())) for p in plans.values())
+    of = [i % layouts for i in range(leaves)]
+    of_posted = elastic_restore.part_description(  # the group numbers, as posted
+        [[((t,), (1,))] for t in of], dict.fromkeys(range(leaves), ("float32", ()))
+    )["of"]
+    described: dict[int, dict] = {}
+    for q in range(n_old):
+        groups = [
+            [[list(map(list, b)) for b in boxes(t, q, per_old)], "float32", []]
+            for t in range(layouts)
+        ]
+        described.setdefault(holders[q][0], {"parts": {}})["parts"][str(q)] = {
+            "groups": groups,
+            "of": of_posted,
+        }
+    described[holders[0][0]]["leaves"] = [
+        [f"layer{i // layouts}/w{i % layouts}", "array", [rows, width[i % layouts]], "float32", ""]
+        for i in range(leaves)
+    ]
+    posted = {p: json.dumps(described.get(p, {"parts": {}})) for p in range(n_new)}
+    del described
+
+    def wanted(got):
+        return of, [{p: boxes(t, p, per_new) for p in range(n_new)} for t in range(layouts)]
+
+    def plan() -> tuple:  # as elastic_restore.decide calls it: the collector paused
+        with collector.paused():
+            return elastic_restore.plan_shares(posted, holders, wanted, n_new)
+
+    zero = _measured(plan)
+    common, own = zero.pop("result")
+    assert "fallback" not in common, common
+    last = n_new - 1
+    data = dict.fromkeys(range(leaves), ("float32", ()))
+    describe = _measured(
+        lambda: elastic_restore.part_description(
+            [boxes(i % layouts, last, per_old) for i in range(leaves)], data
+        )
+    )
+    share = _measured(lambda: elastic_moves.share_of(json.loads(common), own[last]))
+    through = [len(posted[p]) + len(common) + len(own[p]) for p in range(n_new)]
     return {
-        "seconds": seconds,
-        "share_bytes": share,
-        "reads": sum(len(p.reads) for p in plans.values()),
+        "seconds": zero["seconds"],
+        "cpu_s": zero["cpu"],  # what the plan costs, less the waits of a shared machine
+        "growth": zero["growth"],
+        "other_s": describe["seconds"] + share["seconds"],
+        "other_growth": max(describe["growth"], share["growth"]),
+        "per_process": max(through),
+        "share_bytes": max(len(v) for v in own.values()),
+        "common_bytes": len(common),
+        "posted_bytes": max(len(v) for v in posted.values()),
+        "total_bytes": sum(through),
+        "reads": len(share["result"][1].reads),
     }
 
 
-def plan_report() -> str:
+def _measured(fn) -> dict:
+    """``fn()``'s result, seconds (wall and this process's CPU) and peak RSS growth (VmHWM
+    reset first)."""
+    import gc
+
+    gc.collect()
+    reset_peak()
+    base = vm("VmRSS")
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = fn()
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"result": result, "seconds": seconds, "cpu": cpu, "growth": max(vm("VmHWM") - base, 0)}
+
+
+PLAN_SCALES = ((4, 2), (64, 32), (256, 128), (1000, 500))
+
+
+def plan_report(leaves: int = 1000, layouts: int = 10) -> str:
     lines = [
-        "Elastic plan on simulated jobs (process 0's work; 16 leaves of 4 layouts, 8 devices per process, "
-        "every part on 2 disks):",
+        f"Elastic plan on simulated jobs (process 0's work: {leaves} leaves of {layouts} layouts, "
+        "8 devices per process, every part on 2 disks):",
         "",
-        "| processes old -> new | boxes per leaf (old) | plan (s) | shares sent (KiB) |",
-        "|---|---:|---:|---:|",
+        "| processes old -> new | saved boxes | plan (s) | of it CPU (s) | process 0 peak RSS growth (MiB) "
+        "| per process through the coordinator (KiB) | of it: posted / verdict / share (KiB) "
+        "| in all (MiB) | last process (s) | its peak RSS growth (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n_old, n_new in ((4, 2), (64, 32), (256, 128), (1000, 500)):
-        got = simulate_plan(n_old, n_new, 16)
+    kib, mib = 1024, 1 << 20
+    for n_old, n_new in PLAN_SCALES:
+        got = simulate_plan(n_old, n_new, leaves, layouts=layouts)
         lines.append(
-            f"| {n_old} -> {n_new} | {n_old * 8} | {got['seconds']:.2f} | "
-            f"{got['share_bytes'] / 1024:.0f} |"
+            f"| {n_old} -> {n_new} | {n_old * 8 * leaves:,} | {got['seconds']:.2f} | "
+            f"{got['cpu_s']:.2f} | "
+            f"{got['growth'] / mib:.0f} | {got['per_process'] / kib:.0f} | "
+            f"{got['posted_bytes'] / kib:.0f} / {got['common_bytes'] / kib:.0f} / "
+            f"{got['share_bytes'] / kib:.0f} | {got['total_bytes'] / mib:.1f} | "
+            f"{got['other_s']:.3f} | {got['other_growth'] / mib:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -242,7 +242,9 @@ def _scaling(spec: dict) -> dict:
 def _plan(spec: dict) -> dict:
     import _plan_bench
 
-    return {"points": [_plan_bench.run(p, 8, spec["arrays"]) for p in spec["processes"]]}
+    points = [_plan_bench.run(p, 8, spec["arrays"]) for p in spec["processes"]]
+    restore = [_plan_bench.run_restore(p, 8, spec["arrays"]) for p in spec["processes"]]
+    return {"points": points, "restore": restore}
 
 
 TASKS = {

@@ -14,7 +14,8 @@ Workloads: ``big`` (~400 MiB transformer-like state, FSDP x TP on a (4,2) mesh),
 (2,000 replicated 1 KiB leaves), ``reshard`` (``big`` restored onto a (2,4) mesh, with bytes
 read), ``async`` (time until an async save returns), ``memory`` (peak RSS growth of a save and
 of a restore), ``plan`` (the save planner on a simulated job of up to 4,096 processes x 8
-devices), ``orbax-read`` (a checkpoint orbax wrote, of ``big`` when that is asked for too, else
+devices, then restore planning at the same scales: the load plan of process 0 and of the last
+process, and the elastic agreement onto half as many processes, benchmarks/_plan_bench.py), ``orbax-read`` (a checkpoint orbax wrote, of ``big`` when that is asked for too, else
 of ``small``, restored by jaxckpt and by orbax, both onto the saving mesh), ``scaling`` (save
 and restore against state size, 100 MiB-1.6 GiB, and leaf count, 100-10,000). ``tiers`` (only
 when named: local vs persistent saves and recoveries of a 4-process job, benchmarks/_tiers_bench.py).
@@ -153,6 +154,26 @@ def _limits_pass(args: argparse.Namespace, spawn, passes: dict, log: list[str]) 
     return passes
 
 
+def _restore_plan_report(points: list, add) -> None:
+    """The restore planning rows of the ``plan`` workload (``_plan_bench.run_restore``)."""
+    mib = 2**20
+    add("\n### `plan`: restore planning on the simulated job (process 0 and the last process)\n")
+    add(
+        "| processes × 8 devices | load plan, process 0: s / MiB | load plan, last: s / MiB "
+        "| elastic onto | elastic, process 0: s / MiB | elastic, last: s / MiB "
+        "| through the coordinator per process KiB |"
+    )
+    add("|---|---|---|---|---|---|---|")
+    for r in points:
+        a, b, e = r["load_0"], r["load_last"], r["elastic"]
+        add(
+            f"| {r['processes']:,} | {_s(a['s'])} / {a['growth_mb']:.0f} | "
+            f"{_s(b['s'])} / {b['growth_mb']:.0f} | {e['new']:,} | "
+            f"{_s(e['seconds'])} ({_s(e['cpu_s'])} CPU) / {e['growth'] / mib:.0f} | "
+            f"{_s(e['other_s'])} / {e['other_growth'] / mib:.0f} | {e['per_process'] / 1024:.0f} |"
+        )
+
+
 def measure(args: argparse.Namespace) -> dict:
     root, runs, log = args.dir, args.runs, []
 
@@ -244,6 +265,7 @@ def measure(args: argparse.Namespace) -> dict:
         procs = sorted(args.plan_procs)  # one process, smallest first: peak RSS grows with it
         r = spawn({"task": "plan", "processes": procs, "arrays": 1000}, log)
         res["plan"] = r["points"] if r else []
+        res["restore_plan"] = r.get("restore", []) if r else []
     return res
 
 
@@ -436,6 +458,8 @@ def report(res: dict, libs: tuple[str, ...], argv: str) -> tuple[str, list[tuple
                 f"{r['local_items']:,} | {_s(r['plan_s'])} | {_s(r['cached_s'])} | "
                 f"{r['manifest_bytes'] / 1024:.0f} | {r['peak_rss_growth_mb']:.0f} |"
             )
+    if res.get("restore_plan"):
+        _restore_plan_report(res["restore_plan"], add)
     if res.get("scaling"):
         _scaling_report(res["scaling"], libs, add)
     if targets:

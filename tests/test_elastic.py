@@ -5,13 +5,17 @@ promises on small layouts: every needed byte arrives exactly once, no box is rea
 nothing crosses between processes that its destination holds. A single-process manager
 restores its local step onto another mesh and onto bare ``Sharding`` leaves. The multi-process
 cases (4 -> 2 processes with ``local_replicas=2``, 2 -> 4 with empty disks, a process killed
-during an elastic restore) run in real ``jax.distributed`` groups (``tests/tiers_worker.py``,
-stages ``el_*``); 4 -> 4 onto another mesh is ``test_tiers.py``'s (d).
+during an elastic restore, a sender killed mid-stream and seen dead by its heartbeat) run in
+real ``jax.distributed`` groups (``tests/tiers_worker.py``, stages ``el_*``); 4 -> 4 onto
+another mesh is ``test_tiers.py``'s (d). Issue 54: process 0's shares are per layout (their
+size does not grow with the leaves) and a description naming groups it lacks is refused.
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import logging
 import math
 from pathlib import Path
@@ -267,7 +271,7 @@ def _data(records: list, name: str) -> list:
 def elastic_job(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("elastic")
     out = {}
-    for stage, n in (("el_train", 4), ("el_two", 2), ("el_four", 4)):
+    for stage, n in (("el_train", 4), ("el_two", 2), ("el_four", 4), ("el_kill", 4)):
         out[stage] = run_group(WORKER, stage, n, work, GROUP_TIMEOUT_S)
     return out
 
@@ -303,6 +307,22 @@ def test_two_to_four_processes_with_empty_disks(elastic_job):
     assert _data(four, "el_grow") == [["local", 8, []]] * 4
     assert _data(four, "el_grow_resharded") == [2] * 4
     assert [m["read"] for m in _data(four, "el_grow_stats")][2:] == [0, 0]
+
+
+def test_a_sender_killed_mid_stream_is_seen_dead_and_all_fall_back(elastic_job):
+    # Process 1 dies as it sends its first piece to processes 2 and 3: they see it dead by
+    # its heartbeat within the I/O deadline (5 s here) and every survivor falls back to the
+    # persistent step, long before JAXCKPT_SYNC_TIMEOUT (90 s here) would have passed.
+    group = elastic_job["el_kill"]
+    killed = group[1]["data"].get("killed")
+    assert killed, "process 1 was not killed"
+    for p in (0, 2, 3):
+        _ok(group[p : p + 1], "el_kill")
+        assert group[p]["data"]["el_kill"] == ["persistent", 5, []]
+    after = max(group[p]["data"]["el_kill_end"] for p in (0, 2, 3)) - killed
+    restore = max(group[p]["data"]["el_kill_s"] for p in (0, 2, 3))
+    print(f"\nkilled sender: all fell back {after:.1f} s after the kill (restore {restore:.1f} s)")
+    assert after < 60, f"the fallback took {after:.0f} s: it waited for JAXCKPT_SYNC_TIMEOUT"
 
 
 def test_a_part_whose_boxes_do_not_tile_falls_back_with_the_reason(tmp_path, caplog):
@@ -356,3 +376,57 @@ def test_plan_leaves_of_one_layout_are_planned_once_and_each_still_moves():
             i: [(r.part, r.box, r.pieces) for r in plan.reads if r.leaf == i] for i in range(3)
         }
         assert per_leaf[0] == per_leaf[1] == per_leaf[2]
+
+
+def _posted(parts: int, leaves: int, of=None) -> dict:
+    """What the holders post for ``leaves`` row-sharded (16 x 4) leaves of one layout saved
+    by ``parts`` processes, process ``q`` holding part ``q``."""
+    from jaxckpt._manager import elastic_restore
+
+    data = dict.fromkeys(range(leaves), ("float32", ()))
+    posted = {}
+    for q, b in enumerate(_rows(parts, 16, 4)):
+        desc = elastic_restore.part_description([[b]] * leaves, data)
+        if of is not None:
+            desc["of"] = of
+        posted[q] = {"parts": {str(q): desc}}
+    posted[0]["leaves"] = [[f"w{i}", "array", [16, 4], "float32", ""] for i in range(leaves)]
+    return {p: json.dumps(v) for p, v in posted.items()}
+
+
+def test_shares_are_per_layout_not_per_leaf():
+    # 10 or 1,000 leaves of one layout: each process's share is the same size; only the
+    # verdict's list of leaves grows, and each process expands its share to every leaf.
+    from jaxckpt._manager import elastic_moves, elastic_restore
+
+    def wanted(got):  # process p needs rows 8p..8p+7 of every leaf
+        return [0] * len(got), [{p: [((8 * p, 0), (8, 4))] for p in range(2)}]
+
+    holders = {q: [q % 2] for q in range(4)}
+    sizes = {}
+    for n in (10, 1000):
+        common, own = elastic_restore.plan_shares(_posted(4, n), holders, wanted, 2)
+        sizes[n] = [len(own[p]) for p in range(2)]
+        leaves, plan, needs = elastic_moves.share_of(json.loads(common), own[1])
+        assert len(leaves) == n and sorted(needs) == list(range(n))
+        # Process 1 holds parts 1 and 3 (rows 4-7, 12-15) and needs rows 8-15: part 3 from
+        # its own disk, part 2's rows from process 0; it reads part 1 for process 0. Leaf by
+        # leaf, for every leaf.
+        assert [(r.leaf, r.part) for r in plan.reads] == [(i, q) for i in range(n) for q in (1, 3)]
+        assert [(r.leaf, r.part) for r in plan.incoming[0]] == [(i, 2) for i in range(n)]
+    assert sizes[10] == sizes[1000]
+
+
+def test_a_description_naming_groups_it_lacks_is_refused():
+    from jaxckpt._manager import elastic_restore
+
+    def wanted(got):
+        return [0] * len(got), [{0: [((0, 0), (16, 4))]}]
+
+    bad = base64.b64encode(np.array([0, 7], "<i4").tobytes()).decode()
+    with pytest.raises(jaxckpt.CheckpointError, match="names groups it does not have"):
+        elastic_restore.plan_shares(_posted(2, 2, of=bad), {0: [0], 1: [0]}, wanted, 1)
+    with pytest.raises(jaxckpt.CheckpointError, match="describes 1 leaves, not 2"):
+        elastic_restore.plan_shares(_posted(2, 2, of="AAAAAA=="), {0: [0], 1: [0]}, wanted, 1)
+    with pytest.raises(jaxckpt.CheckpointError, match="not what jaxckpt posts"):
+        elastic_restore.plan_shares(_posted(2, 2, of="!!"), {0: [0], 1: [0]}, wanted, 1)

@@ -20,7 +20,8 @@ persistent step every 5. Stages, each a restart of the whole group:
 * ``memory`` (2): one large part sent by each transport, the peak memory of both sides;
 * ``el_train`` (4), ``el_two`` (2), ``el_four`` (4): elastic recovery for tests/test_elastic.py
   (issue 46), in ``WORKDIR/el``: 4 -> 2 processes onto a (2, 2) mesh, a process killed in an
-  elastic restore, 2 -> 4 processes with empty disks.
+  elastic restore, 2 -> 4 processes with empty disks; ``el_kill`` (4): 2 -> 4 again, process 1
+  killed as it sends its first piece (issue 54).
 
 Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``mh_worker.py``.
 """
@@ -338,6 +339,47 @@ def stage_el_four(rec: Record, work: Path, pid: int, n: int) -> None:
         rec.run("el_grow", lambda: restored(rec, "el_grow", mgr, target(n), 8, n))
 
 
+def stage_el_kill(rec: Record, work: Path, pid: int, n: int) -> None:
+    """Issue 54: 4 processes restore step 8 of the 2 (processes 2 and 3 with empty disks)
+    onto a (4, 2) mesh of devices of processes 0, 2, 3 and 0 again; process 1 is killed as it
+    sends its first piece. The pieces relay through the key-value store, so nothing but the
+    heartbeat tells its receivers it died (a transfer server's socket may say so sooner): they
+    see it dead within the I/O deadline (5 s here), and all fall back to the persistent step;
+    the times are recorded for the test to report."""
+    import time
+
+    from jax.sharding import Mesh
+
+    from jaxckpt._runtime import streams
+
+    os.environ["JAXCKPT_IO_TIMEOUT"] = "5"
+    os.environ["JAXCKPT_REPLICATION"] = "kv"
+    os.environ["JAXCKPT_SYNC_TIMEOUT"] = "90"  # what the fallback must not wait for
+    write = streams.Outgoing.write
+
+    def write_or_die(self, data):
+        if pid == 1:
+            rec.data["killed"] = time.time()
+            rec.flush()
+            _die()
+        return write(self, data)
+
+    streams.Outgoing.write = write_or_die
+    mine = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 2, 3)}
+    devices = [mine[0][:2], mine[2][:2], mine[3][:2], mine[0][2:]]
+    mesh = Mesh(np.array(devices), ("a", "b"))
+    work = work / "el"
+
+    def kill():
+        with manager(work, pid, replicas=2) as mgr:
+            t0 = time.monotonic()
+            restored(rec, "el_kill", mgr, target(n, mesh=mesh), 5, n)
+            rec.data["el_kill_s"] = time.monotonic() - t0
+            rec.data["el_kill_end"] = time.time()
+
+    rec.run("el_kill", kill)
+
+
 def transport() -> str:
     """How this process's replicas went: ``transfer`` once its transfer server started."""
     from jaxckpt._runtime import transfer
@@ -428,20 +470,22 @@ def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     if stage == "replaced" and pid == 2:
         shutil.rmtree(work / "local" / "p2")  # a replaced node: its local disk is empty
-    if stage == "el_four" and pid >= 2:
+    if stage in ("el_four", "el_kill") and pid >= 2:
         shutil.rmtree(work / "el" / "local" / f"p{pid}")  # new nodes: empty disks
     groups.join(pid, n, port)
     rec = Record(work / f"{stage}-{pid}.json")
     stages = {"train": stage_train, "restart": stage_restart, "replaced": stage_replaced}
     stages.update(two=stage_two, kv=stage_kv, memory=stage_memory)
     stages.update(el_train=stage_el_train, el_two=stage_el_two, el_four=stage_el_four)
+    stages.update(el_kill=stage_el_kill)
     stages[stage](rec, work, pid, n)
     rec.data["transport"] = transport()
     rec.flush()
-    if stage in ("el_train", "el_four"):  # process 0 hosts the coordination service: it exits
-        from jaxckpt._runtime import agreement  # last, or the others die with it (jax 0.6.2)
+    if stage in ("el_train", "el_four", "el_kill"):  # process 0 hosts the coordination
+        from jaxckpt._runtime import agreement  # service: it exits last, or the others die
 
-        agreement.decide("end", "", lambda _: "")
+        # with it (jax 0.6.2); not waiting for a process whose heartbeat stopped (el_kill)
+        agreement.decide("end", "", lambda _: "", survivors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

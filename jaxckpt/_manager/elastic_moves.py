@@ -41,6 +41,8 @@ from jaxckpt._format.plan import Box, ReadItem, index_to_box
 from jaxckpt._manager import elastic as _elastic
 from jaxckpt._manager import local_part as _part
 from jaxckpt._planning import tree as _tree
+from jaxckpt._runtime import collector as _collector
+from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import streams as _streams
 from jaxckpt._sources.detect import open_source
@@ -120,17 +122,13 @@ def carry_out(
     Raises:
       CheckpointError, DistributedError: a read, a stream or a box failed here.
     """
-    leaves = [Leaf.from_json(raw) for raw in common["leaves"]]
-    mine = json.loads(own)
-    plan = _elastic.plan_from_json(mine["plan"])
-    needs = {int(i): [_elastic.box_of(b) for b in boxes] for i, boxes in mine["needs"].items()}
+    with _collector.paused():
+        leaves, plan, needs = share_of(common, own)
     _, targets, treedef = _tree.flatten_with_treedef(target)
     stats, slab = Stats(), int(common["slab"])
     assembly = _Assembly(leaves, needs, targets)
     jobs: list[Future[int]] = [
-        pools.stream_pool().submit(
-            _receive, f"{prefix}/{h}-{process}/", reads, leaves, assembly, slab
-        )
+        pools.stream_pool().submit(_receive, prefix, h, process, reads, leaves, assembly, slab)
         for h, reads in sorted(plan.incoming.items())
     ]
     try:
@@ -145,6 +143,22 @@ def carry_out(
     if errors:
         raise errors[0]
     return jax.tree_util.tree_unflatten(treedef, assembly.finish()), stats
+
+
+def share_of(
+    common: Mapping[str, Any], own: str
+) -> tuple[list[Leaf], _elastic.Plan, dict[int, list[Box]]]:
+    """The leaves, this process's plan per leaf and its target boxes per leaf, from the
+    verdict (``common``) and its share (``own``, per layout): what a process other than 0
+    computes of the plan (benchmarks/_plan_bench.py times it)."""
+    leaves = [Leaf.from_json(raw) for raw in common["leaves"]]
+    mine = json.loads(own)
+    layouts = [[int(i) for i in members] for members in common["layouts"]]
+    plan = _elastic.plan_from_json(mine["plan"]).expand(layouts)
+    needs: dict[int, list[Box]] = {}
+    for n, boxes in mine["needs"].items():
+        needs.update(dict.fromkeys(layouts[int(n)], [_elastic.box_of(b) for b in boxes]))
+    return leaves, plan, needs
 
 
 def _totals(reads: Sequence[_elastic.Read], leaves: list[Leaf]) -> dict[int, int]:
@@ -186,7 +200,7 @@ def _serve(
     """Read each box of ``reads`` once, slab by slab; keep this process's pieces, stream the
     others' to them (one stream per receiver, opened first so its receiver can start)."""
     outs = {
-        p: _streams.Outgoing(f"{prefix}/{process}-{p}/", n)
+        p: _streams.Outgoing(f"{prefix}/{process}-{p}/", n, watch=_heartbeat.Watch(prefix, p))
         for p, n in sorted(_totals(reads, leaves).items())
         if p != process and n
     }
@@ -247,13 +261,22 @@ def _read_box(
 
 
 def _receive(
-    prefix: str, reads: Sequence[_elastic.Read], leaves: list[Leaf], assembly: _Assembly, slab: int
+    prefix: str,
+    sender: int,
+    process: int,
+    reads: Sequence[_elastic.Read],
+    leaves: list[Leaf],
+    assembly: _Assembly,
+    slab: int,
 ) -> int:
-    """Receive the pieces of ``reads`` from their sender, in its order; the bytes."""
+    """Receive the pieces of ``reads`` from ``sender``, in its order; the bytes. A sender
+    that dies or gives up ends the wait within its I/O deadline (its heartbeat)."""
     total = sum(_totals(reads, leaves).values())
     if not total:
         return 0
-    stream = _streams.Incoming(prefix, total=total, what=f"the boxes of {prefix}")
+    name = f"{prefix}/{sender}-{process}/"
+    watch = _heartbeat.Watch(prefix, sender)
+    stream = _streams.Incoming(name, total=total, what=f"the boxes of {name}", watch=watch)
     try:
         for read in reads:
             leaf = leaves[read.leaf]

@@ -13,6 +13,10 @@ coordination service, hosted by process 0):
 3. (every process) reads the verdict; a verdict that starts with ``!`` is an error, raised on
    every process.
 
+With ``survivors``, process 0 does not wait for a process whose heartbeat says it died
+(``jaxckpt._runtime.heartbeat``: within that process's I/O deadline, not
+``JAXCKPT_SYNC_TIMEOUT``).
+
 Every process must make the same decisions in the same order (like a save): the key of each
 is its number in this process's sequence.
 """
@@ -26,6 +30,7 @@ from collections.abc import Callable
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import heartbeat as _heartbeat
 
 PREFIX = "jaxckpt/tiers/decide"
 _POLL_S = 0.2
@@ -128,12 +133,19 @@ def _collect(
     timeout: float,
     survivors: bool,
 ) -> dict[int, str]:
-    """Every process's value (process 0); those that posted in time where ``survivors``."""
-    deadline, delay = time.monotonic() + timeout, 0.002
+    """Every process's value (process 0); where ``survivors``, those that posted in time,
+    and not waiting for those whose heartbeat says they died (``heartbeat.dead``)."""
+    deadline, delay, looked = time.monotonic() + timeout, 0.002, time.monotonic()
     while True:
         posted = {int(k.rsplit("/", 1)[1]): v for k, v in kv.key_value_dir_get(f"{key}/at/")}
         if len(posted) == count:
             return posted
+        if survivors and time.monotonic() - looked >= 1:
+            looked = time.monotonic()
+            if set(posted) | set(_heartbeat.dead(set(range(count)) - set(posted))) == set(
+                range(count)
+            ):
+                return posted
         if time.monotonic() > deadline:
             if survivors:
                 return posted

@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime import transfer as _transfer
 
 CHUNK_BYTES = 4 << 20  # through the store: well under its gRPC message limit
@@ -70,9 +72,11 @@ class Outgoing:
       total: the bytes the stream carries.
       about: more for the head (JSON), e.g. a directory's file list.
       timeout: seconds to wait for each acknowledgement; default ``JAXCKPT_SYNC_TIMEOUT``.
+      watch: the receiver's heartbeat (``jaxckpt._runtime.heartbeat``): where given, a
+        receiver that died or gave up ends the waits within its deadline.
 
     Raises:
-      DistributedError: the receiver did not acknowledge in time or refused the copy, or
+      DistributedError: the receiver did not acknowledge in time, died or refused the copy, or
         ``JAXCKPT_REPLICATION=transfer`` and this process has no transfer server (then the
         receiver hears why at once).
     """
@@ -84,6 +88,7 @@ class Outgoing:
         *,
         about: dict[str, Any] | None = None,
         timeout: float | None = None,
+        watch: _heartbeat.Watch | None = None,
     ) -> None:
         kv = _distributed.kv_client()
         timeout = _distributed.sync_timeout() if timeout is None else timeout
@@ -92,7 +97,7 @@ class Outgoing:
         except DistributedError as e:
             refuse(prefix, str(e))
             raise
-        self._stream = _Stream(kv, prefix, timeout, server)
+        self._stream = _Stream(kv, prefix, timeout, server, watch)
         self.total, self.crc = total, 0
         head = self._stream.head({**(about or {}), "bytes": total})
         kv.key_value_set_bytes(prefix + "head", head)
@@ -111,11 +116,13 @@ class Outgoing:
                 raise DistributedError(f"{s.prefix}: {s.total} bytes written, {self.total} due")
             tail = {"chunks": s.seq, "crc32": [self.crc]}
             s.kv.key_value_set_bytes(s.prefix + "tail", json.dumps(tail).encode())
-            verdict = get(s.kv, s.prefix + "done", s.timeout, f"stream {s.prefix}").decode()
+            verdict = get(s.kv, s.prefix + "done", s.timeout, f"stream {s.prefix}", s.watch)
         finally:  # also when the receiver is gone: no chunk stays in the store
             self.abort()
-        if verdict != "ok":
-            raise DistributedError(f"the stream {s.prefix} was refused by its receiver: {verdict}")
+        if verdict != b"ok":
+            raise DistributedError(
+                f"the stream {s.prefix} was refused by its receiver: {verdict.decode(errors='replace')}"
+            )
         return s.total
 
     def abort(self) -> None:
@@ -139,6 +146,9 @@ class Incoming:
       prefix: the stream's key prefix.
       total: the bytes expected (``None``: any number up to ``max_bytes``, read from the head).
       what: the stream's name in error messages.
+      timeout: seconds to wait for each chunk; default ``JAXCKPT_SYNC_TIMEOUT``.
+      watch: the sender's heartbeat (``jaxckpt._runtime.heartbeat``): where given, a
+        sender that died or gave up ends the waits within its deadline.
 
     Raises:
       DistributedError: the sender refused (its reason), died, sent another length, or sent a
@@ -153,10 +163,12 @@ class Incoming:
         max_bytes: int | None = None,
         what: str = "",
         timeout: float | None = None,
+        watch: _heartbeat.Watch | None = None,
     ) -> None:
         self.kv, self.prefix, self.what = _distributed.kv_client(), prefix, what or prefix
         self.timeout = _distributed.sync_timeout() if timeout is None else timeout
-        self.head = _json(get(self.kv, prefix + "head", self.timeout, self.what), "head")
+        self.watch = watch
+        self.head = _json(get(self.kv, prefix + "head", self.timeout, self.what, watch), "head")
         if "error" in self.head:
             self.kv.key_value_delete(prefix.rstrip("/"))
             raise DistributedError(
@@ -169,9 +181,9 @@ class Incoming:
         if max_bytes is not None and self.total > max_bytes:
             self._refuse(f"{self.what}: {self.total} bytes, more than the {max_bytes} allowed")
         if self.head.get("via") == "transfer":
-            self._chunks = _pulled(self.kv, prefix, self.head, self.total, self.timeout, self.what)
+            self._chunks = _pulled(self, self.head)
         else:
-            self._chunks = _relayed(self.kv, prefix, self.timeout, self.what)
+            self._chunks = _relayed(self)
         self._chunk, self._at, self.crc, self.got = memoryview(b""), 0, 0, 0
 
     def _refuse(self, why: str) -> NoReturn:
@@ -196,7 +208,8 @@ class Incoming:
     def close(self) -> None:
         """Check that every byte came, undamaged, and tell the sender."""
         try:
-            tail = _json(get(self.kv, self.prefix + "tail", self.timeout, self.what), "tail")
+            raw = get(self.kv, self.prefix + "tail", self.timeout, self.what, self.watch)
+            tail = _json(raw, "tail")
             if self.got != self.total or self._at != len(self._chunk):
                 raise DistributedError(f"{self.what}: not read to its end")
             if tail.get("crc32") != [self.crc]:
@@ -212,20 +225,34 @@ class Incoming:
         self.kv.key_value_set_bytes(self.prefix + "done", str(error)[:2000].encode())
 
 
-def get(kv: _distributed.KeyValueClient, key: str, timeout: float, what: str) -> bytes:
-    """The value of ``key`` once another process posts it, within ``timeout`` seconds.
+def get(
+    kv: _distributed.KeyValueClient,
+    key: str,
+    timeout: float,
+    what: str,
+    watch: _heartbeat.Watch | None = None,
+) -> bytes:
+    """The value of ``key`` once another process posts it, within ``timeout`` seconds; where
+    ``watch`` (the heartbeat of the process that posts it) is given, waited for in slices
+    between which it is checked, so a dead peer ends the wait within its I/O deadline.
 
     Raises:
-      DistributedError: nothing came in time (naming ``what``).
+      DistributedError: nothing came in time, or the watched process died (naming ``what``).
     """
-    try:
-        return kv.blocking_key_value_get_bytes(key, max(1, int(timeout * 1000)))
-    except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
-        raise DistributedError(
-            f"{what}: no answer from the other process within {timeout:g} s ({key}: "
-            f"{str(e).splitlines()[0][:200]}). It crashed, hangs, or is slow: raise "
-            f"JAXCKPT_SYNC_TIMEOUT=SECONDS if transfers are just slow."
-        ) from e
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        wait = left if watch is None else min(left, _heartbeat.SLICE)
+        try:
+            return kv.blocking_key_value_get_bytes(key, max(1, int(wait * 1000)))
+        except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+            if watch is None or wait >= left or "DEADLINE_EXCEEDED" not in str(e):
+                raise DistributedError(
+                    f"{what}: no answer from the other process within {timeout:g} s ({key}: "
+                    f"{str(e).splitlines()[0][:200]}). It crashed, hangs, or is slow: raise "
+                    f"JAXCKPT_SYNC_TIMEOUT=SECONDS if transfers are just slow."
+                ) from e
+        watch.check(what)
 
 
 def _server() -> _transfer.Server | None:
@@ -251,8 +278,10 @@ class _Stream:
         prefix: str,
         timeout: float,
         server: _transfer.Server | None = None,
+        watch: _heartbeat.Watch | None = None,
     ) -> None:
         self.kv, self.prefix, self.timeout, self.server = kv, prefix, timeout, server
+        self.watch = watch
         self.chunk = CHUNK_BYTES if server is None else TRANSFER_CHUNK_BYTES
         self.base = 0 if server is None else _transfer.new_ids()
         self.buf = bytearray()
@@ -279,7 +308,13 @@ class _Stream:
             return
         if self.seq >= WINDOW:
             ack = f"{self.prefix}ack/{self.seq - WINDOW}"
-            get(self.kv, ack, self.timeout, f"chunk {self.seq - WINDOW} of {self.prefix}")
+            get(
+                self.kv,
+                ack,
+                self.timeout,
+                f"chunk {self.seq - WINDOW} of {self.prefix}",
+                self.watch,
+            )
             self.kv.key_value_delete(ack)
         if self.server is None:
             self.kv.key_value_set_bytes(f"{self.prefix}c/{self.seq}", bytes(self.buf))
@@ -290,26 +325,19 @@ class _Stream:
         self.buf = bytearray()
 
 
-def _relayed(
-    kv: _distributed.KeyValueClient, prefix: str, timeout: float, what: str
-) -> Iterator[memoryview]:
+def _relayed(stream: Incoming) -> Iterator[memoryview]:
     """The chunks from the store, each deleted and acknowledged once read."""
+    kv, prefix = stream.kv, stream.prefix
     for seq in itertools.count():
-        chunk = get(kv, f"{prefix}c/{seq}", timeout, what)
+        chunk = get(kv, f"{prefix}c/{seq}", stream.timeout, stream.what, stream.watch)
         kv.key_value_delete(f"{prefix}c/{seq}")
         kv.key_value_set(f"{prefix}ack/{seq}", "")
         yield memoryview(chunk)
 
 
-def _pulled(
-    kv: _distributed.KeyValueClient,
-    prefix: str,
-    head: dict[str, Any],
-    total: int,
-    timeout: float,
-    what: str,
-) -> Iterator[memoryview]:
+def _pulled(stream: Incoming, head: dict[str, Any]) -> Iterator[memoryview]:
     """The chunks pulled from the sender's transfer server, each acknowledged once here."""
+    kv, prefix, what, total = stream.kv, stream.prefix, stream.what, stream.total
     address, base, chunk = head.get("address"), head.get("uuid"), head.get("chunk")
     if not (
         isinstance(address, str)
@@ -325,8 +353,10 @@ def _pulled(
             f"cannot start one ({_transfer.failure()}); set {_transfer.ENV}=kv on every process."
         )
     conn = server.connect(address)
+    watch = stream.watch
+    alive = None if watch is None else lambda: watch.check(what)
     for seq in range(-(-total // chunk)):
-        data = conn.pull(base + seq, min(chunk, total - seq * chunk), timeout)
+        data = conn.pull(base + seq, min(chunk, total - seq * chunk), stream.timeout, alive)
         kv.key_value_set(f"{prefix}ack/{seq}", "")  # the sender may offer the next one
         yield data.data  # memoryview(data), typed
 

@@ -30,6 +30,8 @@ import logging
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -131,17 +133,36 @@ class Connection:
         self._sharding = jax.sharding.SingleDeviceSharding(device)
         self._conn = conn
 
-    def pull(self, uuid: int, nbytes: int, timeout: float) -> npt.NDArray[Any]:
-        """The ``nbytes`` bytes the peer offered as ``uuid``, within ``timeout`` seconds.
+    def pull(
+        self,
+        uuid: int,
+        nbytes: int,
+        timeout: float,
+        alive: Callable[[], None] | None = None,
+    ) -> npt.NDArray[Any]:
+        """The ``nbytes`` bytes the peer offered as ``uuid``, within ``timeout`` seconds;
+        ``alive`` (if given) is called every second of the wait and raises once the peer is
+        known dead, which gives the pull up at once.
 
         Raises:
           DistributedError: the peer failed, is unreachable or did not offer them in time.
         """
         future = pools.abandonable(self._pull, uuid, nbytes)
+        deadline = time.monotonic() + timeout
         try:
-            return future.result(timeout)
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    return future.result(left if alive is None else min(left, 1.0))
+                except concurrent.futures.TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if alive is not None:
+                        alive()
         except concurrent.futures.TimeoutError:
             why = f"nothing within {timeout:g} s"
+        except DistributedError:
+            raise
         except Exception as e:  # noqa: BLE001 - the transfer library raises its runtime errors
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         raise DistributedError(
