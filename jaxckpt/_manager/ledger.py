@@ -205,7 +205,8 @@ class Ledger:
         local = self.local is not None and self.local.holds(step)
         if step not in steps and not local:
             raise CheckpointNotFoundError(
-                f"Step {step} is not in {self.run.directory} or its local tier; committed steps: "
+                f"Step {step} is not in {self.run.directory}"
+                f"{'' if self.local is None else ' or its local tier'}; committed steps: "
                 f"{steps}. Nothing was deleted."
             )
         self._remove([step], primary=primary, clean_up=clean_up)
