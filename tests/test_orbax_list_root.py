@@ -1,5 +1,5 @@
 """Orbax checkpoints whose root is a list or tuple restore as the tree they were saved from
-(issue 51.2): the fixture in data/orbax_list_root (see its make_fixture.py) needs no Orbax;
+(issue 51.2): the fixture in data/orbax_list_root (see its make_list_root.py) needs no Orbax;
 the last test writes them live with Orbax and Flax where those are installed."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ tuple ``target`` writes the same layout through Orbax.
 
 How it was made (CPU only), with the repo's own venv (orbax-checkpoint 0.12.8, jax 0.10.2):
 
-    cd /tmp && JAX_PLATFORMS=cpu /work/main/.venv/bin/python \\
-        /work/main/tests/data/orbax_list_root/make_fixture.py
+    JAX_PLATFORMS=cpu .venv/bin/python \\
+        tests/data/orbax_list_root/make_list_root.py
 
 Writes, next to this file (Orbax's defaults: OCDBT, zarr v2 inside):
 
