@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from html.parser import HTMLParser
 
 import jax
 import numpy as np
@@ -79,3 +80,59 @@ def x64():
         yield
     finally:
         jax.config.update("jax_enable_x64", before)
+
+
+class HtmlTable(HTMLParser):
+    """The rows of an HTML table, each a list of its cells' text; checks every tag closes."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self.caption = ""
+        self.open: list[str] = []
+        self.feed(html)
+        self.close()
+        assert not self.open, f"unclosed: {self.open}"
+
+    def handle_starttag(self, tag, attrs):
+        self.open.append(tag)
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self.rows[-1].append("")
+
+    def handle_endtag(self, tag):
+        assert self.open and self.open.pop() == tag, f"</{tag}> closes nothing open"
+
+    def handle_data(self, data):
+        if "caption" in self.open:
+            self.caption += data
+        elif self.open and self.open[-1] in ("td", "th"):
+            self.rows[-1][-1] += data
+
+
+def fixture_leaf(tree, key: str):
+    for part in key.split("/"):
+        if hasattr(tree, "_fields"):  # a NamedTuple (optax's states) restored into a target
+            tree = getattr(tree, part)
+        else:
+            tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
+    return tree
+
+
+def assert_fixture_leaves(got, expected: dict) -> None:
+    """Every leaf of ``expected`` (make_fixture's ``describe``) is in ``got``, bit for bit."""
+    for key, want in expected.items():
+        leaf = fixture_leaf(got, key)
+        if want["kind"] == "python":
+            assert want.get("type", type(leaf).__name__) == type(leaf).__name__, key
+            assert leaf == want["value"], key
+            continue
+        if want["kind"] == "prng_key":
+            assert str(jax.random.key_impl(leaf)) == want["impl"], key
+            leaf = jax.random.key_data(leaf)
+            want = want | {"dtype": want["key_data_dtype"], "value": want["key_data"]}
+        a = np.asarray(leaf)
+        ref = np.asarray(want["value"], dtype=want["dtype"])
+        assert (a.dtype.name, list(a.shape)) == (want["dtype"], want["shape"]), key
+        assert a.tobytes() == ref.tobytes(), key

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import HtmlTable
 
 import jaxckpt
 
@@ -26,35 +26,6 @@ def _text(cell) -> str:
     return "".join(out)
 
 
-class Table(HTMLParser):
-    """The rows of an HTML table, each a list of its cells' text; checks every tag closes."""
-
-    def __init__(self, html: str) -> None:
-        super().__init__()
-        self.rows: list[list[str]] = []
-        self.caption = ""
-        self.open: list[str] = []
-        self.feed(html)
-        self.close()
-        assert not self.open, f"unclosed: {self.open}"
-
-    def handle_starttag(self, tag, attrs):
-        self.open.append(tag)
-        if tag == "tr":
-            self.rows.append([])
-        elif tag in ("td", "th"):
-            self.rows[-1].append("")
-
-    def handle_endtag(self, tag):
-        assert self.open and self.open.pop() == tag, f"</{tag}> closes nothing open"
-
-    def handle_data(self, data):
-        if "caption" in self.open:
-            self.caption += data
-        elif self.open and self.open[-1] in ("td", "th"):
-            self.rows[-1][-1] += data
-
-
 def _html(cell) -> str:
     return "".join(o.get("data", {}).get("text/html", "") for o in cell.get("outputs", []))
 
@@ -64,7 +35,7 @@ def test_metadata_renders_as_a_table_and_a_short_repr(tmp_path):
             "name": "<run & 1>"}  # fmt: skip
     jaxckpt.save(tmp_path / "c", tree)
     info = jaxckpt.metadata(tmp_path / "c")
-    t = Table(info._repr_html_())
+    t = HtmlTable(info._repr_html_())
     assert t.rows[0] == ["key", "type", "stored", "bytes", "sharding"]
     assert "2 arrays (1.0 MiB), 2 values" in t.caption
     rows = {r[0]: r[1:] for r in t.rows[1:]}
@@ -104,7 +75,7 @@ def test_quickstart_notebook_runs_on_cpu(tmp_path):
     assert "restored onto {'x': 2, 'y': 4} step 100" in everything
     assert "quickstart OK" in _text(code[-1])
     # the notebook views: metadata, a run's table and a diff render as HTML tables
-    html = [Table(_html(c)) for c in code if _html(c)]
+    html = [HtmlTable(_html(c)) for c in code if _html(c)]
     meta, run, changes = html
     assert meta.rows[0] == ["key", "type", "stored", "bytes", "sharding"]
     assert ["w1", "float32[256,512]"] == next(r[:2] for r in meta.rows if r[0] == "w1")

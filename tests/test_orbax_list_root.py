@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh, put
+from helpers import assert_fixture_leaves, mesh, put
 from jax.sharding import NamedSharding
 
 import jaxckpt
@@ -20,28 +20,10 @@ DATA = Path(__file__).resolve().parent / "data" / "orbax_list_root"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
 
 
-def _at(tree, key: str):
-    for part in key.split("/"):
-        tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
-    return tree
-
-
-def _assert_leaves(got, expected: dict) -> None:
-    for key, want in expected.items():
-        leaf = _at(got, key)
-        if want["kind"] == "python":
-            assert leaf == want["value"], key
-            continue
-        a = np.asarray(leaf)
-        ref = np.asarray(want["value"], dtype=want["dtype"])
-        assert (a.dtype.name, list(a.shape)) == (want["dtype"], want["shape"]), key
-        assert a.tobytes() == ref.tobytes(), key
-
-
 def test_a_list_root_restores_as_a_list():
     got = jaxckpt.restore(DATA / "list")
     assert type(got) is list and len(got) == 2
-    _assert_leaves(got, EXPECTED["list"])
+    assert_fixture_leaves(got, EXPECTED["list"])
     assert list(jaxckpt.metadata(DATA / "list").entries) == ["0", "1"]
 
 
@@ -49,7 +31,7 @@ def test_a_tuple_root_with_lists_of_dicts_restores_with_and_without_a_target():
     got = jaxckpt.restore(DATA / "nested")  # Orbax records no tuple: lists, as for JSON
     assert type(got) is list and type(got[0]) is list and type(got[0][0]["bar"]) is list
     assert set(got[0][0]) == {"foo", "bar"} and set(got[0][1]) == {"foo"}
-    _assert_leaves(got, EXPECTED["nested"])
+    assert_fixture_leaves(got, EXPECTED["nested"])
 
     m = mesh((2,), ("x",))
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -66,7 +48,7 @@ def test_a_tuple_root_with_lists_of_dicts_restores_with_and_without_a_target():
     got = jaxckpt.restore(DATA / "nested", target)
     assert type(got) is tuple and type(got[0]) is list
     assert isinstance(got[0][0]["foo"].sharding, NamedSharding)
-    _assert_leaves(got, EXPECTED["nested"])
+    assert_fixture_leaves(got, EXPECTED["nested"])
 
 
 def test_a_target_of_another_structure_is_refused_by_key():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from helpers import assert_fixture_leaves
 
 import jaxckpt
 
@@ -18,38 +18,12 @@ DATA = Path(__file__).resolve().parent / "data" / "orbax_old"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
 
 
-def _at(tree, key: str):
-    for part in key.split("/"):
-        if hasattr(tree, "_fields"):  # a NamedTuple (optax's states) restored into a target
-            tree = getattr(tree, part)
-        else:
-            tree = tree[int(part)] if isinstance(tree, (list, tuple)) else tree[part]
-    return tree
-
-
-def _assert_leaves(got, expected: dict) -> None:
-    """Every leaf of ``expected`` (make_fixture's ``describe``) is in ``got``, bit for bit."""
-    for key, want in expected.items():
-        leaf = _at(got, key)
-        if want["kind"] == "python":
-            assert type(leaf).__name__ == want["type"] and leaf == want["value"], key
-            continue
-        if want["kind"] == "prng_key":
-            assert str(jax.random.key_impl(leaf)) == want["impl"], key
-            leaf = jax.random.key_data(leaf)
-            want = want | {"dtype": want["key_data_dtype"], "value": want["key_data"]}
-        a = np.asarray(leaf)
-        ref = np.asarray(want["value"], dtype=want["dtype"])
-        assert (a.dtype.name, list(a.shape)) == (want["dtype"], want["shape"]), key
-        assert a.tobytes() == ref.tobytes(), key
-
-
 @pytest.mark.parametrize("where", ["standard", "manager/1/state", "manager/2/state"])
 def test_old_ocdbt_items_without_the_flag_open(where):
     doc = json.loads((DATA / where / "_METADATA").read_text())
     assert "use_ocdbt" not in doc  # the premise: Orbax < 0.11.31 did not record it
     want = EXPECTED["standard"] if where == "standard" else EXPECTED["manager"][where[8]]["state"]
-    _assert_leaves(jaxckpt.restore(DATA / where), want)
+    assert_fixture_leaves(jaxckpt.restore(DATA / where), want)
     assert jaxckpt.metadata(DATA / where).created["use_ocdbt"] is True
 
 
@@ -74,7 +48,7 @@ def test_old_items_restore_strictly_into_the_training_state(where):
     assert type(got["opt"][0]).__name__ == "ScaleByAdamState"
     assert type(got["opt"][1]).__name__ == "EmptyState"
     want = EXPECTED["standard"] if where == "standard" else EXPECTED["manager"][where[8]]["state"]
-    _assert_leaves(got, want)
+    assert_fixture_leaves(got, want)
     assert jaxckpt.restore(DATA / where)["opt"][1] is None  # as Orbax restores it
 
 
@@ -115,7 +89,7 @@ def test_old_manager_run_steps_items_and_listing(capsys):
             jaxckpt.restore(DATA / "manager" / step / "metadata")
             == (EXPECTED["manager"][step]["metadata"])
         )
-        _assert_leaves(
+        assert_fixture_leaves(
             jaxckpt.restore(DATA / "manager" / step / "state", _target(1)),
             EXPECTED["manager"][step]["state"],
         )

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-from html.parser import HTMLParser
 
 import numpy as np
 import pytest
-from helpers import one_array_per_leaf  # noqa: F401 (autouse)
+from helpers import HtmlTable, one_array_per_leaf  # noqa: F401 (autouse)
 from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto server)
 
 import jaxckpt
@@ -142,34 +141,11 @@ def test_local_tier_is_shown_when_its_directory_is_given(tmp_path, capsys):
         jaxckpt.run_table(d, local_directory=tmp_path / "nolocal")
 
 
-class _Cells(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[list[str]] = []
-        self.open: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.open.append(tag)
-        if tag == "tr":
-            self.rows.append([])
-        elif tag in ("td", "th"):
-            self.rows[-1].append("")
-
-    def handle_endtag(self, tag):
-        assert self.open.pop() == tag, f"</{tag}> closes another element"
-
-    def handle_data(self, data):
-        if self.open and self.open[-1] in ("td", "th"):
-            self.rows[-1][-1] += data
-
-
 def test_notebook_view_is_a_parsed_table_and_repr_is_short(tmp_path):
     d = _run(tmp_path / "run")
     table = jaxckpt.run_table(d, best="loss")
-    p = _Cells()
-    p.feed(table._repr_html_())
-    p.close()
-    assert p.rows[0][:3] == ["NAME", "STATUS", "SIZE"] and not p.open
+    p = HtmlTable(table._repr_html_())
+    assert p.rows[0][:3] == ["NAME", "STATUS", "SIZE"]
     assert [r[0] for r in p.rows[1:]] == ["00000001", "00000002", "00000003"]
     assert "best" in p.rows[3]
     text = repr(table)
