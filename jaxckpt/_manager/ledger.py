@@ -189,7 +189,9 @@ class Ledger:
             planner=planner,
             iterators=iterators,
         )
-        self.refresh()  # a tier may have lost steps (a wiped disk): number from what is held
+        # A tier may have lost steps (a wiped disk): number from what the restore found held
+        # (no second agreement: after a process died, the survivors have restored already).
+        self.newest = max(self.local.agreed_steps, default=None)
         return restored
 
     # -- deleting -------------------------------------------------------------------------------

@@ -127,6 +127,8 @@ def _why_not(
             return "no complete local step fits: the processes' restore targets differ"
         if said and said != ["iterators= were given"]:
             return f"no complete local step fits: {'; '.join(said)}"
+        if all(posted[p].get("target") is None for p in posted):
+            return "no complete local step fits: the target has no shardings"
         if said:
             return (
                 "no complete local step fits: iterators= were given and the local step was "

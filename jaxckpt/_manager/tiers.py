@@ -98,6 +98,7 @@ class LocalTier:
         self._saves = self._restores = 0
         self._held: dict[Held, tuple[str, Path]] = {}  # as the last agreement found them
         self.last_elastic: Stats | None = None  # what the last elastic restore did
+        self.agreed_steps: list[int] = []  # every step whole in a tier, as the last restore saw
         self._lock = threading.Lock()
 
     # -- saving ---------------------------------------------------------------------------------
@@ -306,6 +307,7 @@ class LocalTier:
         choice = self.agree(
             None if why else target, persistent, step, elastic=not iterators, why=why
         )
+        self.agreed_steps = sorted(set(persistent) | set(choice["local_steps"]))
         if choice["tier"] == "local":
             restored = self.restore(choice, target, iterators)
             if restored is not None:
