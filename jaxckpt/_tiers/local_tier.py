@@ -46,18 +46,18 @@ from jaxckpt import _iterators
 from jaxckpt._api import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.names import staging_name, step_name
-from jaxckpt._manager import elastic_restore as _elastic
-from jaxckpt._manager import local_part as _part
-from jaxckpt._manager.elastic_moves import Stats
-from jaxckpt._manager.local_disk import Held, LocalDisk
-from jaxckpt._manager.local_run import MARKER, run_id, write_marker
-from jaxckpt._manager.tier_choice import RestoredFrom, choose
 from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import replication as _replication
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
+from jaxckpt._tiers import elastic_restore as _elastic
+from jaxckpt._tiers import local_part as _part
+from jaxckpt._tiers.elastic_moves import Stats
+from jaxckpt._tiers.local_disk import Held, LocalDisk
+from jaxckpt._tiers.local_run import MARKER, run_id, write_marker
+from jaxckpt._tiers.tier_choice import RestoredFrom, choose
 
 logger = logging.getLogger("jaxckpt")
 
