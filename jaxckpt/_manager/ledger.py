@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
-from jaxckpt._iterators import Checkpointable
+from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager.run import Run
 from jaxckpt._planning.load_planner import LoadPlanner
 from jaxckpt._tiers.local_tier import LocalTier

@@ -25,9 +25,10 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Literal
 
-from jaxckpt._api import SaveHandle, save_async
+from jaxckpt._api.entry import SaveHandle, save_async
+from jaxckpt._api.staged import BudgetError, budget_arg
 from jaxckpt._errors import CheckpointError, InvalidArgumentError
-from jaxckpt._iterators import Checkpointable
+from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
 from jaxckpt._manager.ledger import Ledger
@@ -39,7 +40,6 @@ from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
-from jaxckpt._staged import BudgetError, budget_arg
 from jaxckpt._storage import directwrite as _directwrite
 from jaxckpt._storage import location as _location
 from jaxckpt._tiers.local_tier import LocalTier

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from jaxckpt._api import metadata
+from jaxckpt._api.entry import metadata
 from jaxckpt._errors import InvalidArgumentError
-from jaxckpt._iterators import Checkpointable
+from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager.ledger import Ledger
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run import Run, step_arg

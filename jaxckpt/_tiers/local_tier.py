@@ -42,9 +42,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _iterators
-from jaxckpt._api import metadata, restore
+from jaxckpt._api.entry import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._format import iterators as _iterators
 from jaxckpt._format.names import staging_name, step_name
 from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
@@ -383,7 +383,9 @@ class LocalTier:
             if info is None or info.save != save:
                 raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
             saved = metadata(str(path)).iterators if iterators else {}
-            set_iterators = _iterators.restore_states(iterators, saved, str(path))
+            set_iterators = _iterators.restore_states(
+                iterators, saved, str(path), self.process, self.count
+            )
             tree = _part.rebuild(path, info, target)
             set_iterators()  # only once the part is read: a refused restore moves none
             return tree, ""
