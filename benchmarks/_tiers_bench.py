@@ -320,8 +320,8 @@ def simulate_plan(n_old: int, n_new: int, leaves: int, devices: int = 8, layouts
     description of one part (``part_description``) and its share expanded to its leaves
     (``elastic_moves.share_of``). The other holders' descriptions are built directly (the
     same JSON). Returns seconds, bytes through the coordinator per process and in all."""
-    from jaxckpt._manager import elastic_moves, elastic_restore
     from jaxckpt._runtime import collector
+    from jaxckpt._tiers import elastic_moves, elastic_restore
 
     rows = n_old * n_new * devices  # one row per box on both sides at least
     per_old, per_new = rows // (n_old * devices), rows // (n_new * devices)

@@ -1,10 +1,10 @@
 """jaxckpt: fast, safe checkpoints of sharded JAX state, through tensorstore zarr v3."""
 
-from jaxckpt._api import SaveHandle as SaveHandle
-from jaxckpt._api import metadata as metadata
-from jaxckpt._api import restore as restore
-from jaxckpt._api import save as save
-from jaxckpt._api import save_async as save_async
+from jaxckpt._api.entry import SaveHandle as SaveHandle
+from jaxckpt._api.entry import metadata as metadata
+from jaxckpt._api.entry import restore as restore
+from jaxckpt._api.entry import save as save
+from jaxckpt._api.entry import save_async as save_async
 from jaxckpt._errors import ArgumentTypeError as ArgumentTypeError
 from jaxckpt._errors import CheckpointChangedError as CheckpointChangedError
 from jaxckpt._errors import CheckpointError as CheckpointError

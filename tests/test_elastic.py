@@ -1,6 +1,6 @@
 """Elastic recovery (issue 46): a local step restored onto another process count or mesh.
 
-The plan (``jaxckpt._manager.elastic.plan``, a pure function) is checked here against its
+The plan (``jaxckpt._tiers.elastic.plan``, a pure function) is checked here against its
 promises on small layouts: every needed byte arrives exactly once, no box is read twice, and
 nothing crosses between processes that its destination holds. A single-process manager
 restores its local step onto another mesh and onto bare ``Sharding`` leaves. The multi-process
@@ -28,7 +28,7 @@ from groups import run_group
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxckpt
-from jaxckpt._manager import elastic, tier_choice
+from jaxckpt._tiers import elastic, tier_choice
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
 
@@ -329,7 +329,7 @@ def test_a_part_whose_boxes_do_not_tile_falls_back_with_the_reason(tmp_path, cap
     # A hostile (or damaged) description on disk: part 0 of step 6 lists one box of "w" less.
     import dataclasses
 
-    from jaxckpt._manager import local_part
+    from jaxckpt._tiers import local_part
 
     kw = dict(save_interval_steps=5, local_directory=tmp_path / "local")
     with jaxckpt.CheckpointManager(tmp_path / "ckpt", **kw) as mgr:
@@ -381,7 +381,7 @@ def test_plan_leaves_of_one_layout_are_planned_once_and_each_still_moves():
 def _posted(parts: int, leaves: int, of=None) -> dict:
     """What the holders post for ``leaves`` row-sharded (16 x 4) leaves of one layout saved
     by ``parts`` processes, process ``q`` holding part ``q``."""
-    from jaxckpt._manager import elastic_restore
+    from jaxckpt._tiers import elastic_restore
 
     data = dict.fromkeys(range(leaves), ("float32", ()))
     posted = {}
@@ -397,7 +397,7 @@ def _posted(parts: int, leaves: int, of=None) -> dict:
 def test_shares_are_per_layout_not_per_leaf():
     # 10 or 1,000 leaves of one layout: each process's share is the same size; only the
     # verdict's list of leaves grows, and each process expands its share to every leaf.
-    from jaxckpt._manager import elastic_moves, elastic_restore
+    from jaxckpt._tiers import elastic_moves, elastic_restore
 
     def wanted(got):  # process p needs rows 8p..8p+7 of every leaf
         return [0] * len(got), [{p: [((8 * p, 0), (8, 4))] for p in range(2)}]
@@ -418,7 +418,7 @@ def test_shares_are_per_layout_not_per_leaf():
 
 
 def test_a_description_naming_groups_it_lacks_is_refused():
-    from jaxckpt._manager import elastic_restore
+    from jaxckpt._tiers import elastic_restore
 
     def wanted(got):
         return [0] * len(got), [{0: [((0, 0), (16, 4))]}]

@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
-from jaxckpt._manager import tier_choice
 from jaxckpt._storage.catalog import list_keys
 from jaxckpt._storage.location import Location
+from jaxckpt._tiers import tier_choice
 
 MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
 SHARDING = NamedSharding(MESH, PartitionSpec("a", "b"))

@@ -34,7 +34,7 @@ from groups import run_group
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxckpt
-from jaxckpt._manager import local_part, local_run, tier_choice
+from jaxckpt._tiers import local_part, local_run, tier_choice
 
 WORKER = Path(__file__).with_name("tiers_worker.py")
 GROUP_TIMEOUT_S = 240

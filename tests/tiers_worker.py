@@ -291,7 +291,7 @@ def stage_el_two(rec: Record, work: Path, pid: int, n: int) -> None:
     """2 processes on the disks of processes 0 and 1 of ``el_train``: local step 7 onto a
     (2, 2) mesh (abstract target, then bare shardings); then step 8 saved by the 2; then
     process 1 dies during an elastic restore of it (another layout): process 0 falls back."""
-    from jaxckpt._manager import elastic_restore
+    from jaxckpt._tiers import elastic_restore
 
     work = work / "el"
     mgr = manager(work, pid, replicas=2)

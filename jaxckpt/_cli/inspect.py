@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from jaxckpt._api import metadata
+from jaxckpt._api.entry import metadata
 from jaxckpt._cli.text import UsageError
 from jaxckpt._format.manifest import ArrayEntry, ValueEntry
 from jaxckpt._manager.table import run_table

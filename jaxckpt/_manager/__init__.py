@@ -1,12 +1,16 @@
-"""The ``CheckpointManager``: steps of a run, retention, metrics, tiers.
+"""The ``CheckpointManager``: a run of numbered steps, in the order docs/manager.md tells it.
 
-Builds on the public entry points (``jaxckpt._api``) and the storage catalog; the ``manager``
-module is the class, ``ledger`` the run's one view of both tiers that every call of it
-consults (which steps exist, whether a step may be saved, deleting and rolling back,
-restore's choice), ``retention`` decides which steps go and keeps the metrics file,
-``table`` reads a run at a glance (``jaxckpt.run_table``, ``jaxckpt ls``), ``tiers`` is the
-optional local tier (node-local parts, their replicas, the agreement on what
-to restore) and ``local_part`` one process's part as a single-process checkpoint.
+``manager`` is the class (saving, its life cycle) and ``reading`` its read side (listing
+steps, metrics and metadata, restoring; all a ``read_only=True`` manager uses). Both consult
+``ledger``, the run's one view of every step in each tier (which steps exist, whether a step
+may be saved, deleting and rolling back, restore's choice), built on ``run`` (the persistent
+directory: its committed steps, restoring and deleting one) and, with ``local_directory``,
+the local tier of ``jaxckpt._tiers``. ``schedule`` decides when to save (step multiples,
+``save_interval_secs``), ``retention`` which steps go (count, best, steps and time; the
+metrics file, commit times, pinned steps), ``cleanup`` what dead saves left. ``table`` reads
+a run at a glance (``jaxckpt.run_table``, ``jaxckpt ls``) and ``run_view`` prints it.
 
-May import: anything below the public face (``_api``, ``_storage``, ``_runtime``, ``_format``).
+May import: the public entry points (``jaxckpt._api``), the local tier and elastic recovery
+(``jaxckpt._tiers``) and anything below them (``_planning``, ``_sources``, ``_storage``,
+``_runtime``, ``_format``). Never ``jaxckpt._cli``.
 """

@@ -1,7 +1,7 @@
 """The run's ledger: one view of every step in each tier, consulted by every manager call.
 
 A run's steps live in up to two tiers: the persistent directory (``jaxckpt._manager.run``)
-and, with ``local_directory``, the processes' local disks (``jaxckpt._manager.tiers``). The
+and, with ``local_directory``, the processes' local disks (``jaxckpt._tiers.local_tier``). The
 ledger answers, for both tiers at once, what ``all_steps``, ``latest_step``,
 ``should_save``, ``save``'s check, ``delete``, ``rollback`` and ``restore``'s choice need;
 none of those calls keeps a rule of its own.
@@ -37,11 +37,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
-from jaxckpt._iterators import Checkpointable
+from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager.run import Run
-from jaxckpt._manager.tier_choice import RestoredFrom
-from jaxckpt._manager.tiers import LocalTier
 from jaxckpt._planning.load_planner import LoadPlanner
+from jaxckpt._tiers.local_tier import LocalTier
+from jaxckpt._tiers.tier_choice import RestoredFrom
 
 logger = logging.getLogger("jaxckpt")
 Tier = Literal["local", "persistent"]

@@ -25,9 +25,10 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Literal
 
-from jaxckpt._api import SaveHandle, save_async
+from jaxckpt._api.entry import SaveHandle, save_async
+from jaxckpt._api.staged import BudgetError, budget_arg
 from jaxckpt._errors import CheckpointError, InvalidArgumentError
-from jaxckpt._iterators import Checkpointable
+from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
 from jaxckpt._manager.ledger import Ledger
@@ -35,15 +36,14 @@ from jaxckpt._manager.reading import RunReader
 from jaxckpt._manager.retention import Policy, json_metrics, referenced
 from jaxckpt._manager.run import Run, step_arg
 from jaxckpt._manager.schedule import Schedule, check
-from jaxckpt._manager.tier_choice import RestoredFrom
-from jaxckpt._manager.tiers import LocalTier
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
-from jaxckpt._staged import BudgetError, budget_arg
 from jaxckpt._storage import directwrite as _directwrite
 from jaxckpt._storage import location as _location
+from jaxckpt._tiers.local_tier import LocalTier
+from jaxckpt._tiers.tier_choice import RestoredFrom
 
 logger = logging.getLogger("jaxckpt")
 

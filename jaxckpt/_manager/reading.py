@@ -2,7 +2,7 @@
 
 A ``read_only=True`` manager (an evaluator beside the trainer) uses only these. Every listing
 reads the directory afresh (``jaxckpt._manager.run``), so steps another process commits show
-up at once; with a local tier, the processes agree on what it holds (``jaxckpt._manager.tiers``).
+up at once; with a local tier, the processes agree on what it holds (``jaxckpt._tiers.local_tier``).
 """
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from jaxckpt._api import metadata
+from jaxckpt._api.entry import metadata
 from jaxckpt._errors import InvalidArgumentError
-from jaxckpt._iterators import Checkpointable
+from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager.ledger import Ledger
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run import Run, step_arg
-from jaxckpt._manager.tier_choice import RestoredFrom
-from jaxckpt._manager.tiers import LocalTier
 from jaxckpt._planning.abstract import CheckpointMetadata
 from jaxckpt._planning.load_planner import LoadPlanner
+from jaxckpt._tiers.local_tier import LocalTier
+from jaxckpt._tiers.tier_choice import RestoredFrom
 
 
 class RunReader:

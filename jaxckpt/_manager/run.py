@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt._api import restore
+from jaxckpt._api.entry import restore
 from jaxckpt._errors import (
     ArgumentTypeError,
     CheckpointError,

@@ -5,7 +5,7 @@ print are ``jaxckpt._manager.run_view``'s.
 :func:`run_table` lists the steps of a run directory (``jaxckpt ls RUN`` prints the same), from
 one listing of the directory, one manifest read per committed step, the manager's
 ``metrics.json`` (``jaxckpt._manager.retention.MetricsFile``: metrics and, where recorded,
-commit times) and, when given, the local tier's directory (``jaxckpt._manager.tiers``' layout).
+commit times) and, when given, the local tier's directory (``jaxckpt._tiers.local_tier``' layout).
 
 Bytes: ``nbytes`` is what a step holds; ``added`` what it stores itself, so that summing
 ``added`` over the steps counts shared bytes once: on a local disk the files of the step not
@@ -27,14 +27,14 @@ from typing import Any, Literal
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import Manifest, storage_entries
 from jaxckpt._format.names import MANIFEST, parse_step, step_name
-from jaxckpt._manager import local_part as _part
-from jaxckpt._manager import local_run as _local_run
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run_view import RunTable, StepRow
 from jaxckpt._sources import orbax_step as _orbax_step
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import holds as _holds
 from jaxckpt._storage import location as _location
+from jaxckpt._tiers import local_part as _part
+from jaxckpt._tiers import local_run as _local_run
 
 
 def run_table(

@@ -1,6 +1,6 @@
 """One decision for all processes: every process posts a value, process 0 decides.
 
-The multi-tier manager (``jaxckpt._manager.tiers``) agrees on its run, on what to restore and
+The multi-tier manager (``jaxckpt._tiers.local_tier``) agrees on its run, on what to restore and
 on whether every process rebuilt its share through these calls, never through a shared file
 system. Only small messages go through the key-value store of ``jax.distributed`` (the
 coordination service, hosted by process 0):

@@ -3,7 +3,7 @@
 A stream's receiver waits for its sender's next chunk, and a sender for its receiver's
 acknowledgement, for as long as ``JAXCKPT_SYNC_TIMEOUT`` (minutes: a live peer may be busy
 reading or serving others). A peer that was killed would hold them that long. So, while a
-process takes part in an elastic restore (``jaxckpt._manager.elastic_restore``), it *beats*,
+process takes part in an elastic restore (``jaxckpt._tiers.elastic_restore``), it *beats*,
 under a key prefix of that restore (every process knows it):
 
 1. (each such process) :func:`beating` posts ``<count> <deadline>`` under

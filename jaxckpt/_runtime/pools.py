@@ -143,7 +143,7 @@ def hash_pool() -> ThreadPoolExecutor:
 
 
 def stream_pool() -> ThreadPoolExecutor:
-    """The receivers of an elastic restore's streams (``jaxckpt._manager.elastic_restore``):
+    """The receivers of an elastic restore's streams (``jaxckpt._tiers.elastic_restore``):
     up to ``STREAM_THREADS`` at once, each waiting on one sender."""
     return _get("jaxckpt-stream", STREAM_THREADS, alongside=True)
 

@@ -1,6 +1,6 @@
 """Copying a directory from one process to another: a local part to its replica holders.
 
-The multi-tier manager (``jaxckpt._manager.tiers``) keeps each process's local checkpoint
+The multi-tier manager (``jaxckpt._tiers.local_tier``) keeps each process's local checkpoint
 part on ``local_replicas`` other processes, and at a restore moves a part from the process
 that holds it to the one that needs it. A directory goes as one stream of
 ``jaxckpt._runtime.streams`` (peer to peer, or relayed by process 0; chunked, a window of

@@ -6,7 +6,7 @@ system: peer to peer through each process's ``jax.experimental.transfer`` server
 ``jax.distributed`` (the coordination service, hosted by process 0). Where there is no transfer
 server, or ``JAXCKPT_REPLICATION=kv``, the chunks themselves relay through the store. Its users:
 ``jaxckpt._runtime.replication`` (a part's directory, a head with its file list) and
-``jaxckpt._manager.elastic_restore`` (the boxes an elastic restore moves).
+``jaxckpt._tiers.elastic_restore`` (the boxes an elastic restore moves).
 
 Why not device collectives: replication runs on a background thread while the training loop
 issues its own collectives, and collectives must be issued in the same order on every process;

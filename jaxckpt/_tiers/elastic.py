@@ -5,7 +5,7 @@ process needs the boxes of its devices in the target's shardings (its *target bo
 the step's parts, wherever they survived, hold the saved boxes (each part's description,
 ``local_part.PartInfo``, lists them). Process 0 computes the whole plan once
 (:func:`plan_layouts`, a pure function of what the holders posted and of the target), and
-each process gets its own share of it (``jaxckpt._manager.elastic_restore`` posts it and
+each process gets its own share of it (``jaxckpt._tiers.elastic_restore`` posts it and
 carries it out).
 
 The plan is made per **layout**: leaves that share their shape, element size, saved boxes

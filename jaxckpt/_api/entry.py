@@ -16,11 +16,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from jaxckpt import _iterators
+from jaxckpt._api.incremental import Increment
+from jaxckpt._api.staged import Staged, budget_arg, stage_all, stream
+from jaxckpt._format import iterators as _iterators
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import ReadItem, SavePlan, WriteItem
-from jaxckpt._incremental import Increment
 from jaxckpt._planning.abstract import CheckpointMetadata
 from jaxckpt._planning.global_plan import GlobalSavePlan
 from jaxckpt._planning.load_planner import DefaultLoadPlanner, LoadPlanner
@@ -31,7 +32,6 @@ from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import progress as _progress
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
-from jaxckpt._staged import Staged, budget_arg, stage_all, stream
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
 from jaxckpt._storage.messages import typed_os_error
@@ -439,7 +439,9 @@ def restore(
     """
     with collector.paused():
         manifest, reader = _open(path)
-        set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path))
+        # jax's process numbers only where there are iterators to set
+        at = (_distributed.process_index(), _distributed.process_count()) if iterators else (0, 1)
+        set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path), *at)
         planner = planner if planner is not None else DefaultLoadPlanner()
         planner.set_up_planner(target, manifest, keys=keys, strict=strict)
         progress = _progress.check_arg(progress, "jaxckpt.restore")

@@ -1,7 +1,7 @@
 """An elastic restore: a local step's boxes moved between processes and resharded.
 
 When ``tier_choice.choose`` picks a local step saved by another process count or for another
-layout (``"elastic"``), ``jaxckpt._manager.tiers`` carries it out with these calls, in order:
+layout (``"elastic"``), ``jaxckpt._tiers.local_tier`` carries it out with these calls, in order:
 
 1. (the holder ``describe`` names for each part) :func:`describe`: posts the part's distinct
    groups of boxes once each and one group number per leaf (:func:`part_description`); the
@@ -10,7 +10,7 @@ layout (``"elastic"``), ``jaxckpt._manager.tiers`` carries it out with these cal
 2. (process 0) :func:`decide`: checks the target against the leaves, computes the target
    boxes once per distinct shape and sharding, groups the leaves into layouts (the same
    saved groups in every part, target boxes and element size) and plans each layout once:
-   who reads which box and sends which piece to whom (``jaxckpt._manager.elastic``); each
+   who reads which box and sends which piece to whom (``jaxckpt._tiers.elastic``); each
    process gets its own share, per layout (``agreement.decide_each``), or all of them the
    reason to fall back;
 3. (every process) ``elastic_moves.carry_out``: expands its share to its leaves, reads the
@@ -23,7 +23,7 @@ Through all three each process beats (``jaxckpt._runtime.heartbeat``, every few 
 ``failed`` if it gives up): a peer waiting for a process that died or gave up stops within
 that process's I/O deadline (``JAXCKPT_IO_TIMEOUT``), not ``JAXCKPT_SYNC_TIMEOUT``. Then
 every process reports whether it succeeded, and all fall back to the persistent tier if one
-did not (``tiers``; process 0 does not wait for a process whose heartbeat stopped). What is
+did not (``local_tier``; process 0 does not wait for a process whose heartbeat stopped). What is
 trusted: the parts on this host's disk are read with the checks of any checkpoint read
 (checksums, sizes, confinement); a description posted by another host is checked (group
 numbers within the part's groups, boxes inside their arrays, tiling each array exactly once)
@@ -52,19 +52,19 @@ import jax
 import numpy as np
 import numpy.typing as npt
 
-from jaxckpt._api import metadata
+from jaxckpt._api.entry import metadata
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.entries import ArrayEntry, ValueEntry
 from jaxckpt._format.plan import Box, index_to_box
-from jaxckpt._manager import elastic as _elastic
-from jaxckpt._manager import local_part as _part
-from jaxckpt._manager.elastic_moves import Leaf, Stats, carry_out, sharding_of
 from jaxckpt._planning import tree as _tree
 from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import collector as _collector
 from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime import streams as _streams
 from jaxckpt._storage import location as _location
+from jaxckpt._tiers import elastic as _elastic
+from jaxckpt._tiers import local_part as _part
+from jaxckpt._tiers.elastic_moves import Leaf, Stats, carry_out, sharding_of
 
 
 def restore(

@@ -42,22 +42,22 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _iterators
-from jaxckpt._api import metadata, restore
+from jaxckpt._api.entry import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._format import iterators as _iterators
 from jaxckpt._format.names import staging_name, step_name
-from jaxckpt._manager import elastic_restore as _elastic
-from jaxckpt._manager import local_part as _part
-from jaxckpt._manager.elastic_moves import Stats
-from jaxckpt._manager.local_disk import Held, LocalDisk
-from jaxckpt._manager.local_run import MARKER, run_id, write_marker
-from jaxckpt._manager.tier_choice import RestoredFrom, choose
 from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import replication as _replication
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
+from jaxckpt._tiers import elastic_restore as _elastic
+from jaxckpt._tiers import local_part as _part
+from jaxckpt._tiers.elastic_moves import Stats
+from jaxckpt._tiers.local_disk import Held, LocalDisk
+from jaxckpt._tiers.local_run import MARKER, run_id, write_marker
+from jaxckpt._tiers.tier_choice import RestoredFrom, choose
 
 logger = logging.getLogger("jaxckpt")
 
@@ -385,7 +385,9 @@ class LocalTier:
             if info is None or info.save != save:
                 raise CheckpointError(f"{path} is not the part of local step {step} agreed on")
             saved = metadata(str(path)).iterators if iterators else {}
-            set_iterators = _iterators.restore_states(iterators, saved, str(path))
+            set_iterators = _iterators.restore_states(
+                iterators, saved, str(path), self.process, self.count
+            )
             tree = _part.rebuild(path, info, target)
             set_iterators()  # only once the part is read: a refused restore moves none
             return tree, ""

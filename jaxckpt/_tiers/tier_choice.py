@@ -1,8 +1,8 @@
 """The restore decision of a tiered ``CheckpointManager``: a pure function of what each process
-holds, computed by process 0 and followed by all (``jaxckpt._manager.tiers`` posts and carries
+holds, computed by process 0 and followed by all (``jaxckpt._tiers.local_tier`` posts and carries
 it out). Which tier and step, and how the local step is restored: on the layout it was saved
 for (``"same"``: which process sends which whole part to whom), or resharded onto another
-process count or mesh (``"elastic"``: then ``jaxckpt._manager.elastic`` plans the boxes).
+process count or mesh (``"elastic"``: then ``jaxckpt._tiers.elastic`` plans the boxes).
 """
 
 from __future__ import annotations

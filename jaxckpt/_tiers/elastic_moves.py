@@ -1,6 +1,6 @@
 """Moving and placing the boxes of an elastic restore (its step 3, see ``elastic_restore``).
 
-Each process gets its share of the plan (``jaxckpt._manager.elastic.Plan``) and:
+Each process gets its share of the plan (``jaxckpt._tiers.elastic.Plan``) and:
 
 * reads each saved box its plan lists from a part on its own disk, once, slab by slab (runs of
   at most one transfer chunk, ``elastic.slabs``), through the part's reader (the checks of any
@@ -38,8 +38,6 @@ from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.entries import ArrayEntry
 from jaxckpt._format.grid import aligned_empty
 from jaxckpt._format.plan import Box, ReadItem, index_to_box
-from jaxckpt._manager import elastic as _elastic
-from jaxckpt._manager import local_part as _part
 from jaxckpt._planning import tree as _tree
 from jaxckpt._runtime import collector as _collector
 from jaxckpt._runtime import heartbeat as _heartbeat
@@ -47,6 +45,8 @@ from jaxckpt._runtime import pools
 from jaxckpt._runtime import streams as _streams
 from jaxckpt._sources.detect import open_source
 from jaxckpt._storage import location as _location
+from jaxckpt._tiers import elastic as _elastic
+from jaxckpt._tiers import local_part as _part
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What one disk of the local tier holds: the committed parts of each step, found by listing.
 
-The layout is ``jaxckpt._manager.tiers``'s (``LOCAL_DIR/jaxckpt-<run>/p<P>/<step>/part-Q-of-N``).
+The layout is ``jaxckpt._tiers.local_tier``'s (``LOCAL_DIR/jaxckpt-<run>/p<P>/<step>/part-Q-of-N``).
 :class:`LocalDisk` lists the parts (its own process directory, or every process directory of
 the run on this disk), deletes a step's parts, keeps the steps saved last, and removes what
 interrupted saves left. It only ever deletes jaxckpt's parts and dead temporaries: anything
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.names import parse_staging, parse_step, step_name
-from jaxckpt._manager import local_part as _part
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
+from jaxckpt._tiers import local_part as _part
 
 logger = logging.getLogger("jaxckpt")
 _PROCESS = re.compile(r"p[0-9]+")
