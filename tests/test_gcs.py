@@ -100,6 +100,48 @@ def test_the_proxy_answers_the_preconditions_the_emulator_ignores(gcs, prefix, m
     assert not any(honoured(gcs.server_url, "direct").values())
 
 
+def test_the_emulator_used_directly_reads_and_saves_with_a_warning(
+    gcs, monkeypatch, caplog, capsys
+):
+    """What users run in CI: fake-gcs-server without the proxy. Reads never rely on a
+    precondition (the unchanged-check compares the generation a read returns); a save works
+    for one writer and says once per store that concurrent saves are not protected."""
+    bucket = f"direct-{uuid.uuid4().hex[:8]}"  # a bucket of its own: a store opened afresh
+    status, _, _ = gcs.proxy.ask(
+        "POST", "/storage/v1/b?project=test", json.dumps({"name": bucket}).encode()
+    )
+    assert status == 200
+    monkeypatch.setenv(ENV[0], gcs.server_url)
+    caplog.set_level(logging.WARNING, logger="jaxckpt")
+    seen = len(gcs.proxy.seen)
+    run = f"gs://{bucket}/run"
+    tree = state()
+    jaxckpt.save(f"{run}/00000001", tree, planner=unpacked())
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert f"gs://{bucket}/run/00000001: the store at {gcs.server_url} ignores write" in said
+    assert "concurrent saves to one path are NOT protected" in said
+    jaxckpt.save(f"{run}/00000001", state(2.0), overwrite=True, planner=unpacked())
+    jaxckpt.save(f"{run}/00000002", tree)
+    assert len(caplog.records) == 1  # once per process and store
+    settle()
+    assert_tree_equal(jaxckpt.restore(f"{run}/00000001"), host(state(2.0)))
+    assert_tree_equal(jaxckpt.restore(f"{run}/00000002"), host(tree))
+    assert jaxckpt.metadata(f"{run}/00000001").entries["w"].chunks == (2, 4)
+    mgr = jaxckpt.CheckpointManager(run, async_save=False)
+    assert mgr.all_steps() == [1, 2]
+    assert_tree_equal(mgr.restore(), host(tree))
+    mgr.close()
+    capsys.readouterr()
+    assert main(["ls", run]) == 0
+    assert [r.split()[:2] for r in capsys.readouterr().out.splitlines()[1:]] == [
+        ["00000001", "committed"],
+        ["00000002", "committed"],
+    ]
+    assert main(["verify", f"{run}/00000001"]) == 0
+    assert "every checksum matches" in capsys.readouterr().out
+    assert len(gcs.proxy.seen) == seen  # not one request went through the proxy
+
+
 # Saving and restoring ------------------------------------------------------------------------
 
 

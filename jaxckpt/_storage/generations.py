@@ -51,6 +51,7 @@ from jaxckpt._storage.catalog import (
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
 from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
+from jaxckpt._storage.urls import endpoint
 
 logger = logging.getLogger("jaxckpt")
 
@@ -67,6 +68,7 @@ class Target:
     seen: Any = ABSENT  # the stamp generation of the manifest step 1 read (coordinator)
     old_refs: dict[str, str] = dataclasses.field(default_factory=dict)  # the replaced one's
     lease: Lease | None = None  # the coordinator's
+    probe: Any = None  # the future of :func:`_probe`'s write, if this save checks the store
 
 
 def prepare(
@@ -101,6 +103,7 @@ def prepare(
     if target.lease is None:
         target.generation = _fresh_generation(keys)
         target.lease = Lease.object_store(loc, target.generation)
+    target.probe = _probe(loc, target.lease)
     if broadcast is not None:
         try:
             broadcast("generation", target.generation)
@@ -109,6 +112,45 @@ def prepare(
                 target.lease.release()
             raise
     return target
+
+
+# The stores checked by this process: (driver, endpoint, bucket).
+_probed: set[tuple[str, str, str]] = set()
+
+
+def _probe(loc: Location, lease: Lease | None) -> Any:
+    """Once per process and store: start a write that a store honouring the preconditions the
+    commit relies on must refuse (see :meth:`Lease.probe`); :func:`_check_probe` reads its
+    answer at the commit. It runs beside the data: no round trip is waited for."""
+    spec = loc.kvstore
+    store = (spec["driver"], endpoint(spec), str(spec.get("bucket", "")))
+    if lease is None or spec["driver"] == "memory" or store in _probed:
+        return None
+    _probed.add(store)
+    return lease.probe()
+
+
+def _check_probe(loc: Location, probe: Any) -> None:
+    """Warn (once per process and store) if the store wrote what :func:`_probe` asked only if
+    absent: it ignores preconditions, so concurrent saves to one path are not protected."""
+    if probe is None:
+        return
+    try:
+        written = wait(probe, loc, "checking that the store honours preconditions").generation
+    except (CheckpointError, ValueError):  # unknown: the commit goes on; checked no more
+        return
+    if written:
+        logger.warning(
+            "%s: the store at %s ignores write preconditions (a create-only-if-absent of an "
+            "existing object succeeded), which jaxckpt's commit relies on to keep two saves to "
+            "one path apart. A save by one writer is safe; concurrent saves to one path are "
+            "NOT protected on this store (both may report success, one checkpoint wins). "
+            "Emulators such as fake-gcs-server do this; GCS and AWS S3 honour them. Save each "
+            "writer to its own path (CheckpointManager steps are), or use a store that honours "
+            "them. Said once per process and store (docs/object_storage.md).",
+            loc,
+            endpoint(loc.kvstore),
+        )
 
 
 def _fresh_generation(keys: Iterable[str]) -> str:
@@ -149,6 +191,7 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
         kv = kvstore(loc.kvstore, loc)
     except ValueError as e:  # the store refused: nothing is committed
         raise write_error(loc, "writing the held-by markers of its references", e) from e
+    _check_probe(loc, target.probe)
     what = f"writing {MANIFEST} (the commit)"
     try:
         done = wait(kv.write(MANIFEST, data, if_equal=target.seen), loc, what)

@@ -99,12 +99,22 @@ class Lease:
     def _write(self, only_if_absent: bool = False) -> bool:
         assert self._object is not None
         loc, key = self._object
+        return bool(wait(self._start(only_if_absent), loc, f"writing {key}").generation)
+
+    def _start(self, only_if_absent: bool) -> ts.Future[ts.KvStore.TimestampedStorageGeneration]:
+        assert self._object is not None
+        loc, key = self._object
         record = {"format": 1, "host": host_id(), "pid": os.getpid()}
         data = json.dumps({**record, "beat": time.time()}).encode()
-        fut = kvstore(loc.kvstore, loc).write(
+        return kvstore(loc.kvstore, loc).write(
             key, data, if_equal=ABSENT if only_if_absent else None
         )
-        return bool(wait(fut, loc, f"writing {key}").generation)
+
+    def probe(self) -> ts.Future[ts.KvStore.TimestampedStorageGeneration]:
+        """Start a create-only-if-absent of this lease's ``writer.json``, which exists: a store
+        that honours the preconditions refuses it (an empty generation), one that ignores
+        them writes it (the same record; ``jaxckpt._storage.generations`` warns)."""
+        return self._start(only_if_absent=True)
 
     def release(self, *, delete: bool = True) -> None:
         """Stop holding the lease (``delete``: remove ``writer.json`` too; never raises)."""
