@@ -9,6 +9,7 @@ the commit; what other steps reference kept; every operation within its deadline
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import re
@@ -22,6 +23,7 @@ import pytest
 import tensorstore as ts
 from gcs_server import BUCKET, ENV, serve
 from helpers import assert_tree_equal, mesh, put
+from http_proxy import Request, Shaping, sequential_round_trips
 from test_commit import check_one_winner, race
 
 import jaxckpt
@@ -43,6 +45,7 @@ def gcs(emulator):
     """The emulator, its link healthy again after the test (no fault, held requests released)."""
     yield emulator
     emulator.fault = None
+    emulator.proxy.shaping = Shaping()
     emulator.proxy.release()
 
 
@@ -206,6 +209,54 @@ def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
     assert_tree_equal(jaxckpt.restore(url), host(new))
     listings = [p for _, p, _ in gcs.proxy.seen[seen_before:] if "/o?" in p and prefix in p]
     assert any("pageToken=" in p for p in listings), listings  # more than one page was read
+
+
+def _is_data(r: Request) -> bool:
+    """A chunk's read or write, or a zarr.json written with them (its upload's name)."""
+    name = r.path.split("?")[0] if r.method == "GET" else r.path
+    return (
+        "%2Fc%2F" in name
+        or name.endswith("%2Fc")
+        or "%2Fc&" in name
+        or (r.method == "POST" and "%2Fzarr.json" in r.path)
+    )
+
+
+def _requests_of(gcs, call) -> list[Request]:
+    """The requests ``call`` sent and waited for (not the background clean-up before it)."""
+    settle()
+    start, t = len(gcs.proxy.log), time.monotonic()
+    call()
+    end = time.monotonic()
+    return [r for r in gcs.proxy.log[start:] if r.start >= t and r.end <= end]
+
+
+def test_save_and_restore_wait_on_a_few_round_trips_whatever_the_leaf_count(gcs, prefix):
+    """Issue 52: a save waits on at most 3 round trips besides its data (the manifest read
+    beside the listing, the lease, the commit), a restore on 1 before its data (the manifest
+    beside the listing) and 1 after (the unchanged-check); the same for 4 leaves or 400. Counts
+    of requests that waited one on another (a latency on the link keeps them apart), no times."""
+    gcs.proxy.shaping = Shaping(latency=0.05)
+    m = mesh((4, 2), ("data", "model"))
+    for n in (4, 400):
+        tree = {"w": put(jnp.ones((1024, 512)), m, "data", "model")}  # 2 MiB: not packed
+        tree |= {f"s{i:03d}": np.full(3, i, np.float32) for i in range(n)}
+        run = f"gs://{BUCKET}/{prefix}/{n}"
+        jaxckpt.save(f"{run}/warm", tree)  # plans cached; the store's one check (see generations)
+        url = f"{run}/ck"
+        saved = _requests_of(gcs, functools.partial(jaxckpt.save, url, tree))
+        waited = sequential_round_trips([r for r in saved if not _is_data(r)])
+        assert len(waited) == 3, [(r.method, r.path) for r in waited]
+        data = [r for r in saved if _is_data(r)]
+        assert len(data) == 8 + 1 + 2, [r.path for r in data]  # w's 8 chunks, 1 pack; 2 zarr.json
+        got: list = []
+        read = _requests_of(gcs, lambda u=url, t=tree, g=got: g.append(jaxckpt.restore(u, t)))
+        first_data = min(r.start for r in read if _is_data(r))
+        before = sequential_round_trips([r for r in read if r.end <= first_data])
+        assert len(before) == 1, [(r.method, r.path) for r in before]
+        assert len(sequential_round_trips([r for r in read if not _is_data(r)])) == 2
+        assert len([r for r in read if _is_data(r)]) == 8 + 1
+        assert_tree_equal(got[-1], tree)
 
 
 # Overwrite, races ----------------------------------------------------------------------------

@@ -36,6 +36,9 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
 
     if loc.name == MANIFEST:  # CKPT/manifest.json: the checkpoint is the folder holding it
         loc = loc.parent()
+    # Object stores: the checkpoint's listing (its chunks, checked before a read) goes out
+    # beside the manifest's read, so a restore waits on one round trip before its data.
+    listing = _catalog.Listing(loc) if loc.local is None else None
     try:
         raw, stamp = _location.read_stamped(loc)
     except CheckpointNotFoundError:
@@ -49,7 +52,8 @@ def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
         raise _not_found(loc) from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
     marked = manifest.created.get("held_by") is True
-    return manifest, _reader.CheckpointReader(loc, stamp, manifest.refs, marked=marked)
+    reader = _reader.CheckpointReader(loc, stamp, manifest.refs, marked=marked, listing=listing)
+    return manifest, reader
 
 
 _LOOKED_FOR = (

@@ -5,7 +5,7 @@ the commit. The steps of one save:
 
 1. :func:`prepare` (coordinator; the others receive the generation by broadcast): list the
    prefix (an object jaxckpt did not write refuses the save) and read the manifest (one there
-   refuses a save without ``overwrite``). An empty prefix is written as it is; a prefix holding
+   refuses a save without ``overwrite``), both at once. An empty prefix is written as it is; a prefix holding
    anything (the checkpoint being replaced, a failed save's leftovers, arrays kept for other
    steps, another save in progress) gets a fresh **generation** ``gXXXXXXXX/`` that no key there
    starts with: a save never writes over an object it did not make. Taking the empty prefix
@@ -18,8 +18,8 @@ the commit. The steps of one save:
    still the one step 1 saw (compare-and-swap on its generation), so a save that another
    commit overtook fails and leaves the winner whole.
 4. :func:`clean_up` after the commit, in the background (the save returns once committed):
-   every other object the prefix held when the commit was done goes (the replaced generation,
-   leftovers), except the markers and the arrays they hold. It never raises: the checkpoint
+   every other object the prefix held when step 1 listed it goes (the replaced generation,
+   leftovers), except the markers and the arrays they hold (listed afresh then). It never raises: the checkpoint
    is committed whatever happens there, and what is left goes at the next save or delete of
    the same prefix, or a manager's clean-up.
 
@@ -41,6 +41,7 @@ from jaxckpt._format.names import HELD_BY, MANIFEST, WRITER, is_own_key
 from jaxckpt._runtime import pools
 from jaxckpt._storage import holds
 from jaxckpt._storage.catalog import (
+    Listing,
     array_of,
     delete_keys,
     exactly,
@@ -69,6 +70,7 @@ class Target:
     old_refs: dict[str, str] = dataclasses.field(default_factory=dict)  # the replaced one's
     lease: Lease | None = None  # the coordinator's
     probe: Any = None  # the future of :func:`_probe`'s write, if this save checks the store
+    before: set[str] | None = None  # the prefix's keys step 1 listed (coordinator)
 
 
 def prepare(
@@ -83,11 +85,12 @@ def prepare(
             raise ValueError("a non-coordinator Writer needs broadcast= to find the generation")
         return Target(broadcast("generation", ""))
     kv = kvstore(loc.kvstore, loc)
+    listing = Listing(loc)  # beside the manifest's read: one round trip for both
     old = wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}")
     committed = old.state == "value"
     if committed and not overwrite:
         raise exists_error(loc)
-    keys = list_keys(loc)
+    keys = listing.keys()
     if committed and not keys:  # tensorstore reads some refused listings as empty ones (gcs)
         raise CheckpointError(
             f"Save to {loc}: its {MANIFEST} exists but listing the prefix found nothing, so the "
@@ -98,6 +101,7 @@ def prepare(
     if foreign:
         raise not_ours_to_replace(loc, foreign[0], committed=committed)
     target = Target("", old.stamp.generation if committed else ABSENT, _refs(old.value))
+    target.before = set(keys)
     # The plain prefix if it is empty and no other save takes it first, else a generation.
     target.lease = Lease.object_store(loc, "", only_if_absent=True) if not keys else None
     if target.lease is None:
@@ -114,32 +118,42 @@ def prepare(
     return target
 
 
-# The stores checked by this process: (driver, endpoint, bucket).
+# The stores checked by this process, and those found to ignore preconditions (or not known
+# to honour them): (driver, endpoint, bucket).
 _probed: set[tuple[str, str, str]] = set()
+_ignoring: set[tuple[str, str, str]] = set()
+
+
+def _store_of(loc: Location) -> tuple[str, str, str]:
+    spec = loc.kvstore
+    return (spec["driver"], endpoint(spec), str(spec.get("bucket", "")))
 
 
 def _probe(loc: Location, lease: Lease | None) -> Any:
     """Once per process and store: start a write that a store honouring the preconditions the
     commit relies on must refuse (see :meth:`Lease.probe`); :func:`_check_probe` reads its
     answer at the commit. It runs beside the data: no round trip is waited for."""
-    spec = loc.kvstore
-    store = (spec["driver"], endpoint(spec), str(spec.get("bucket", "")))
-    if lease is None or spec["driver"] == "memory" or store in _probed:
+    store = _store_of(loc)
+    if lease is None or loc.kvstore["driver"] == "memory" or store in _probed:
         return None
     _probed.add(store)
     return lease.probe()
 
 
-def _check_probe(loc: Location, probe: Any) -> None:
-    """Warn (once per process and store) if the store wrote what :func:`_probe` asked only if
-    absent: it ignores preconditions, so concurrent saves to one path are not protected."""
+def _check_probe(loc: Location, probe: Any) -> bool:
+    """Whether the store honours preconditions, as far as known: warn (once per process and
+    store) if it wrote what :func:`_probe` asked only if absent, so that concurrent saves to
+    one path are not protected."""
+    store = _store_of(loc)
     if probe is None:
-        return
+        return store not in _ignoring
     try:
         written = wait(probe, loc, "checking that the store honours preconditions").generation
     except (CheckpointError, ValueError):  # unknown: the commit goes on; checked no more
-        return
+        _ignoring.add(store)  # unknown counts as ignored: markers are merged as before
+        return False
     if written:
+        _ignoring.add(store)
         logger.warning(
             "%s: the store at %s ignores write preconditions (a create-only-if-absent of an "
             "existing object succeeded), which jaxckpt's commit relies on to keep two saves to "
@@ -151,6 +165,7 @@ def _check_probe(loc: Location, probe: Any) -> None:
             loc,
             endpoint(loc.kvstore),
         )
+    return not written
 
 
 def _fresh_generation(keys: Iterable[str]) -> str:
@@ -185,13 +200,16 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
     data = moved.to_json()
     Manifest.from_json(data, where=f"{loc}/{MANIFEST} (about to be committed)")
     referenced = holds.by_holder(moved.refs)
+    honoured = _check_probe(loc, target.probe)
     try:
-        for holder, paths in referenced.items():
-            holds.hold(loc.sibling(holder), name, paths)
+        if honoured:  # all at once, created if absent
+            holds.hold_new({loc.sibling(h): p for h, p in referenced.items()}, name)
+        else:  # read, merge, write each: what a create-only-if-absent would do
+            for holder, paths in referenced.items():
+                holds.hold(loc.sibling(holder), name, paths)
         kv = kvstore(loc.kvstore, loc)
     except ValueError as e:  # the store refused: nothing is committed
         raise write_error(loc, "writing the held-by markers of its references", e) from e
-    _check_probe(loc, target.probe)
     what = f"writing {MANIFEST} (the commit)"
     try:
         done = wait(kv.write(MANIFEST, data, if_equal=target.seen), loc, what)
@@ -202,9 +220,15 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
         if not done.generation:
             drop(loc, target)
             raise lost_error(loc, committed=True)
-    # What to delete is listed now, not in the background: a save that starts later writes a
-    # new generation at this prefix, which a later listing would hold.
-    pools.after_commit(clean_up, loc, target, referenced, name, _listed(loc))
+    # The clean-up lists in the background (no round trip after the commit is waited for) and
+    # deletes only keys step 1 listed too: never a generation of a save that started later.
+    pools.after_commit(_clean_up_later, loc, target, referenced, name)
+
+
+def _clean_up_later(
+    loc: Location, target: Target, keep_markers_of: dict[str, set[str]], name: str
+) -> None:
+    clean_up(loc, target, keep_markers_of, name, _listed(loc), target.before)
 
 
 def _committed_after_all(loc: Location, data: bytes, error: Exception) -> bool:
@@ -247,10 +271,12 @@ def clean_up(
     keep_markers_of: dict[str, set[str]],
     name: str,
     keys: list[str] | None,
+    before: set[str] | None = None,
 ) -> None:
     """Step 4 (never raises; in the background after a commit): delete, of ``keys`` (the
-    prefix listed right after the commit), what the committed manifest does not use; release
-    the markers the replaced checkpoint needed and this one does not; release the lease."""
+    prefix listed after the commit; of them only those in ``before``, if given: the keys the
+    prefix held before the save), what the committed manifest does not use; release the
+    markers the replaced checkpoint needed and this one does not; release the lease."""
     try:
         if keys is None:
             raise CheckpointError(f"listing {loc} after the commit failed")
@@ -259,7 +285,11 @@ def clean_up(
         if kept is None:
             logger.warning("%s: a held-by marker cannot be read; keeping all old arrays", loc)
         else:
-            doomed = [k for k in keys if _replaced(k, target.generation, kept)]
+            doomed = [
+                k
+                for k in keys
+                if _replaced(k, target.generation, kept) and (before is None or k in before)
+            ]
             delete_keys(kv, loc, doomed, keys)
         old = holds.by_holder(target.old_refs)
         for holder in old.keys() - keep_markers_of.keys():
