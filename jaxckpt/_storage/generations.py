@@ -10,7 +10,8 @@ the commit. The steps of one save:
    steps, another save in progress) gets a fresh **generation** ``gXXXXXXXX/`` that no key there
    starts with: a save never writes over an object it did not make. Taking the empty prefix
    is a conditional create of its ``writer.json``, the save's lease (``jaxckpt._storage.lease``),
-   so two saves never share one generation.
+   so two saves never share one generation; it is sent with the listing and the read (one
+   round trip for the three) and deleted again if the prefix was not empty.
 2. The arrays are written under the generation (all processes).
 3. :func:`commit` (coordinator): the manifest's paths are moved into the generation
    (``Manifest.relocated``) and parsed once more; the ``held-by`` markers of its references
@@ -85,28 +86,24 @@ def prepare(
             raise ValueError("a non-coordinator Writer needs broadcast= to find the generation")
         return Target(broadcast("generation", ""))
     kv = kvstore(loc.kvstore, loc)
-    listing = Listing(loc)  # beside the manifest's read: one round trip for both
-    old = wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}")
-    committed = old.state == "value"
-    if committed and not overwrite:
-        raise exists_error(loc)
-    keys = listing.keys()
-    if committed and not keys:  # tensorstore reads some refused listings as empty ones (gcs)
-        raise CheckpointError(
-            f"Save to {loc}: its {MANIFEST} exists but listing the prefix found nothing, so the "
-            f"credentials may read but not list it. Grant list permission on the bucket; "
-            f"nothing was written."
-        )
-    foreign = [k for k in keys if not is_own_key(k)]
-    if foreign:
-        raise not_ours_to_replace(loc, foreign[0], committed=committed)
-    target = Target("", old.stamp.generation if committed else ABSENT, _refs(old.value))
-    target.before = set(keys)
-    # The plain prefix if it is empty and no other save takes it first, else a generation.
-    target.lease = Lease.object_store(loc, "", only_if_absent=True) if not keys else None
-    if target.lease is None:
-        target.generation = _fresh_generation(keys)
-        target.lease = Lease.object_store(loc, target.generation)
+    # The listing, the manifest's read and the plain prefix's lease (created only if absent)
+    # go out together: a save to an empty prefix waits on one round trip here.
+    listing = Listing(loc)
+    reading = kv.read(MANIFEST)
+    plain, taking = Lease.start_object_store(loc, "", only_if_absent=True)
+    try:
+        old = wait(reading, loc, f"reading {MANIFEST}")
+        keys = listing.keys()
+    except BaseException:
+        _let_go(plain, taking)
+        raise
+    held = plain.taken(taking)
+    try:
+        target = _choose(loc, overwrite, old, keys, held)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
     target.probe = _probe(loc, target.lease)
     if broadcast is not None:
         try:
@@ -166,6 +163,48 @@ def _check_probe(loc: Location, probe: Any) -> bool:
             endpoint(loc.kvstore),
         )
     return not written
+
+
+def _let_go(lease: Lease, taking: Any) -> None:
+    """Release ``lease`` if the write ``taking`` made it (never raises)."""
+    try:
+        held = lease.taken(taking)
+    except Exception:  # noqa: BLE001 - not taken, or unknown: a stale writer.json only waits
+        return
+    if held is not None:
+        held.release()
+
+
+def _choose(
+    loc: Location, overwrite: bool, old: Any, keys: list[str], held: Lease | None
+) -> Target:
+    """Step 1's decision from the manifest read (``old``), the listing (``keys``) and the
+    plain prefix's lease if this save took it (``held``): the plain prefix if it was empty,
+    else a fresh generation (``held`` is released then)."""
+    committed = old.state == "value"
+    if committed and not overwrite:
+        raise exists_error(loc)
+    if committed and not keys:  # tensorstore reads some refused listings as empty ones (gcs)
+        raise CheckpointError(
+            f"Save to {loc}: its {MANIFEST} exists but listing the prefix found nothing, so the "
+            f"credentials may read but not list it. Grant list permission on the bucket; "
+            f"nothing was written."
+        )
+    foreign = [k for k in keys if not is_own_key(k)]
+    if foreign:
+        raise not_ours_to_replace(loc, foreign[0], committed=committed)
+    target = Target("", old.stamp.generation if committed else ABSENT, _refs(old.value))
+    mine = {WRITER} if held is not None else set()  # the listing may have seen it
+    target.before = set(keys) - mine
+    if held is not None and not target.before:  # empty, and no other save took it first
+        target.lease = held
+        return target
+    target.generation = _fresh_generation(keys)
+    lease, taking = Lease.start_object_store(loc, target.generation)
+    if held is not None:
+        held.release()  # beside the generation's lease
+    target.lease = lease.taken(taking)
+    return target
 
 
 def _fresh_generation(keys: Iterable[str]) -> str:
