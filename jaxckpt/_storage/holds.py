@@ -22,7 +22,7 @@ fails instead of returning them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import tensorstore as ts
 
@@ -104,7 +104,15 @@ def referrers(keys: Iterable[str]) -> list[str]:
 
 def held_for(holder: Location, referrer: str) -> set[str]:
     """The paths ``holder`` keeps for ``referrer`` (none if its marker is gone or damaged)."""
-    return _read(kvstore(holder.kvstore, holder), holder, marker(referrer)) or set()
+    return start_held_for(holder, referrer)()
+
+
+def start_held_for(holder: Location, referrer: str) -> Callable[[], set[str]]:
+    """:func:`held_for` in two steps: the marker's read starts now (beside other requests),
+    the call returned waits for it."""
+    key = marker(referrer)
+    fut = kvstore(holder.kvstore, holder).read(key)
+    return lambda: _parse(wait(fut, holder, f"reading {key}")) or set()
 
 
 def held(loc: Location, keys: Iterable[str]) -> set[str] | None:

@@ -110,7 +110,16 @@ class CheckpointReader:
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
         self._listing: dict[str, dict[str, set[str]]] = {}  # by step's URL
-        self._started = listing
+        # Object stores: listings (and markers) started before they are needed, by step's URL:
+        # this checkpoint's beside its manifest, those of the steps it references now.
+        self._started: dict[str, Listing] = {str(loc): listing} if listing is not None else {}
+        self._markers: dict[str, Callable[[], set[str]]] = {}
+        if self.refs and loc.local is None:
+            for name in holds.by_holder(self.refs):
+                holder = loc.sibling(name)
+                self._started[str(holder)] = Listing(holder)
+                if marked:
+                    self._markers[str(holder)] = holds.start_held_for(holder, loc.name)
         self._inplace = _chunkfile.InPlace(loc.local, str(loc)) if loc.local is not None else None
 
     def _store(self, entry: ArrayEntry) -> ts.TensorStore:
@@ -249,7 +258,9 @@ class CheckpointReader:
         loc, path = self.holder(entry.path)
         held = self._held.get(str(loc))
         if held is None:
-            held = self._held[str(loc)] = holds.held_for(loc, self.loc.name)
+            started = self._markers.pop(str(loc), None)
+            held = started() if started is not None else holds.held_for(loc, self.loc.name)
+            self._held[str(loc)] = held
         if path not in held:
             raise CorruptChunkError(
                 f"Key {entry.key!r}: this incremental step references {path} in {loc}, which no "
@@ -285,8 +296,8 @@ class CheckpointReader:
         listing = self._listing.get(str(loc))
         if listing is None:
             listing = collections.defaultdict(set)
-            started, self._started = self._started, None
-            keys = started.keys() if started is not None and loc is self.loc else list_keys(loc)
+            started = self._started.pop(str(loc), None)
+            keys = started.keys() if started is not None else list_keys(loc)
             for k in keys:
                 for m in re.finditer(r"/c(?=/|\Z)", k):  # every ``/c`` segment: an array's chunks?
                     listing[k[: m.start()]].add(k[m.start() + 1 :])
