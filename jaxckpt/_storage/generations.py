@@ -94,12 +94,13 @@ def prepare(
     try:
         old = wait(reading, loc, f"reading {MANIFEST}")
         keys = listing.keys()
+        _refuse(loc, overwrite, old.state == "value", keys)  # before the lease's own errors
     except BaseException:
         _let_go(plain, taking)
         raise
     held = plain.taken(taking)
     try:
-        target = _choose(loc, overwrite, old, keys, held)
+        target = _choose(loc, old, keys, held)
     except BaseException:
         if held is not None:
             held.release()
@@ -175,13 +176,9 @@ def _let_go(lease: Lease, taking: Any) -> None:
         held.release()
 
 
-def _choose(
-    loc: Location, overwrite: bool, old: Any, keys: list[str], held: Lease | None
-) -> Target:
-    """Step 1's decision from the manifest read (``old``), the listing (``keys``) and the
-    plain prefix's lease if this save took it (``held``): the plain prefix if it was empty,
-    else a fresh generation (``held`` is released then)."""
-    committed = old.state == "value"
+def _refuse(loc: Location, overwrite: bool, committed: bool, keys: list[str]) -> None:
+    """Step 1's checks: a committed checkpoint without ``overwrite``, a listing the
+    credentials may not make, an object jaxckpt did not write."""
     if committed and not overwrite:
         raise exists_error(loc)
     if committed and not keys:  # tensorstore reads some refused listings as empty ones (gcs)
@@ -193,6 +190,13 @@ def _choose(
     foreign = [k for k in keys if not is_own_key(k)]
     if foreign:
         raise not_ours_to_replace(loc, foreign[0], committed=committed)
+
+
+def _choose(loc: Location, old: Any, keys: list[str], held: Lease | None) -> Target:
+    """Step 1's decision from the manifest read (``old``), the listing (``keys``) and the
+    plain prefix's lease if this save took it (``held``): the plain prefix if it was empty,
+    else a fresh generation (``held`` is released then)."""
+    committed = old.state == "value"
     target = Target("", old.stamp.generation if committed else ABSENT, _refs(old.value))
     mine = {WRITER} if held is not None else set()  # the listing may have seen it
     target.before = set(keys) - mine
