@@ -134,6 +134,12 @@ def test_the_emulator_used_directly_reads_and_saves_with_a_warning(
     assert mgr.all_steps() == [1, 2]
     assert_tree_equal(mgr.restore(), host(tree))
     mgr.close()
+    inc = jaxckpt.CheckpointManager(f"gs://{bucket}/inc", async_save=False, incremental=True)
+    inc.save(1, _frozen_and_moving(0, 1))
+    inc.save(2, _frozen_and_moving(0, 2))  # references step 1's frozen: a held-by marker
+    assert jaxckpt.metadata(f"gs://{bucket}/inc/00000002").refs
+    assert_tree_equal(inc.restore(2), host(_frozen_and_moving(0, 2)))
+    inc.close()
     capsys.readouterr()
     assert main(["ls", run]) == 0
     assert [r.split()[:2] for r in capsys.readouterr().out.splitlines()[1:]] == [
