@@ -114,7 +114,7 @@ class CheckpointReader:
         # this checkpoint's beside its manifest, those of the steps it references now.
         self._started: dict[str, Listing] = {str(loc): listing} if listing is not None else {}
         self._markers: dict[str, Callable[[], set[str]]] = {}
-        if self.refs and loc.local is None:
+        if self.refs and listing is not None:  # a reader that will read: its holders' too
             for name in holds.by_holder(self.refs):
                 holder = loc.sibling(name)
                 self._started[str(holder)] = Listing(holder)
