@@ -5,13 +5,14 @@ the commit. The steps of one save:
 
 1. :func:`prepare` (coordinator; the others receive the generation by broadcast): list the
    prefix (an object jaxckpt did not write refuses the save) and read the manifest (one there
-   refuses a save without ``overwrite``), both at once. An empty prefix is written as it is; a prefix holding
-   anything (the checkpoint being replaced, a failed save's leftovers, arrays kept for other
-   steps, another save in progress) gets a fresh **generation** ``gXXXXXXXX/`` that no key there
-   starts with: a save never writes over an object it did not make. Taking the empty prefix
-   is a conditional create of its ``writer.json``, the save's lease (``jaxckpt._storage.lease``),
-   so two saves never share one generation; it is sent with the listing and the read (one
-   round trip for the three) and deleted again if the prefix was not empty.
+   refuses a save without ``overwrite``), both at once. An empty prefix is written as it is;
+   a prefix holding anything (the checkpoint being replaced, a failed save's leftovers,
+   arrays kept for other steps, another save in progress) gets a fresh **generation**
+   ``gXXXXXXXX/`` that no key there starts with: a save never writes over an object it did
+   not make. Taking the empty prefix is a conditional create of its ``writer.json``, the
+   save's lease (``jaxckpt._storage.lease``), so two saves never share one generation; it is
+   sent with the listing and the read (one round trip for the three) and deleted again if
+   the prefix was not empty.
 2. The arrays are written under the generation (all processes).
 3. :func:`commit` (coordinator): the manifest's paths are moved into the generation
    (``Manifest.relocated``) and parsed once more; the ``held-by`` markers of its references
@@ -20,9 +21,9 @@ the commit. The steps of one save:
    commit overtook fails and leaves the winner whole.
 4. :func:`clean_up` after the commit, in the background (the save returns once committed):
    every other object the prefix held when step 1 listed it goes (the replaced generation,
-   leftovers), except the markers and the arrays they hold (listed afresh then). It never raises: the checkpoint
-   is committed whatever happens there, and what is left goes at the next save or delete of
-   the same prefix, or a manager's clean-up.
+   leftovers), except the markers and the arrays they hold (listed afresh then). It never
+   raises: the checkpoint is committed whatever happens there, and what is left goes at the
+   next save or delete of the same prefix, or a manager's clean-up.
 
 Nothing is deleted before the commit, so a save that fails, or that a crash stops, leaves the
 last committed checkpoint and everything it references as they were.
