@@ -61,7 +61,7 @@ def device_state(step: int) -> dict:
 
 
 TRAPS = [
-    "first_array_create",  # before a save creates its first new array (zarr.json)
+    "first_array_create",  # before a save creates its first new array (its zarr.json write)
     "data_write_1",  # before the first box write of a save
     "data_write_3",  # before the third box write, two already issued
     "before_manifest",  # every array written, the commit not
@@ -107,9 +107,10 @@ def arm(trap: str, progress: str) -> None:
         return orig["write"](self, *args, **kwargs)
 
     def trapped_kv_write(self, key, *args, **kwargs):
-        name = {b"manifest.json": "manifest", b"metrics.json": "metrics"}.get(
-            key.encode() if isinstance(key, str) else bytes(key)
-        )
+        raw = key.encode() if isinstance(key, str) else bytes(key)
+        if trap == "first_array_create" and raw.endswith(b"/zarr.json"):
+            die()  # object stores create an array by writing its zarr.json (Writer.open_arrays)
+        name = {b"manifest.json": "manifest", b"metrics.json": "metrics"}.get(raw)
         if name is not None and trap == f"before_{name}":
             die()
         fut = orig["kv_write"](self, key, *args, **kwargs)

@@ -7,7 +7,8 @@ preconditions that real GCS honours and jaxckpt relies on (docs/object_storage.m
   is the one given (``0``: the object must not exist). jaxckpt's commit writes the manifest only
   if it is still the one the save saw, and a save's lease ``writer.json`` only if absent.
 * ``ifGenerationNotMatch`` on a read: real GCS answers 304 when the object is still that
-  generation. ``location.manifest_changed`` relies on it.
+  generation. ``location.manifest_changed`` asks for it (and compares the generation answered
+  when a store ignores it).
 
 :func:`like_gcs` answers those itself from the object's current generation (one metadata
 request to the emulator), and asks for listings in pages of 1,000 objects as real GCS answers

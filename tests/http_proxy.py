@@ -10,6 +10,12 @@ Each request is passed to ``rule(method, path_and_query)``, which answers one of
 * a callable ``(method, path, headers, body) -> (status, headers, body) | None``: answer for the
   server (``None``: forward as usual), e.g. to enforce a precondition an emulator ignores.
 
+A :class:`Shaping` (``proxy.shaping``, settable at any time) makes the link slow as a real one
+is: a round-trip latency per request, a rate per request's body and answer, an optional cap on
+the requests served at once. Every request is logged in :attr:`Proxy.log` (a :class:`Request`:
+what, when it arrived and when it was answered, its bytes), from which
+:func:`sequential_round_trips` counts how many requests waited one on another.
+
 Held requests are released (their connections closed) by :meth:`Proxy.release`, which lets
 the proxy go on serving (one proxy for a whole session, its ``rule`` set per test), or
 :meth:`Proxy.stop`. A callable answer may ask the server itself through :meth:`Proxy.ask`.
@@ -17,14 +23,71 @@ the proxy go on serving (one proxy for a whole session, its ``rule`` set per tes
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import http.client
 import http.server
 import threading
+import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shaping:
+    """A slow link: ``latency`` seconds added to each request (one round trip), each body and
+    answer passed at ``rate`` bytes/s (``None``: at once), at most ``max_concurrent`` requests
+    served at once (``None``: any number; the rest queue, as at a connection limit)."""
+
+    latency: float = 0.0
+    rate: float | None = None
+    max_concurrent: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request the proxy answered: ``start`` when it arrived, ``end`` when its answer was
+    sent (``time.monotonic``), ``up``/``down`` the bytes of its body and its answer."""
+
+    method: str
+    path: str
+    start: float
+    end: float
+    up: int
+    down: int
+    status: int
+
+
+def sequential_round_trips(log: Sequence[Request]) -> list[Request]:
+    """The longest chain of requests in ``log`` each of which arrived after the one before was
+    answered: the round trips the client waited on one after another (its length is their
+    count; requests issued together overlap and count once). With a latency on the link each
+    round trip lasts at least that long, so requests that one waited for cannot overlap it."""
+    reqs = sorted(log, key=lambda r: r.end)
+    ends = [r.end for r in reqs]
+    best: list[tuple[int, int]] = []  # by index in reqs: (chain length, previous index)
+    top: list[int] = []  # running argmax of chain length over reqs[: i + 1]
+    for r in reqs:
+        k = bisect.bisect_right(ends, r.start)  # reqs[:k] ended before r arrived
+        prev = top[k - 1] if k else -1
+        best.append((best[prev][0] + 1 if prev >= 0 else 1, prev))
+        i = len(best) - 1
+        top.append(i if not top or best[i][0] > best[top[-1]][0] else top[-1])
+    chain, i = [], top[-1] if top else -1
+    while i >= 0:
+        chain.append(reqs[i])
+        i = best[i][1]
+    return chain[::-1]
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    # The default backlog (5) refuses connections when a client opens dozens at once
+    # (tensorstore does, for a save's chunks); curl then retries after a back-off, which
+    # would count as the link's time.
+    request_queue_size = 1024
 
 
 class Proxy:
@@ -33,6 +96,9 @@ class Proxy:
     def __init__(self, upstream: str, rule: Callable[[str, str], Any] | None = None) -> None:
         self.rule: Callable[[str, str], Any] = rule or (lambda method, path: "pass")
         self.seen: list[tuple[str, str, Any]] = []  # (method, path, action) of every request
+        self.log: list[Request] = []  # every request answered (see Shaping)
+        self.shaping = Shaping()
+        self._slots: tuple[int, threading.Semaphore] | None = None
         self._up = urllib.parse.urlsplit(upstream)
         self._released = threading.Event()
         proxy = self
@@ -48,14 +114,34 @@ class Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _any
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
+    def _slot(self) -> threading.Semaphore | None:
+        cap = self.shaping.max_concurrent
+        if cap is None:
+            return None
+        if self._slots is None or self._slots[0] != cap:
+            self._slots = (cap, threading.Semaphore(cap))
+        return self._slots[1]
+
     def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        start = time.monotonic()
+        slot = self._slot()
+        if slot is None:
+            self._shaped(h, start)
+            return
+        with slot:
+            self._shaped(h, start)
+
+    def _shaped(self, h: http.server.BaseHTTPRequestHandler, start: float) -> None:
+        shape = self.shaping
         length = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(length) if length else b""
+        if shape.latency or shape.rate:
+            time.sleep(shape.latency + (len(body) / shape.rate if shape.rate else 0.0))
         action = self.rule(h.command, h.path)
         self.seen.append((h.command, h.path, action))
         released = self._released  # the release that ends this request's hold
@@ -77,7 +163,14 @@ class Proxy:
             released.wait()
             h.close_connection = True
             return
+        if shape.rate and answer[2]:
+            time.sleep(len(answer[2]) / shape.rate)
         self._answer(h, *answer)
+        self.log.append(
+            Request(
+                h.command, h.path, start, time.monotonic(), len(body), len(answer[2]), answer[0]
+            )
+        )
 
     def _forward(self, h: http.server.BaseHTTPRequestHandler, body: bytes) -> tuple:
         return self.ask(h.command, h.path, body, dict(h.headers.items()))

@@ -9,6 +9,7 @@ the commit; what other steps reference kept; every operation within its deadline
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import re
@@ -22,6 +23,7 @@ import pytest
 import tensorstore as ts
 from gcs_server import BUCKET, ENV, serve
 from helpers import assert_tree_equal, mesh, put
+from http_proxy import Request, Shaping, sequential_round_trips
 from test_commit import check_one_winner, race
 
 import jaxckpt
@@ -43,6 +45,7 @@ def gcs(emulator):
     """The emulator, its link healthy again after the test (no fault, held requests released)."""
     yield emulator
     emulator.fault = None
+    emulator.proxy.shaping = Shaping()
     emulator.proxy.release()
 
 
@@ -98,6 +101,54 @@ def test_the_proxy_answers_the_preconditions_the_emulator_ignores(gcs, prefix, m
     assert all(honoured(gcs.url, "proxied").values())
     # The emulator alone honours none of them (if it starts to, the proxy can go).
     assert not any(honoured(gcs.server_url, "direct").values())
+
+
+def test_the_emulator_used_directly_reads_and_saves_with_a_warning(
+    gcs, monkeypatch, caplog, capsys
+):
+    """What users run in CI: fake-gcs-server without the proxy. Reads never rely on a
+    precondition (the unchanged-check compares the generation a read returns); a save works
+    for one writer and says once per store that concurrent saves are not protected."""
+    bucket = f"direct-{uuid.uuid4().hex[:8]}"  # a bucket of its own: a store opened afresh
+    status, _, _ = gcs.proxy.ask(
+        "POST", "/storage/v1/b?project=test", json.dumps({"name": bucket}).encode()
+    )
+    assert status == 200
+    monkeypatch.setenv(ENV[0], gcs.server_url)
+    caplog.set_level(logging.WARNING, logger="jaxckpt")
+    seen = len(gcs.proxy.seen)
+    run = f"gs://{bucket}/run"
+    tree = state()
+    jaxckpt.save(f"{run}/00000001", tree, planner=unpacked())
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert f"gs://{bucket}/run/00000001: the store at {gcs.server_url} ignores write" in said
+    assert "concurrent saves to one path are NOT protected" in said
+    jaxckpt.save(f"{run}/00000001", state(2.0), overwrite=True, planner=unpacked())
+    jaxckpt.save(f"{run}/00000002", tree)
+    assert len(caplog.records) == 1  # once per process and store
+    settle()
+    assert_tree_equal(jaxckpt.restore(f"{run}/00000001"), host(state(2.0)))
+    assert_tree_equal(jaxckpt.restore(f"{run}/00000002"), host(tree))
+    assert jaxckpt.metadata(f"{run}/00000001").entries["w"].chunks == (2, 4)
+    mgr = jaxckpt.CheckpointManager(run, async_save=False)
+    assert mgr.all_steps() == [1, 2]
+    assert_tree_equal(mgr.restore(), host(tree))
+    mgr.close()
+    inc = jaxckpt.CheckpointManager(f"gs://{bucket}/inc", async_save=False, incremental=True)
+    inc.save(1, _frozen_and_moving(0, 1))
+    inc.save(2, _frozen_and_moving(0, 2))  # references step 1's frozen: a held-by marker
+    assert jaxckpt.metadata(f"gs://{bucket}/inc/00000002").refs
+    assert_tree_equal(inc.restore(2), host(_frozen_and_moving(0, 2)))
+    inc.close()
+    capsys.readouterr()
+    assert main(["ls", run]) == 0
+    assert [r.split()[:2] for r in capsys.readouterr().out.splitlines()[1:]] == [
+        ["00000001", "committed"],
+        ["00000002", "committed"],
+    ]
+    assert main(["verify", f"{run}/00000001"]) == 0
+    assert "every checksum matches" in capsys.readouterr().out
+    assert len(gcs.proxy.seen) == seen  # not one request went through the proxy
 
 
 # Saving and restoring ------------------------------------------------------------------------
@@ -164,6 +215,58 @@ def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
     assert_tree_equal(jaxckpt.restore(url), host(new))
     listings = [p for _, p, _ in gcs.proxy.seen[seen_before:] if "/o?" in p and prefix in p]
     assert any("pageToken=" in p for p in listings), listings  # more than one page was read
+
+
+def _is_data(r: Request) -> bool:
+    """A chunk's read or write, or a zarr.json written with them (its upload's name)."""
+    name = r.path.split("?")[0] if r.method == "GET" else r.path
+    return (
+        "%2Fc%2F" in name
+        or name.endswith("%2Fc")
+        or "%2Fc&" in name
+        or (r.method == "POST" and "%2Fzarr.json" in r.path)
+    )
+
+
+def _requests_of(gcs, call) -> list[Request]:
+    """The requests ``call`` sent and waited for (not the background clean-up before it)."""
+    settle()
+    start, t = len(gcs.proxy.log), time.monotonic()
+    call()
+    end = time.monotonic()
+    return [r for r in gcs.proxy.log[start:] if r.start >= t and r.end <= end]
+
+
+def test_save_and_restore_wait_on_a_few_round_trips_whatever_the_leaf_count(gcs, prefix):
+    """Issue 52: a save waits on at most 3 round trips besides its data: 2 to an empty prefix
+    (the manifest read, the listing and the lease together; the commit), 3 over a checkpoint
+    (the lease of a fresh generation); a restore on 1 before its data (the manifest beside the
+    listing) and 1 after (the unchanged-check); the same for 4 leaves or 400. Counts of requests
+    that waited one on another (a latency on the link keeps them apart), never times."""
+    gcs.proxy.shaping = Shaping(latency=0.05)
+    m = mesh((4, 2), ("data", "model"))
+    for n in (4, 400):
+        tree = {"w": put(jnp.ones((1024, 512)), m, "data", "model")}  # 2 MiB: not packed
+        tree |= {f"s{i:03d}": np.full(3, i, np.float32) for i in range(n)}
+        run = f"gs://{BUCKET}/{prefix}/{n}"
+        jaxckpt.save(f"{run}/warm", tree)  # plans cached; the store's one check (see generations)
+        url = f"{run}/ck"
+        saved = _requests_of(gcs, functools.partial(jaxckpt.save, url, tree))
+        waited = sequential_round_trips([r for r in saved if not _is_data(r)])
+        assert len(waited) == 2, [(r.method, r.path) for r in waited]
+        data = [r for r in saved if _is_data(r)]
+        assert len(data) == 8 + 1 + 2, [r.path for r in data]  # w's 8 chunks, 1 pack; 2 zarr.json
+        again = _requests_of(gcs, functools.partial(jaxckpt.save, url, tree, overwrite=True))
+        waited = sequential_round_trips([r for r in again if not _is_data(r)])
+        assert len(waited) == 3, [(r.method, r.path) for r in waited]
+        got: list = []
+        read = _requests_of(gcs, lambda u=url, t=tree, g=got: g.append(jaxckpt.restore(u, t)))
+        first_data = min(r.start for r in read if _is_data(r))
+        before = sequential_round_trips([r for r in read if r.end <= first_data])
+        assert len(before) == 1, [(r.method, r.path) for r in before]
+        assert len(sequential_round_trips([r for r in read if not _is_data(r)])) == 2
+        assert len([r for r in read if _is_data(r)]) == 8 + 1
+        assert_tree_equal(got[-1], tree)
 
 
 # Overwrite, races ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import shutil
 import uuid
 from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 import tensorstore as ts
 
@@ -30,14 +31,39 @@ logger = logging.getLogger("jaxckpt")
 
 def list_keys(loc: Location) -> list[str]:
     """Every key under an object-store location (relative to it)."""
-    try:
-        return [k.decode() for k in wait(kvstore(loc.kvstore, loc).list(), loc, "listing")]
-    except ValueError as e:
-        raise CheckpointError(
-            f"Cannot list {loc}: {' '.join(str(e).split('[', 1)[0].split())}. Check that the "
-            f"bucket exists and that the credentials ({credentials_hint(loc.kvstore)}) may "
-            f"list and write it."
-        ) from e
+    return Listing(loc).keys()
+
+
+class Listing:
+    """A listing of an object-store location, started at once and waited for by :meth:`keys`:
+    issued beside another request (a manifest read), it costs no round trip of its own."""
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self._error: ValueError | None = None
+        self._fut: Any = None
+        try:
+            self._fut = kvstore(loc.kvstore, loc).list()
+        except ValueError as e:  # the store cannot be opened: said by keys()
+            self._error = e
+
+    def keys(self) -> list[str]:
+        """The keys, relative to the location.
+
+        Raises:
+          CheckpointError: the store refused the listing (names the credentials to check), or
+            it missed its deadline.
+        """
+        try:
+            if self._error is not None:
+                raise self._error
+            return [k.decode() for k in wait(self._fut, self.loc, "listing")]
+        except ValueError as e:
+            raise CheckpointError(
+                f"Cannot list {self.loc}: {' '.join(str(e).split('[', 1)[0].split())}. Check "
+                f"that the bucket exists and that the credentials "
+                f"({credentials_hint(self.loc.kvstore)}) may list and write it."
+            ) from e
 
 
 def delete(loc: Location, *, keep: Collection[str] = ()) -> bool:

