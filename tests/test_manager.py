@@ -77,9 +77,7 @@ def test_metrics_are_plain_json_and_must_be_scalars(tmp_path):
     mgr.save(1, _state(1), metrics={"loss": jnp.float32(0.25), "acc": np.int64(3), "tag": "a"})
     mgr.wait()
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
-    committed = on_disk.pop("committed")  # each commit's time, for jaxckpt ls
     assert on_disk == {"format": 1, "steps": {"1": {"acc": 3, "loss": 0.25, "tag": "a"}}}
-    assert list(committed) == ["1"] and isinstance(committed["1"], float)
     assert mgr.metrics(1) == {"acc": 3, "loss": 0.25, "tag": "a"} and mgr.metrics(5) is None
     with pytest.raises(
         jaxckpt.UnsupportedLeafError, match=r"Metric 'loss' of step 2 is a .*float\(loss\)"
@@ -133,7 +131,7 @@ def test_ignores_and_cleans_up_what_crashes_leave(tmp_path):
     mgr = jaxckpt.CheckpointManager(tmp_path)
     assert mgr.all_steps() == [6] and mgr.latest_step() == 6
     assert_tree_equal(mgr.restore(), _state(6))
-    assert sorted(os.listdir(tmp_path)) == ["00000006", "00000009", "metrics.json", "notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["00000006", "00000009", "notes.txt"]
 
 
 def test_object_store_directory(tmp_path):

@@ -8,8 +8,8 @@ Metrics live in one small file, ``DIR/metrics.json``::
      "committed": {"100": 1767225600.5, "200": 1767229200.25}, "pinned": [100]}
 
 written whole (a temporary file renamed over it) by the primary process after each commit.
-``committed`` holds each step's commit time (seconds since the Unix epoch), recorded after
-each commit (``keep_every_n_secs`` ranks by it, ``jaxckpt ls`` shows it); ``pinned`` the steps ``CheckpointManager.pin`` keeps from
+``committed`` holds each step's commit time (seconds since the Unix epoch), recorded when the
+manager has ``keep_every_n_secs`` (``jaxckpt ls`` shows it where it is there); ``pinned`` the steps ``CheckpointManager.pin`` keeps from
 retention. Older jaxckpt read only ``steps`` and ignore the rest.
 
 The rule, in one place (:func:`steps_to_delete`): steps kept for good are, for each multiple
@@ -262,8 +262,11 @@ def after_commit(
     metrics, committed = metrics_file.read_all()
     if record is not None:
         metrics[str(step)] = record
-    committed[str(step)] = time.time()  # keep_every_n_secs ranks by it; jaxckpt ls shows it
-    return apply(run, policy, metrics_file, metrics, steps, changed=True, committed=committed)
+    timed = policy.keep_every_n_secs is not None
+    if timed:
+        committed[str(step)] = time.time()
+    changed = record is not None or timed
+    return apply(run, policy, metrics_file, metrics, steps, changed=changed, committed=committed)
 
 
 def _is_time(step: str, t: Any) -> bool:
