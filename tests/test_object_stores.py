@@ -2,7 +2,7 @@
 
 ``store`` gives a fresh URL prefix in the store's bucket and the test's own hands on its bytes
 (list, get, put), below jaxckpt. What only one store has (its URLs' options, its emulator's
-proxy and fault hooks, its error messages) stays in tests/test_s3.py and tests/test_gcs.py.
+proxy and the rules of its fault hooks, its error messages) stays in tests/test_s3.py and tests/test_gcs.py.
 Saves here store one zarr array per leaf (``one_array_per_leaf``): the scenarios look at
 an array's own chunk files.
 """
@@ -12,18 +12,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_gcs
+import test_s3
 from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
-from test_gcs import emulator, gcs  # noqa: F401  (fixtures: fake-gcs-server and its proxy)
+from test_gcs import emulator, gcs, generations_of  # noqa: F401  (fixtures: the emulator)
 from test_s3 import BUCKET, FailingPlanner, jax_to_numpy, keys, s3, state  # noqa: F401
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._runtime.pools import settle
 from jaxckpt._storage import catalog
 from jaxckpt._storage.location import Location
 
@@ -37,22 +42,39 @@ class Store:
     keys: Callable[[str], list[str]]  # the keys below a prefix, relative to it, sorted
     get: Callable[[str], bytes]
     put: Callable[[str, bytes], None]
+    # Fault hook: hold the write of the prefix's manifest.json, its request (``"request"``) or
+    # its answer (``"answer"``); returns what heals the link.
+    hold_commit: Callable[[str], Callable[[], None]]
 
 
 @pytest.fixture(params=["s3", "gcs"])
-def store(request) -> Store:
+def store(request, monkeypatch) -> Iterator[Store]:
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     if request.param == "gcs":
         emulated = request.getfixturevalue("gcs")
-        return Store(f"gs://{BUCKET}/{prefix}", prefix, emulated.keys, emulated.get, emulated.put)
+        hold = functools.partial(test_gcs.hold_commit, emulated, prefix)
+        yield Store(
+            f"gs://{BUCKET}/{prefix}", prefix, emulated.keys, emulated.get, emulated.put, hold
+        )
+        return
     client = request.getfixturevalue("s3")
-    return Store(
+    proxies = []
+
+    def hold_commit(lost: str) -> Callable[[], None]:
+        proxy, heal = test_s3.hold_commit(monkeypatch, lost)
+        proxies.append(proxy)
+        return heal
+
+    yield Store(
         f"s3://{BUCKET}/{prefix}",
         prefix,
         functools.partial(keys, client),
         lambda key: client.get_object(Bucket=BUCKET, Key=key)["Body"].read(),
         lambda key, body: client.put_object(Bucket=BUCKET, Key=key, Body=body),
+        hold_commit,
     )
+    for proxy in proxies:
+        proxy.stop()
 
 
 def test_save_restore_onto_another_mesh(store):
@@ -70,6 +92,26 @@ def test_save_restore_onto_another_mesh(store):
     assert got["w"].sharding == target["w"].sharding
     np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(64.0).reshape(8, 8))
     assert jaxckpt.metadata(url).entries["w"].chunks == (2, 4)
+
+
+def test_overwrite_refused_then_replaced(store):
+    url = store.url
+    jaxckpt.save(url, state())
+    with pytest.raises(
+        jaxckpt.CheckpointExistsError, match=f"already exists at {url}.*overwrite=True"
+    ):
+        jaxckpt.save(url, state(2.0))
+    assert jaxckpt.restore(url)["step"] == 1
+    assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state()))
+    jaxckpt.save(url, state(3.0), overwrite=True)
+    settle()  # the replaced generation goes in the background
+    assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(state(3.0)))
+    (gen,) = generations_of(store.keys(store.prefix))
+    assert re.fullmatch("g[0-9a-f]{8}", gen)
+    store.put(f"{store.prefix}/notes.txt", b"mine")  # never deleted, overwrite or not
+    with pytest.raises(jaxckpt.CheckpointExistsError, match="even with overwrite=True"):
+        jaxckpt.save(url, state(), overwrite=True)
+    assert "notes.txt" in store.keys(store.prefix)
 
 
 def test_cli(store, capsys):
@@ -114,3 +156,26 @@ def test_delete_removes_a_checkpoint_and_refuses_a_parent(store):
     assert {k.split("/")[0] for k in left} == {"000002"}
     assert catalog.children(Location(run)) == [("000002", True)]
     catalog.delete(Location(f"{run}/000001"))  # nothing there: not an error
+
+
+@pytest.mark.parametrize("lost", ["request", "answer"])
+def test_a_commit_past_its_deadline_says_what_is_committed(store, monkeypatch, lost, caplog):
+    url = store.url
+    jaxckpt.save(url, {"w": np.zeros(4)})
+    heal = store.hold_commit(lost)
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", "3")
+    caplog.set_level(logging.WARNING, logger="jaxckpt")
+    if lost == "answer":  # the write landed: the save is committed, and says so
+        jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)
+        assert any("but it is in place" in r.getMessage() for r in caplog.records)
+        want = np.ones(4)
+    else:
+        with pytest.raises(
+            jaxckpt.CheckpointError,
+            match="outcome of its commit is unknown.*"
+            "previous checkpoint is committed.*Nothing was deleted",
+        ):
+            jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)
+        want = np.zeros(4)
+    heal()
+    np.testing.assert_array_equal(jaxckpt.restore(url)["w"], want)

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 
 import boto3  # noqa: E402  (test extra)
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import moto.server as moto_server  # noqa: E402
 import numpy as np
 import pytest
 from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
+from http_proxy import Proxy
 
 import jaxckpt
 from jaxckpt._cli.main import main
@@ -64,6 +66,22 @@ def prefix(s3) -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
+def hold_commit(monkeypatch, lost: str) -> tuple[Proxy, Callable[[], None]]:
+    """Fault hook: from now on S3 is reached through a proxy that holds each PUT of a
+    manifest.json, its request (``lost="request"``) or its answer (``"answer"``). Returns the
+    proxy (stop it after the test) and what heals the link."""
+    stall = {"on": True}
+
+    def rule(method, path):
+        if stall["on"] and method == "PUT" and "manifest.json" in path:
+            return "hold" if lost == "request" else "forward-then-hold"
+        return "pass"
+
+    proxy = Proxy(os.environ["AWS_ENDPOINT_URL"], rule)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return proxy, lambda: stall.update(on=False)
+
+
 def keys(s3, prefix: str) -> list[str]:
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
     return sorted(o["Key"][len(prefix) + 1 :] for p in pages for o in p.get("Contents", []))
@@ -93,16 +111,6 @@ class FailingPlanner(jaxckpt.DefaultSavePlanner):
 
 def jax_to_numpy(tree: dict) -> dict:
     return {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in tree.items()}
-
-
-def test_existing_checkpoint_is_not_replaced_without_overwrite(s3, prefix):
-    url = f"s3://{BUCKET}/{prefix}"
-    jaxckpt.save(url, state())
-    with pytest.raises(
-        jaxckpt.CheckpointExistsError, match=f"already exists at {url}.*overwrite=True"
-    ):
-        jaxckpt.save(url, state(2.0))
-    assert jaxckpt.restore(url)["step"] == 1
 
 
 def test_failed_save_leaves_no_checkpoint_and_a_retry_works(s3, prefix):
