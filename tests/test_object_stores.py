@@ -1,10 +1,10 @@
 """The scenarios S3 and GCS share: one store-agnostic fixture, ``store``, run on each.
 
-``store`` gives a fresh URL prefix in the store's bucket and the test's own hands on its bytes
-(list, get, put), below jaxckpt. What only one store has (its URLs' options, its emulator's
-proxy and the rules of its fault hooks, its error messages) stays in tests/test_s3.py and tests/test_gcs.py.
-Saves here store one zarr array per leaf (``one_array_per_leaf``): the scenarios look at
-an array's own chunk files.
+``store`` gives a fresh URL prefix in the store's bucket, the test's own hands on its bytes
+(list, get, put) below jaxckpt, and the store's fault hooks (``hold_commit``). What only one
+store has (its URLs' options, its emulator's proxy, the rules of its fault hooks, its error
+messages) stays in tests/test_s3.py and tests/test_gcs.py. Saves here store one zarr array
+per leaf (``one_array_per_leaf``): the scenarios look at an array's own chunk files.
 """
 
 from __future__ import annotations
