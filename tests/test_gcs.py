@@ -27,6 +27,8 @@ from gcs_server import BUCKET, ENV, serve
 from helpers import assert_tree_equal, mesh, put
 from http_proxy import Request, Shaping, sequential_round_trips
 from test_commit import check_one_winner, race
+from test_s3 import jax_to_numpy as host
+from test_s3 import state
 
 import jaxckpt
 from jaxckpt._cli.main import main
@@ -53,19 +55,6 @@ def gcs(emulator):
 @pytest.fixture
 def prefix(gcs) -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
-
-
-def state(scale: float = 1.0) -> dict:
-    m = mesh((4, 2), ("data", "model"))
-    return {
-        "w": put(jnp.arange(64.0).reshape(8, 8) * scale, m, "data", "model"),
-        "b": put(jnp.ones(8, jnp.bfloat16) * scale, m, None),
-        "step": int(scale),
-    }
-
-
-def host(tree: dict) -> dict:
-    return {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in tree.items()}
 
 
 def unpacked() -> jaxckpt.DefaultSavePlanner:
