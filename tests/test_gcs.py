@@ -3,7 +3,8 @@ tests/gcs_server.py (the emulator ignores the generation preconditions real GCS 
 
 The same protocol as tests/test_s3.py and tests/test_reliability.py check on S3: arrays first,
 ``manifest.json`` last and only if it is still the one the save saw; nothing deleted before
-the commit; what other steps reference kept; every operation within its deadline.
+the commit; what other steps reference kept; every operation within its deadline. The
+scenarios GCS shares with S3 run on both from tests/test_object_stores.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import time
 import urllib.parse
 import uuid
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,11 +27,12 @@ from gcs_server import BUCKET, ENV, serve
 from helpers import assert_tree_equal, mesh, put
 from http_proxy import Request, Shaping, sequential_round_trips
 from test_commit import check_one_winner, race
+from test_s3 import jax_to_numpy as host
+from test_s3 import state
 
 import jaxckpt
 from jaxckpt._cli.main import main
 from jaxckpt._runtime.pools import settle
-from jaxckpt._storage import catalog
 from jaxckpt._storage.location import ABSENT, Location, wait
 
 DEADLINE = 3  # seconds: JAXCKPT_IO_TIMEOUT of the tests whose server stalls
@@ -52,19 +55,6 @@ def gcs(emulator):
 @pytest.fixture
 def prefix(gcs) -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
-
-
-def state(scale: float = 1.0) -> dict:
-    m = mesh((4, 2), ("data", "model"))
-    return {
-        "w": put(jnp.arange(64.0).reshape(8, 8) * scale, m, "data", "model"),
-        "b": put(jnp.ones(8, jnp.bfloat16) * scale, m, None),
-        "step": int(scale),
-    }
-
-
-def host(tree: dict) -> dict:
-    return {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in tree.items()}
 
 
 def unpacked() -> jaxckpt.DefaultSavePlanner:
@@ -152,22 +142,6 @@ def test_the_emulator_used_directly_reads_and_saves_with_a_warning(
 
 
 # Saving and restoring ------------------------------------------------------------------------
-
-
-def test_save_restore_onto_another_mesh(gcs, prefix):
-    url = f"gs://{BUCKET}/{prefix}/ckpt"
-    tree = state()
-    jaxckpt.save(url, tree, planner=unpacked())
-    found = gcs.keys(f"{prefix}/ckpt")
-    assert "manifest.json" in found and "arrays/w/c/3/1" in found, found
-    assert json.loads(gcs.get(f"{prefix}/ckpt/manifest.json"))  # a real object, real JSON
-    assert_tree_equal(jaxckpt.restore(url), host(tree))
-    other = mesh((2, 2), ("a", "b"))
-    target = {"w": put(jnp.zeros((8, 8)), other, "b", "a"), "b": None, "step": None}
-    got = jaxckpt.restore(url, target)
-    assert got["w"].sharding == target["w"].sharding
-    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(64.0).reshape(8, 8))
-    assert jaxckpt.metadata(url).entries["w"].chunks == (2, 4)
 
 
 def test_save_async_packs_small_leaves(gcs, prefix):
@@ -269,26 +243,7 @@ def test_save_and_restore_wait_on_a_few_round_trips_whatever_the_leaf_count(gcs,
         assert_tree_equal(got[-1], tree)
 
 
-# Overwrite, races ----------------------------------------------------------------------------
-
-
-def test_overwrite_refused_then_replaced(gcs, prefix):
-    url = f"gs://{BUCKET}/{prefix}"
-    jaxckpt.save(url, state())
-    with pytest.raises(
-        jaxckpt.CheckpointExistsError, match=f"already exists at {url}.*overwrite=True"
-    ):
-        jaxckpt.save(url, state(2.0))
-    assert_tree_equal(jaxckpt.restore(url), host(state()))
-    jaxckpt.save(url, state(3.0), overwrite=True)
-    settle()  # the replaced generation goes in the background
-    assert_tree_equal(jaxckpt.restore(url), host(state(3.0)))
-    (gen,) = generations_of(gcs.keys(prefix))
-    assert re.fullmatch("g[0-9a-f]{8}", gen)
-    gcs.put(f"{prefix}/notes.txt", b"mine")  # never deleted, overwrite or not
-    with pytest.raises(jaxckpt.CheckpointExistsError, match="even with overwrite=True"):
-        jaxckpt.save(url, state(), overwrite=True)
-    assert "notes.txt" in gcs.keys(prefix)
+# Races (an overwrite refused, then done: tests/test_object_stores.py) ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["save", "save_async"])
@@ -384,10 +339,9 @@ def test_the_deadline_error_names_the_gcs_endpoint(monkeypatch):
         assert never.cancelled()
 
 
-@pytest.mark.parametrize("lost", ["request", "answer"])
-def test_a_commit_past_its_deadline_says_what_is_committed(gcs, prefix, monkeypatch, lost, caplog):
-    url = f"gs://{BUCKET}/{prefix}"
-    jaxckpt.save(url, {"w": np.zeros(4)})
+def hold_commit(gcs, prefix: str, lost: str) -> Callable[[], None]:
+    """Fault hook: the emulator holds the upload of ``prefix``'s manifest.json, its request
+    (``lost="request"``) or its answer (``"answer"``); returns what heals the link."""
     manifest = urllib.parse.quote(f"{prefix}/manifest.json", safe="")
 
     def rule(method: str, path: str):
@@ -396,63 +350,13 @@ def test_a_commit_past_its_deadline_says_what_is_committed(gcs, prefix, monkeypa
         return None
 
     gcs.fault = rule
-    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", str(DEADLINE))
-    caplog.set_level(logging.WARNING, logger="jaxckpt")
-    if lost == "answer":  # the write landed: the save is committed, and says so
-        jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)
-        assert any("but it is in place" in r.getMessage() for r in caplog.records)
-        want = np.ones(4)
-    else:
-        with pytest.raises(
-            jaxckpt.CheckpointError,
-            match="outcome of its commit is unknown.*"
-            "previous checkpoint is committed.*Nothing was deleted",
-        ):
-            jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)
-        want = np.zeros(4)
-    gcs.fault = None
-    np.testing.assert_array_equal(jaxckpt.restore(url)["w"], want)
+    return lambda: setattr(gcs, "fault", None)
 
 
-# The command line, deleting, bad buckets ----------------------------------------------------
+# Bad buckets, credentials (the command line and deleting: tests/test_object_stores.py) --------
 
 
-def test_cli_on_gcs(gcs, prefix, capsys):
-    run = f"gs://{BUCKET}/{prefix}/run"
-    jaxckpt.save(f"{run}/000010", state(), planner=unpacked())
-    jaxckpt.save(f"{run}/000002", state(2.0), planner=unpacked())
-    gcs.put(f"{prefix}/run/000020/arrays/b/zarr.json", b"{}")  # what a crashed save leaves
-    capsys.readouterr()
-    assert main(["ls", run]) == 0
-    rows = [line.split()[:7] for line in capsys.readouterr().out.splitlines()[1:-1]]
-    assert rows == [  # no save time on object stores without the manager's commit times
-        ["000002", "committed", "272", "B", "272", "B", "-"],
-        ["000010", "committed", "272", "B", "272", "B", "-"],
-        ["000020", "incomplete", "?", "?", "-", "-"],
-    ]
-    assert main(["inspect", f"{run}/000010"]) == 0
-    assert "float32[8,8]  chunks 4x2 of [2,4]" in capsys.readouterr().out
-    assert main(["verify", f"{run}/000010"]) == 0
-    chunk = f"{prefix}/run/000010/arrays/w/c/1/1"
-    body = bytearray(gcs.get(chunk))
-    body[0] ^= 1
-    gcs.put(chunk, bytes(body))
-    capsys.readouterr()
-    assert main(["verify", f"{run}/000010"]) == 1
-    assert "DAMAGED w chunk (1,1) at arrays/w/c/1/1: fails its checksum" in capsys.readouterr().out
-    assert main(["inspect", f"{run}/000020"]) == 2
-    assert f"No checkpoint at {run}/000020" in capsys.readouterr().err
-
-
-def test_delete_and_missing_bucket(gcs, prefix):
-    run = f"gs://{BUCKET}/{prefix}"
-    jaxckpt.save(f"{run}/000001", state())
-    jaxckpt.save(f"{run}/000002", state())
-    with pytest.raises(jaxckpt.CheckpointError, match=f"Refusing to delete {run}: .*'000001/"):
-        catalog.delete(Location(run))
-    assert catalog.delete(Location(f"{run}/000001"))
-    assert {k.split("/")[0] for k in gcs.keys(prefix)} == {"000002"}
-    assert catalog.children(Location(run)) == [("000002", True)]
+def test_missing_bucket(gcs):
     with pytest.raises(jaxckpt.CheckpointError, match="gs://no-such-bucket/x.*Not Found"):
         jaxckpt.save("gs://no-such-bucket/x", state())
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match="No checkpoint at gs://no-such"):

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,8 +38,7 @@ from jaxckpt._sources.orbax_metadata import (
 )
 from jaxckpt._storage import location as _location
 from jaxckpt._storage.location import read_small
-from jaxckpt._storage.reader import pipelined
-from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
+from jaxckpt._storage.reader import Reader
 
 STRINGS = "_strings.json"
 MAX_JSON = 1 << 30
@@ -247,7 +246,7 @@ def _result(
         ) from e
 
 
-class OrbaxReader:
+class OrbaxReader(Reader):
     """Reads boxes of an Orbax item's arrays through tensorstore (zarr, zarr3, OCDBT)."""
 
     kind = "orbax"
@@ -258,17 +257,8 @@ class OrbaxReader:
             bad = next(k for k, s in stores.items() if not is_supported_dtype(s.dtype.numpy_dtype))
             raise ManifestError(f"{loc}: leaf {bad!r} has a dtype jaxckpt does not read.")
 
-    def read(
-        self,
-        entries: dict[str, Any],
-        items: Iterable[ReadItem],
-        *,
-        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
-        """Yield ``(item, data)`` for each item; tensorstore reads the chunks its box overlaps."""
-        return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
-
-    def _start(self, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
+    def start(self, entry: Any, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
+        """The call that waits for ``item``'s box; tensorstore reads the chunks its box overlaps."""
         store = self.stores[item.key]
         if item.sizes != tuple(store.shape):
             store = store[tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))]

@@ -24,7 +24,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -37,8 +37,7 @@ from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import location as _location
 from jaxckpt._storage.location import read_small
-from jaxckpt._storage.reader import pipelined
-from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
+from jaxckpt._storage.reader import Reader
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # larger headers are treated as damage, not allocated
@@ -297,7 +296,7 @@ class _Entry(ArrayEntry):
     partial_reads: ClassVar[bool] = True
 
 
-class SafetensorsReader:
+class SafetensorsReader(Reader):
     """Reads boxes of safetensors tensors as byte ranges; ``bytes_read`` counts them."""
 
     kind = "safetensors"
@@ -313,17 +312,8 @@ class SafetensorsReader:
         self.bytes_read = 0
         self._lock = threading.Lock()
 
-    def read(
-        self,
-        entries: dict[str, Any],
-        items: Iterable[ReadItem],
-        *,
-        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
-        """Yield ``(item, data)`` for each item, reading only the byte ranges its box needs."""
-        return pipelined(entries, items, self._start, max_inflight_bytes=max_inflight_bytes)
-
-    def _start(self, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
+    def start(self, entry: Any, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
+        """The call that waits for ``item``'s box; reading only the byte ranges its box needs."""
         t = self.tensors[item.key]
         where = f"{self.loc}: tensor {item.key!r} in {t.file}"
         size = self.sizes.get(t.file)

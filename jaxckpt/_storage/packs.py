@@ -50,7 +50,7 @@ def read(
         hi = max(entries[i.key].offset + entries[i.key].size for i in mine)
         try:  # opening lists the pack's chunks first: a missing one is reported here
             array = pack.as_array()  # read like any array: in place from local files
-            fut = reader._start(array, ReadItem(array.key, (lo,), (hi - lo,))) if hi > lo else None
+            fut = reader.start(array, ReadItem(array.key, (lo,), (hi - lo,))) if hi > lo else None
         except CorruptChunkError as e:
             raise _corrupt(reader, pack, [i.key for i in mine], e) from e
         n = (hi - lo) * dtype_from_name(pack.storage_dtype).itemsize

@@ -9,13 +9,14 @@ checkpoint are refused and a manifest cannot declare more data than the checkpoi
 
 from __future__ import annotations
 
+import abc
 import collections
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy.typing as npt
 import tensorstore as ts
@@ -41,11 +42,12 @@ from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, array_spec
 _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
 
 
-class Reader(Protocol):
+class Reader(abc.ABC):
     """The read side of storage as restore, ``verify``, ``export`` and ``convert`` see it.
 
-    One implementation per format: :class:`CheckpointReader` (jaxckpt's zarr v3 arrays),
-    ``jaxckpt._sources.orbax.OrbaxReader`` and ``jaxckpt._sources.safetensors.SafetensorsReader``.
+    One subclass per format: :class:`CheckpointReader` (jaxckpt's zarr v3 arrays),
+    ``jaxckpt._sources.orbax.OrbaxReader`` and ``jaxckpt._sources.safetensors.SafetensorsReader``;
+    each says where a box's bytes come from (:meth:`start`), all read through :meth:`read`.
     The load path calls, on each process:
 
     1. ``jaxckpt._sources.detect.open_source(loc) -> (Manifest, Reader)``: the manifest (or
@@ -72,11 +74,45 @@ class Reader(Protocol):
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
-        """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``."""
-        ...
+        """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``.
+
+        Every format's one read-and-check path: :meth:`ahead` yields what the format reads
+        outside the pipeline; :meth:`start` starts each other box, read ahead by
+        :func:`pipelined`; :meth:`check_unchanged` runs after the read and on its errors.
+        """
+        try:
+            rest = yield from self.ahead(entries, items, max_inflight_bytes)
+            yield from pipelined(
+                entries,
+                rest,
+                lambda item: self.start(entries[item.key], item),
+                max_inflight_bytes=max_inflight_bytes,
+            )
+        except (CorruptChunkError, ManifestError) as e:  # a file gone: often a save replaced it
+            self.check_unchanged(e)
+            raise
+        self.check_unchanged()
+
+    def ahead(
+        self, entries: dict[str, Any], items: Iterable[ReadItem], max_inflight_bytes: int
+    ) -> Generator[tuple[ReadItem, npt.NDArray[Any]], None, Iterable[ReadItem]]:
+        """Yield the boxes this format reads outside the pipeline; return the items left (by
+        default: all of them)."""
+        yield from ()
+        return items
+
+    @abc.abstractmethod
+    def start(self, entry: Any, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
+        """Start reading ``item``'s box of ``entry``; return the call that waits for it and
+        checks what came back."""
+
+    def check_unchanged(self, cause: Exception | None = None) -> None:
+        """Raise if the checkpoint was replaced since its metadata was read (by default the
+        format cannot tell: nothing is checked)."""
+        del cause  # nothing to compare it with
 
 
-class CheckpointReader:
+class CheckpointReader(Reader):
     """Reads boxes of a jaxckpt checkpoint's arrays; each array is opened once, reads run
     concurrently (the :class:`Reader` protocol)."""
 
@@ -304,36 +340,18 @@ class CheckpointReader:
             self._listing[str(loc)] = listing
         return listing
 
-    def read(
-        self,
-        entries: dict[str, Any],
-        items: Iterable[ReadItem],
-        *,
-        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
-        """Yield ``(item, data)`` for each item, in the logical dtype, reading ahead.
-
-        Packed items come first, each needed pack read once (``jaxckpt._storage.packs``). At most
-        ``max_inflight_bytes`` of reads are in flight (at least one item); the caller owns each
-        yielded array (storage keeps no reference to it).
-        """
-        try:
-            items, packed = _pack.split(entries, items)
-            yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
-            for item in items:  # every box first: a chunk shared by boxes is read once for all
-                entry = entries[item.key]
-                if (inplace := self._in_place(entry)) is not None:
-                    inplace.expect(entry, item.offsets, item.sizes)
-            yield from pipelined(
-                entries,
-                items,
-                lambda item: self._start(entries[item.key], item),
-                max_inflight_bytes=max_inflight_bytes,
-            )
-        except (CorruptChunkError, ManifestError) as e:  # a file gone: often a save replaced it
-            self.check_unchanged(e)
-            raise
-        self.check_unchanged()
+    def ahead(
+        self, entries: dict[str, Any], items: Iterable[ReadItem], max_inflight_bytes: int
+    ) -> Generator[tuple[ReadItem, npt.NDArray[Any]], None, Iterable[ReadItem]]:
+        """Packed items first, each needed pack read once (``jaxckpt._storage.packs``); the
+        caller owns each yielded array (storage keeps no reference to it)."""
+        items, packed = _pack.split(entries, items)
+        yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
+        for item in items:  # every box first: a chunk shared by boxes is read once for all
+            entry = entries[item.key]
+            if (inplace := self._in_place(entry)) is not None:
+                inplace.expect(entry, item.offsets, item.sizes)
+        return items
 
     def check_unchanged(self, cause: Exception | None = None) -> None:
         """Raise :class:`CheckpointChangedError` if the checkpoint was replaced since its
@@ -361,7 +379,7 @@ class CheckpointReader:
         self.check_chunks(entry)
         return self._inplace
 
-    def _start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
+    def start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
         if (inplace := self._in_place(entry)) is not None:  # local files: in place, one copy
             buf = aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
             wait = inplace.start(entry, item.offsets, item.sizes, buf)
