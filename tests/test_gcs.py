@@ -135,6 +135,7 @@ def test_the_emulator_used_directly_reads_and_saves_with_a_warning(
     assert [r.split()[:2] for r in capsys.readouterr().out.splitlines()[1:]] == [
         ["00000001", "committed"],
         ["00000002", "committed"],
+        ["total:", "2"],  # the run table's total line
     ]
     assert main(["verify", f"{run}/00000001"]) == 0
     assert "every checksum matches" in capsys.readouterr().out
