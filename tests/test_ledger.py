@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from test_gcs import emulator, gcs  # noqa: F401 (fixtures: fake-gcs-server)
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
@@ -156,12 +157,13 @@ def _left(root: str) -> list[str]:
     return sorted(k for k in list_keys(Location(root)) if k != "metrics.json")
 
 
-@pytest.fixture(params=["memory", "s3"])
+@pytest.fixture(params=["memory", "s3", "gcs"])
 def store(request) -> str:
     if request.param == "memory":
         return f"memory://ledger-{uuid.uuid4().hex[:8]}"
-    request.getfixturevalue("s3")
-    return f"s3://{BUCKET}/ledger-{uuid.uuid4().hex[:8]}"
+    request.getfixturevalue(request.param)  # moto, or fake-gcs-server behind its proxy
+    scheme = "s3" if request.param == "s3" else "gs"
+    return f"{scheme}://{BUCKET}/ledger-{uuid.uuid4().hex[:8]}"
 
 
 def test_deleting_every_step_of_an_incremental_run_leaves_nothing(store):
