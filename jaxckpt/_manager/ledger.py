@@ -76,11 +76,9 @@ class Ledger:
         agreed = self.local.agree(None, persistent, None)["local_steps"]
         return sorted(set(persistent) | set(agreed))
 
-    def refresh(self) -> list[int]:
-        """Read :attr:`newest` again from both tiers; returns every committed step."""
-        steps = self.steps()
-        self.newest = max(steps, default=None)
-        return steps
+    def refresh(self) -> None:
+        """Read :attr:`newest` again from both tiers."""
+        self.newest = max(self.steps(), default=None)
 
     def newer(self, step: int) -> list[int]:
         """The steps after ``step`` in any tier, as this process sees them (for messages)."""
