@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxckpt._api.incremental import Increment
 from jaxckpt._api.staged import Staged, budget_arg, stage_all, stream
+from jaxckpt._format import codecs as _codecs
 from jaxckpt._format import iterators as _iterators
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
@@ -50,6 +51,7 @@ def save(
     digests: bool = False,
     iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     progress: _progress.ProgressArg = None,
+    compression: str | None = None,
 ) -> None:
     """Save a pytree of ``jax.Array``s (any sharding), numpy arrays and Python scalars.
 
@@ -75,9 +77,14 @@ def save(
         ``DatasetIterator``s), each process its own; their states are taken during the call.
       progress: ``True``: this process's bytes written, rate, time left on stderr (tqdm's bar
         if installed); a callable: ``fn(done_bytes, total_bytes)`` as it goes; ``None``: quiet.
+      compression: ``"zstd"`` or ``"lz4"``: compress every chunk, losslessly (blosc after a
+        byte shuffle; format version 4, readable by jaxckpt 0.3 and later and by zarr v3
+        readers); ``None`` (default): raw chunks, which local disks read in place.
+        docs/object_storage.md, "Compression", says when it pays.
 
     Raises:
       CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite=False``.
+      InvalidArgumentError: ``compression`` is not one of the names above.
       UnsupportedLeafError: a leaf cannot be stored (names its key path).
 
     Example:
@@ -98,6 +105,7 @@ def save(
             digests=digests,
             records=_iterators.capture(iterators),  # the positions now, not at the write
             progress=_progress.check_arg(progress, "jaxckpt.save"),
+            compression=_codecs.check_arg(compression, "jaxckpt.save"),
         )
     handle.wait()
 
@@ -113,6 +121,7 @@ def save_async(
     iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     max_host_bytes: int | None = None,
     progress: _progress.ProgressArg = None,
+    compression: str | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied off the caller's buffers.
 
@@ -128,7 +137,8 @@ def save_async(
         the last chunk is copied, after the writes of all but about ``max_host_bytes`` of
         the share (docs/manager.md, "Within a host-memory budget"). It must hold this
         process's largest chunk (``DefaultSavePlanner(max_chunk_bytes=...)``).
-      overwrite, planner, base, digests, iterators, progress: as for :func:`save`.
+      overwrite, planner, base, digests, iterators, progress, compression: as for
+        :func:`save`.
 
     Returns:
       A :class:`SaveHandle`; ``wait()`` re-raises any error of the save.
@@ -161,6 +171,7 @@ def save_async(
             records=_iterators.capture(iterators),  # the positions now, not at the write
             budget=budget,
             progress=_progress.check_arg(progress, "jaxckpt.save_async"),
+            compression=_codecs.check_arg(compression, "jaxckpt.save_async"),
         )
 
 
@@ -234,6 +245,7 @@ def _start_save(
     records: dict[str, Any] | None = None,
     budget: int | None = None,
     progress: _progress.ProgressArg = None,
+    compression: str | None = None,
 ) -> SaveHandle:
     """Plan on every process, stage (if ``stage``: all at once, or streaming within
     ``budget`` host bytes), then write and commit: in the background when staged, else here."""
@@ -244,7 +256,7 @@ def _start_save(
     handle = SaveHandle(str(loc))
     # Made first, so that a failure on any process from here on reaches all of them.
     sync = _distributed.SaveSync(str(loc))
-    global_plan, local = _plan_everywhere(sync, planner, tree)
+    global_plan, local = _plan_everywhere(sync, planner, tree, compression)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None
     if base is not None or digests:  # the base's manifest is read before anything is written
@@ -299,9 +311,10 @@ def _in_background(handle: SaveHandle, staged: Staged, run: Callable[[], None]) 
 
 
 def _plan_everywhere(
-    sync: _distributed.SaveSync, planner: SavePlanner, tree: Any
+    sync: _distributed.SaveSync, planner: SavePlanner, tree: Any, compression: str | None
 ) -> tuple[GlobalSavePlan, SavePlan]:
-    """The global plan every process agrees on (by digest), and this process's part of it."""
+    """The global plan every process agrees on (by digest, with its compression), and this
+    process's part of it."""
 
     def plan() -> tuple[Any, Any]:
         planner.set_up_planner(tree, process_index=sync.process, process_count=sync.count)
@@ -310,7 +323,10 @@ def _plan_everywhere(
         return global_plan, planner.finish_plan(global_plan)
 
     global_plan, local = sync.run("plan", plan)
-    sync.agree(global_plan.digest)
+    sync.agree(f"{global_plan.digest}/{compression}")
+    if compression is not None:  # the same items; their arrays' entries say how they are stored
+        manifest = _codecs.compressed(global_plan.manifest, compression)
+        global_plan = dataclasses.replace(global_plan, manifest=manifest)
     return global_plan, local
 
 

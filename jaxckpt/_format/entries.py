@@ -32,6 +32,9 @@ class ArrayEntry:
     chunks: tuple[int, ...]
     path: str
     checksum: str = "crc32c"
+    # The compressor of its chunks (``codecs.CODECS``; version 4), None for raw chunks. Packed
+    # arrays leave it None: their pack's says how its chunks are stored.
+    compression: str | None = None
     prng_impl: str | None = None
     sharding: str | None = None
     # Packed (version 2): the array's elements are pack[offset : offset + size] of a shared 1-D
@@ -70,6 +73,7 @@ class PackEntry:
     storage_dtype: str
     chunks: int
     checksum: str = "crc32c"
+    compression: str | None = None  # as ArrayEntry's (version 4)
 
     @property
     def key(self) -> str:
@@ -86,6 +90,7 @@ class PackEntry:
             chunks=(self.chunks,),
             path=self.path,
             checksum=self.checksum,
+            compression=self.compression,
         )
 
 

@@ -16,8 +16,8 @@ import json
 from typing import Any
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._format import codecs, manifest_check
 from jaxckpt._format import iterators as _iterators
-from jaxckpt._format import manifest_check
 from jaxckpt._format.dtypes import dtype_from_name as dtype_from_name
 from jaxckpt._format.dtypes import is_supported_dtype as is_supported_dtype
 from jaxckpt._format.dtypes import storage_dtype_name as storage_dtype_name
@@ -30,7 +30,8 @@ from jaxckpt._format.names import MANIFEST
 FORMAT = "jaxckpt"
 VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
 REFS_VERSION = 3  # 3 adds references to another step's arrays (incremental, object stores)
-VERSIONS = (1, 2, 3)  # the versions this jaxckpt reads
+COMPRESSION_VERSION = codecs.VERSION  # 4 adds compressed chunks ("compression")
+VERSIONS = (1, 2, 3, 4)  # the versions this jaxckpt reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +146,11 @@ class Manifest:
                 f"{' or '.join(map(str, VERSIONS))}. Upgrade jaxckpt to read newer checkpoints."
             )
         fields = manifest_check.fields_from_json(
-            doc, where, with_packs=version >= 2, with_refs=version >= REFS_VERSION
+            doc,
+            where,
+            with_packs=version >= 2,
+            with_refs=version >= REFS_VERSION,
+            with_compression=version >= COMPRESSION_VERSION,
         )
         return cls(
             tree=fields.tree,
@@ -189,6 +194,8 @@ def _entry_to_json(e: Entry) -> dict[str, Any]:
     }
     if e.pack is not None:
         d["offset"] = e.offset
+    if e.compression:
+        d["compression"] = e.compression
     if e.prng_impl:
         d["prng_impl"] = e.prng_impl
     if e.sharding:
@@ -197,9 +204,12 @@ def _entry_to_json(e: Entry) -> dict[str, Any]:
 
 
 def _pack_to_json(p: PackEntry) -> dict[str, Any]:
-    return {
+    d: dict[str, Any] = {
         "shape": [p.size],
         "storage_dtype": p.storage_dtype,
         "chunks": [p.chunks],
         "checksum": p.checksum,
     }
+    if p.compression:
+        d["compression"] = p.compression
+    return d

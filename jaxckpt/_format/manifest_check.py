@@ -21,6 +21,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from jaxckpt._errors import ManifestError
+from jaxckpt._format import codecs
 from jaxckpt._format.dtypes import NATIVE, dtype_from_name, storage_dtype_name
 from jaxckpt._format.entries import ArrayEntry, Entry, PackEntry, ValueEntry
 from jaxckpt._format.names import is_reference, is_storage_path
@@ -61,7 +62,12 @@ class Fields:
 
 
 def fields_from_json(
-    doc: dict[str, Any], where: str, *, with_packs: bool, with_refs: bool
+    doc: dict[str, Any],
+    where: str,
+    *,
+    with_packs: bool,
+    with_refs: bool,
+    with_compression: bool = False,
 ) -> Fields:
     """Check every field of a decoded ``manifest.json`` but its header (format, version).
 
@@ -70,6 +76,8 @@ def fields_from_json(
       where: what errors call the manifest (its path).
       with_packs: whether the manifest's version has ``packs`` (else they are ignored).
       with_refs: whether the manifest's version has ``refs`` (else they are ignored).
+      with_compression: whether the manifest's version has compressed arrays (else an array
+        or pack that says it is compressed is an error, not read as raw bytes).
 
     Returns:
       The checked fields, for ``Manifest``.
@@ -80,8 +88,8 @@ def fields_from_json(
     raw = doc.get("entries")
     if not isinstance(raw, dict):
         raise ManifestError(f'{where}: "entries" must be an object.')
-    packs = _packs_from_json(doc.get("packs", {}) if with_packs else {}, where)
-    entries = {k: _entry_from_json(k, v, where, packs) for k, v in raw.items()}
+    packs = _packs_from_json(doc.get("packs", {}) if with_packs else {}, where, with_compression)
+    entries = {k: _entry_from_json(k, v, where, packs, with_compression) for k, v in raw.items()}
     paths = [e.path for e in entries.values() if isinstance(e, ArrayEntry) and not e.pack]
     paths += packs
     if len(set(paths)) != len(paths):
@@ -107,7 +115,27 @@ def _ints(x: object) -> TypeGuard[list[int]]:
     return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
 
 
-def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) -> Entry:
+def _compression(d: dict[str, Any], allowed: bool) -> tuple[str | None, str | None]:
+    """An array's or a pack's ``compression``, and what is wrong with it (``None``: nothing)."""
+    name = d.get("compression")
+    if name is None:
+        return None, None
+    if not allowed:
+        return None, (
+            f"says its chunks are compressed ({name!r}), which its format version cannot: "
+            f"compressed checkpoints are version {codecs.VERSION}"
+        )
+    if not isinstance(name, str) or name not in codecs.CODECS:
+        return None, (
+            f"has compression {name!r}, which this jaxckpt cannot decode (it reads "
+            f"{', '.join(codecs.CODECS)}); upgrade jaxckpt to read it"
+        )
+    return name, None
+
+
+def _entry_from_json(
+    key: str, d: Any, where: str, packs: dict[str, PackEntry], with_compression: bool = False
+) -> Entry:
     if not isinstance(d, dict):
         raise _bad(where, key, "is not an object")
     if d.get("kind") == "value":
@@ -132,6 +160,9 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         raise _bad(where, key, f"claims an absurd chunk size {chunks!r}")
     if d.get("checksum", "crc32c") not in ("crc32c", "none"):
         raise _bad(where, key, f"has unknown checksum {d.get('checksum')!r}")
+    compression, problem = _compression(d, with_compression)
+    if problem:
+        raise _bad(where, key, problem)
     impl = d.get("prng_impl")
     if impl is not None and not (isinstance(impl, str) and re.fullmatch(r"[a-z0-9_]+", impl)):
         raise _bad(where, key, f"has an invalid prng_impl {impl!r}")
@@ -142,6 +173,8 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
     sharding = d.get("sharding")
     offset = d.get("offset")
     pack = None if offset is None else _pack_of(key, path, offset, sdtype, shape, packs, where)
+    if pack is not None and compression is not None:
+        raise _bad(where, key, "is packed and compressed: a packed array takes its pack's codec")
     return ArrayEntry(
         key=key,
         shape=tuple(shape),
@@ -150,6 +183,7 @@ def _entry_from_json(key: str, d: Any, where: str, packs: dict[str, PackEntry]) 
         chunks=tuple(chunks),
         path=path,
         checksum=d.get("checksum", "crc32c"),
+        compression=compression,
         prng_impl=impl,
         sharding=sharding if isinstance(sharding, str) else None,
         pack=pack,
@@ -256,7 +290,7 @@ def prng_problem(
     return None
 
 
-def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
+def _packs_from_json(raw: Any, where: str, with_compression: bool = False) -> dict[str, PackEntry]:
     if not isinstance(raw, dict):
         raise ManifestError(f'{where}: "packs" must be an object.')
     packs: dict[str, PackEntry] = {}
@@ -277,8 +311,11 @@ def _packs_from_json(raw: Any, where: str) -> dict[str, PackEntry]:
             what = f"claims an absurd size {shape!r}"
         elif d.get("checksum", "crc32c") not in ("crc32c", "none"):
             what = f"has unknown checksum {d.get('checksum')!r}"
-        else:  # every check passed
-            packs[path] = PackEntry(path, shape[0], sdtype, chunks[0], d.get("checksum", "crc32c"))
+        else:
+            compression, what = _compression(d, with_compression)
+            checksum = d.get("checksum", "crc32c")
+            if not what:  # every check passed
+                packs[path] = PackEntry(path, shape[0], sdtype, chunks[0], checksum, compression)
         if what:
             raise ManifestError(
                 f"{where}: pack {path!r} {what}. The manifest is damaged or was not written by "

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from jaxckpt._api.entry import SaveHandle, save_async
 from jaxckpt._api.staged import BudgetError, budget_arg
 from jaxckpt._errors import CheckpointError, InvalidArgumentError
+from jaxckpt._format import codecs as _codecs
 from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
 from jaxckpt._manager import retention as _retention
@@ -113,9 +114,14 @@ class CheckpointManager(RunReader):
         but about this much of the state is written (docs/manager.md, "Asynchronous
         saves"). ``None``: the whole share at once. The local tier's copy is not bounded by
         it (docs/tiers.md).
+      compression: ``"zstd"`` or ``"lz4"``: every step in the directory is saved with its
+        chunks compressed (``jaxckpt.save``'s); ``None`` (default): raw. The local tier
+        stays raw (a local disk reads raw chunks in place). An incremental step compressed
+        otherwise than its base rewrites every array.
 
     Raises:
       ValueError: an argument is out of range (``max_host_bytes`` not a positive int).
+      InvalidArgumentError: ``compression`` is not one of the names above.
 
     Example:
       >>> import jax.numpy as jnp, jaxckpt, tempfile
@@ -149,6 +155,7 @@ class CheckpointManager(RunReader):
         keep_every_n_secs: float | None = None,
         max_host_bytes: int | None = None,
         keep_checkpoints_without_metrics: bool = True,
+        compression: str | None = None,
     ) -> None:
         _check_counts(
             local_save_interval_steps=local_save_interval_steps, local_max_to_keep=local_max_to_keep
@@ -161,6 +168,7 @@ class CheckpointManager(RunReader):
         self._schedule = Schedule(self.save_interval_steps, save_interval_secs)
         self.async_save = async_save
         self.max_host_bytes = budget_arg(max_host_bytes)
+        self.compression = _codecs.check_arg(compression, "CheckpointManager")
         self.last_save: SaveHandle | None = None
         self.io_timeout = _timeout_arg(io_timeout)
         with _location.deadline(io_timeout):
@@ -264,6 +272,7 @@ class CheckpointManager(RunReader):
                     digests=self.incremental,
                     iterators=iterators,
                     max_host_bytes=self.max_host_bytes,
+                    compression=self.compression,
                 )
         except BaseException as e:
             self._ledger.failed(step, local_saved=self._local_saves(step))

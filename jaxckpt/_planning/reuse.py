@@ -322,12 +322,13 @@ class _Hashing:
 
 
 def _same_array(e: ArrayEntry, b: ArrayEntry) -> bool:
-    return (e.shape, e.dtype, e.storage_dtype, e.chunks, e.checksum) == (
+    return (e.shape, e.dtype, e.storage_dtype, e.chunks, e.checksum, e.compression) == (
         b.shape,
         b.dtype,
         b.storage_dtype,
         b.chunks,
         b.checksum,
+        b.compression,
     )
 
 
@@ -363,5 +364,5 @@ def recorded(
         probes=probes or {},
         refs=refs or {},
         created=created,
-        version=REFS_VERSION if refs else manifest.version,
+        version=max(REFS_VERSION, manifest.version) if refs else manifest.version,
     )

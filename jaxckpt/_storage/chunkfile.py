@@ -66,6 +66,7 @@ def supports(root: Path | None, entry: ArrayEntry) -> bool:
         and root is not None
         and sys.byteorder == "little"
         and entry.pack is None
+        and entry.compression is None
         and entry.storage_dtype in _DTYPES
         and (entry.checksum is None or (entry.checksum == "crc32c" and NATIVE))
         # a chunk no bigger than its array: a chunk buffer is never more than the array

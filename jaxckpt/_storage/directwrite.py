@@ -95,6 +95,8 @@ def supports(
     bytes numpy holds as stored, whole chunks only (up to the array's edge), and a C CRC-32C."""
     if not (enabled and sys.byteorder == "little" and entry.storage_dtype in _DTYPES):
         return False
+    if entry.compression is not None:  # tensorstore compresses
+        return False
     if entry.checksum not in ("crc32c", None) or (entry.checksum and not crc.NATIVE):
         return False
     dtype = dtypes.dtype_from_name(entry.storage_dtype)

@@ -23,7 +23,8 @@ from typing import Any
 import numpy.typing as npt
 import tensorstore as ts
 
-from jaxckpt._format.manifest import ArrayEntry, Manifest
+from jaxckpt._format import codecs as _codecs
+from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
 from jaxckpt._storage import directwrite, generations, local_commit, writeback
@@ -37,6 +38,9 @@ MAX_INFLIGHT_BYTES = 1 << 30
 
 def array_spec(kvstore: dict[str, Any], entry: ArrayEntry) -> dict[str, Any]:
     codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if entry.compression is not None:  # the manifest checked the name
+        itemsize = dtype_from_name(entry.storage_dtype).itemsize
+        codecs.append(_codecs.zarr_codec(entry.compression, itemsize))
     if entry.checksum == "crc32c":
         codecs.append({"name": "crc32c"})
     return {
