@@ -380,6 +380,7 @@ class RunModel(RuleBasedStateMachine):
         incremental=st.booleans(),
         keep_every=st.sampled_from([None, 2, 3]),
         unscored=st.booleans(),
+        compression=st.sampled_from([None, "zstd", "lz4"]),
     )
     def open_run(
         self,
@@ -393,6 +394,7 @@ class RunModel(RuleBasedStateMachine):
         incremental,
         keep_every,
         unscored,
+        compression,
     ):
         schedule = [(0, 1), (4, every)] if every == 3 else every  # one that changes at step 4
         self.cfg = dict(
@@ -404,7 +406,9 @@ class RunModel(RuleBasedStateMachine):
             keep_checkpoints_without_metrics=unscored,
             incremental=incremental,
             async_save=secs is None,  # a time-based decision waits on no background commit
+            compression=compression,
         )
+        self.codecs: dict[int, str | None] = {}  # step -> the compression it was saved with
         self.pinned: set[int] = set()
         if local:
             self.cfg.update(
@@ -454,6 +458,7 @@ class RunModel(RuleBasedStateMachine):
 
     def _persistent_saved(self, step: int, v: int, scored: bool) -> None:
         self.persistent[step] = v
+        self.codecs[step] = self.cfg["compression"]
         if scored:
             self.scored.add(step)
         score = (
@@ -532,11 +537,13 @@ class RunModel(RuleBasedStateMachine):
         shutil.rmtree(self.local_dir, ignore_errors=True)
         self.local.clear()
 
-    @rule()
-    def restart(self):
-        """The job restarts: a new manager on the same directories."""
+    @rule(compression=st.sampled_from([None, "zstd", "lz4"]))
+    def restart(self, compression):
+        """The job restarts: a new manager on the same directories, maybe compressing otherwise
+        (an incremental step then rewrites what its base stored another way)."""
         STATS["restart"] += 1
         self.mgr.close()
+        self.cfg["compression"] = compression
         self._open()
 
     @rule(secs=st.sampled_from([0.0, 100.0]))
@@ -562,6 +569,10 @@ class RunModel(RuleBasedStateMachine):
         assert self.mgr.restored_from.tier == ("local" if step in self.local else "persistent")
         assert it.position == self.positions[step]
         self.floor = self._newest()  # a restore reads the ledger again
+        if step in self.persistent:  # stored as the manager that saved it said, every array
+            m = jaxckpt.metadata(f"{self.run}/{step:08d}")
+            codecs = {e.codec for e in m.entries.values() if isinstance(e, jaxckpt.ArrayEntry)}
+            assert codecs == {self.codecs[step]}, (step, codecs, self.codecs[step])
 
     @invariant()
     def one_view_of_the_run(self):

@@ -29,6 +29,7 @@ def _entry_json(e: ArrayEntry | ValueEntry) -> dict[str, Any]:
         "nbytes": e.nbytes,
         "path": e.path,
         "checksum": e.checksum,
+        "compression": e.codec,
         "prng_impl": e.prng_impl,
         "sharding": e.sharding,
         **({"offset": e.offset} if e.pack else {}),

@@ -60,6 +60,11 @@ class ArrayEntry:
         """Chunks along each dimension."""
         return grid_shape(self.shape, self.chunks)
 
+    @property
+    def codec(self) -> str | None:
+        """How the bytes it is read from are compressed: its own chunks', or its pack's."""
+        return self.pack.compression if self.pack is not None else self.compression
+
 
 @dataclasses.dataclass(frozen=True)
 class PackEntry:

@@ -31,12 +31,14 @@ def plural(n: int, what: str) -> str:
 
 
 def summary(m: Manifest) -> str:
-    """``3 arrays (2.0 MiB), 1 value, format v2``."""
+    """``3 arrays (2.0 MiB), 1 value, format v2``; ``..., format v4, zstd`` when compressed."""
     arrays = [e for e in m.entries.values() if isinstance(e, ArrayEntry)]
     total = sum(e.nbytes for e in arrays)
+    codecs = sorted({e.codec for e in arrays if e.codec})
     return (
         f"{plural(len(arrays), 'array')} ({human_bytes(total)}), "
         f"{plural(len(m.entries) - len(arrays), 'value')}, format v{m.version}"
+        + "".join(f", {c}" for c in codecs)
     )
 
 
@@ -50,10 +52,13 @@ def what(e: ArrayEntry) -> str:
 
 
 def storage(e: ArrayEntry, verbose: bool = False) -> str:
-    """``chunks 4x2 of [2,4]``, ``packed`` (``packed in PATH at OFFSET`` when ``verbose``)."""
+    """``chunks 4x2 of [2,4]``, ``packed`` (``packed in PATH at OFFSET`` when ``verbose``),
+    then the compression if any: ``chunks 2 of [4] zstd``."""
+    codec = f" {e.codec}" if e.codec else ""
     if e.pack:  # where in its pack is storage detail: only asked for (--verbose, --json)
-        return f"packed in {e.path} at {e.offset}" if verbose else "packed"
-    return f"chunks {'x'.join(map(str, e.grid)) or '1'} of [{','.join(map(str, e.chunks))}]"
+        return (f"packed in {e.path} at {e.offset}" if verbose else "packed") + codec
+    grid = f"chunks {'x'.join(map(str, e.grid)) or '1'} of [{','.join(map(str, e.chunks))}]"
+    return grid + codec
 
 
 def sharding(e: ArrayEntry) -> str:
