@@ -262,3 +262,20 @@ def test_any_array_round_trips_compressed(data, dtype, shape, codec, packed):
     got = jaxckpt.restore(url)["x"]
     assert got.dtype == values.dtype and got.shape == values.shape
     assert np.asarray(got).tobytes() == np.asarray(values).tobytes()  # NaNs and -0.0 too
+
+
+def test_the_v4_fixture_written_when_compression_was_added_still_restores():
+    """tests/data/v4_zstd (tests/data/make_v4_zstd.py): compressed bytes this code did not
+    write, of the state of tests/data/v2_packed, whose values tests/test_pack.py checks."""
+    data = Path(__file__).parent / "data"
+    assert json.loads((data / "v4_zstd/manifest.json").read_text())["version"] == 4
+    assert _codecs(jaxckpt.metadata(data / "v4_zstd")) == {"zstd"}
+    got, want = jaxckpt.restore(data / "v4_zstd"), jaxckpt.restore(data / "v2_packed")
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert type(a) is type(b)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        else:
+            assert a == b or jax.random.key_data(a).tolist() == jax.random.key_data(b).tolist()
+    assert main(["verify", str(data / "v4_zstd")]) == 0

@@ -168,13 +168,36 @@ def test_no_private_reach_ins():
 MAX_FUNCTION_LINES = 60
 
 
+def _docstring_lines(tree: ast.Module) -> set[int]:
+    """The line numbers of every module, class and function docstring."""
+    found: set[int] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            d = n.body[0] if n.body else None
+            if isinstance(d, ast.Expr) and isinstance(getattr(d, "value", None), ast.Constant):
+                if isinstance(d.value.value, str):
+                    found.update(range(d.lineno, (d.end_lineno or d.lineno) + 1))
+    return found
+
+
+def _code_lines(lines: list[str], node: ast.AST, docs: set[int]) -> int:
+    """Lines of code of ``node``: docstrings, comments and blank lines do not count (house
+    rule: documentation never counts against a size limit, never shorten one to fit)."""
+    return sum(
+        1
+        for i in range(node.lineno, node.end_lineno + 1)
+        if i not in docs and (t := lines[i - 1].strip()) and not t.startswith("#")
+    )
+
+
 def test_no_function_is_longer_than_60_lines():
-    # def line to last line, docstring included: a longer one is split at its phase boundaries
-    long = [
-        f"{m}.{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
-        for m, tree in TREES.items()
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
-    ]
+    # Lines of code from the def line to the last: a longer one is split at its phase boundaries
+    long = []
+    for m, tree in TREES.items():
+        lines, docs = MODULES[m].read_text().splitlines(), _docstring_lines(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(lines, node, docs)
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{m}.{node.name} (line {node.lineno}): {n} lines of code")
     assert not long, long

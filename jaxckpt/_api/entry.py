@@ -325,7 +325,7 @@ def _plan_everywhere(
     global_plan, local = sync.run("plan", plan)
     sync.agree(f"{global_plan.digest}/{compression}")
     if compression is not None:  # the same items; their arrays' entries say how they are stored
-        manifest = _codecs.compressed(global_plan.manifest, compression)
+        manifest = global_plan.manifest.compressed(compression)
         global_plan = dataclasses.replace(global_plan, manifest=manifest)
     return global_plan, local
 

@@ -1,5 +1,5 @@
-"""Compression of chunks: the names a save accepts, their zarr v3 codecs, and the rule that
-applies one to a manifest.
+"""Compression of chunks: the names a save accepts and their zarr v3 codecs
+(``Manifest.compressed`` applies one to a checkpoint).
 
 A compressed array is a zarr v3 array whose codecs are ``bytes`` (little endian), then
 ``blosc`` (the compressor, after a byte shuffle by element size: the bytes of like
@@ -18,14 +18,9 @@ through tensorstore.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxckpt._errors import InvalidArgumentError
-from jaxckpt._format.entries import ArrayEntry, Entry
-
-if TYPE_CHECKING:  # manifest imports manifest_check, which imports this module
-    from jaxckpt._format.manifest import Manifest
 
 # name -> (blosc compressor, level). zstd at level 1: within a few percent of level 3's bytes
 # on weights and moments, at twice its speed (docs/object_storage.md, "Compression").
@@ -61,26 +56,3 @@ def zarr_codec(name: str, itemsize: int) -> dict[str, Any]:
             "blocksize": 0,
         },
     }
-
-
-def compressed(manifest: Manifest, name: str | None) -> Manifest:
-    """``manifest`` (a ``Manifest``) with every array and pack compressed with ``name``
-    (``None``: as it is), and the version that says so. Packed arrays point at their
-    compressed pack."""
-    if name is None:
-        return manifest
-    packs = {p: dataclasses.replace(e, compression=name) for p, e in manifest.packs.items()}
-
-    def one(e: Entry) -> Entry:
-        if not isinstance(e, ArrayEntry):  # an inline value
-            return e
-        if e.pack is not None:
-            return dataclasses.replace(e, pack=packs[e.pack.path])
-        return dataclasses.replace(e, compression=name)
-
-    return dataclasses.replace(
-        manifest,
-        entries={k: one(e) for k, e in manifest.entries.items()},
-        packs=packs,
-        version=max(manifest.version, VERSION),
-    )

@@ -91,6 +91,28 @@ class Manifest:
             refs=rekey(self.refs),
         )
 
+    def compressed(self, name: str | None) -> Manifest:
+        """This manifest with every array and pack compressed with ``name`` (``codecs.CODECS``;
+        ``None``: as it is), and the version that says so. Packed arrays point at their
+        compressed pack and have no codec of their own."""
+        if name is None:
+            return self
+        packs = {p: dataclasses.replace(e, compression=name) for p, e in self.packs.items()}
+
+        def one(e: Entry) -> Entry:
+            if not isinstance(e, ArrayEntry):  # an inline value
+                return e
+            if e.pack is not None:
+                return dataclasses.replace(e, pack=packs[e.pack.path])
+            return dataclasses.replace(e, compression=name)
+
+        return dataclasses.replace(
+            self,
+            entries={k: one(e) for k, e in self.entries.items()},
+            packs=packs,
+            version=max(self.version, COMPRESSION_VERSION),
+        )
+
     def to_json(self) -> bytes:
         """``manifest.json``'s bytes: one line per top-level field and per entry."""
         # One line per top-level field and per entry: readable with `less`, diffable, and
