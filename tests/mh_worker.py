@@ -223,6 +223,10 @@ def stage_two(checks: _Checks, work: Path, pid: int) -> None:
         mine = planner.global_plan.for_process(pid).items
         data["packs_written"] = sorted(i.key for i in mine if i.key.startswith("<pack "))
         check_state(jaxckpt.restore(work / "packed", target("two")))
+        # Compressed (issue 52.4): each process compresses the chunks and packs it writes.
+        planner = jaxckpt.DefaultSavePlanner(pack_bytes=32 << 10)
+        jaxckpt.save(work / "zstd", make_state("two"), planner=planner, compression="zstd")
+        check_state(jaxckpt.restore(work / "zstd", target("two")))
 
     def save_incremental():
         # The same state against ckpt2: every process links each box it writes from ckpt2, and
@@ -306,6 +310,12 @@ def stage_four(checks: _Checks, work: Path, pid: int) -> None:
         match = r"planned different checkpoints \(processes \[0, 1, 3\]: .*; process 2: plan"
         with pytest.raises(jaxckpt.DistributedError, match=match):
             jaxckpt.save(work / "mismatch" / "ckpt", tree)
+        # The same tree, compressed on one process only: its chunks would not match the manifest
+        codec = "zstd" if pid == 2 else None
+        match = r"\[0, 1, 3\]: plan \w+:uncompressed, .*; process 2: plan \w+:zstd, .*compression"
+        with pytest.raises(jaxckpt.DistributedError, match=match):
+            jaxckpt.save(work / "mismatch" / "zstd", state, compression=codec)
+        assert not (work / "mismatch" / "zstd").exists()
 
     def failure():
         planner = _FailingPlanner(1, kill=False)

@@ -26,6 +26,7 @@ from groups import run_group
 from helpers import one_array_per_leaf  # noqa: F401 (autouse)
 
 import jaxckpt
+from jaxckpt._cli.main import main
 
 WORKER = Path(__file__).with_name("mh_worker.py")
 GROUP_TIMEOUT_S = 150
@@ -145,6 +146,9 @@ def test_packs_are_split_across_writers_and_restore_on_one_process(groups):
     _ok(groups["two"], "save_packed")
     written = [set(r["data"]["packs_written"]) for r in groups["two"]]
     assert all(written) and not written[0] & written[1], written  # one writer per pack, both write
+    z = jaxckpt.metadata(groups["work"] / "zstd")  # the same, compressed by both writers
+    assert z.version == 4 and {p.compression for p in z.packs.values()} == {"zstd"}
+    assert main(["verify", str(groups["work"] / "zstd")]) == 0
     ckpt = groups["work"] / "packed"
     m = jaxckpt.metadata(ckpt)
     assert {f"<pack {p}>" for p in m.packs} == written[0] | written[1]

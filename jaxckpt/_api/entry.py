@@ -323,7 +323,7 @@ def _plan_everywhere(
         return global_plan, planner.finish_plan(global_plan)
 
     global_plan, local = sync.run("plan", plan)
-    sync.agree(f"{global_plan.digest}/{compression}")
+    sync.agree(f"{global_plan.digest}:{compression or 'uncompressed'}")
     if compression is not None:  # the same items; their arrays' entries say how they are stored
         manifest = global_plan.manifest.compressed(compression)
         global_plan = dataclasses.replace(global_plan, manifest=manifest)

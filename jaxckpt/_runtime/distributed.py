@@ -373,7 +373,7 @@ def _compare_plans(plans: dict[int, str], path: str) -> str:
     return (
         f"Save to {path}: the processes planned different checkpoints ({'; '.join(lines)}). "
         f"Every process must call save with the same path and a tree of the same structure, "
-        f"shapes, dtypes and shardings, and the same planner options."
+        f"shapes, dtypes and shardings, and the same planner options and compression."
     )
 
 
