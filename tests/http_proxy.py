@@ -105,6 +105,10 @@ class Proxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # The answer goes out in two writes (headers, then body): with Nagle's algorithm
+            # the body waits for the client's delayed ACK of the headers (~40 ms), a delay on
+            # every sequential small answer that no real object store adds.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
