@@ -49,8 +49,9 @@ class Shaping:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request the proxy answered: ``start`` when it arrived, ``end`` when its answer was
-    sent (``time.monotonic``), ``up``/``down`` the bytes of its body and its answer."""
+    """One request the proxy answered: ``start`` when it arrived, ``end`` when its answer went
+    out (``time.monotonic``, just before it is written), ``up``/``down`` the bytes of its body
+    and its answer."""
 
     method: str
     path: str
@@ -105,6 +106,10 @@ class Proxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # The answer goes out in two writes (headers, then body): with Nagle's algorithm
+            # the body waits for the client's delayed ACK of the headers (~40 ms), a delay on
+            # every sequential small answer that no real object store adds.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -165,12 +170,14 @@ class Proxy:
             return
         if shape.rate and answer[2]:
             time.sleep(len(answer[2]) / shape.rate)
-        self._answer(h, *answer)
+        # Logged as the answer goes out, not after: a client that has its answer (with Nagle's
+        # delay gone, at once) finds the request in the log, and its end is no later than that.
         self.log.append(
             Request(
                 h.command, h.path, start, time.monotonic(), len(body), len(answer[2]), answer[0]
             )
         )
+        self._answer(h, *answer)
 
     def _forward(self, h: http.server.BaseHTTPRequestHandler, body: bytes) -> tuple:
         return self.ask(h.command, h.path, body, dict(h.headers.items()))

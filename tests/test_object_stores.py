@@ -195,3 +195,23 @@ def test_a_commit_past_its_deadline_says_what_is_committed(store, monkeypatch, l
         want = np.zeros(4)
     heal()
     np.testing.assert_array_equal(jaxckpt.restore(url)["w"], want)
+
+
+class UnreadableManifest(jaxckpt.DefaultSavePlanner):
+    """Plans a manifest whose tree names a key it has no entry for: it would not read back."""
+
+    def create_global_plan(self):
+        plan = super().create_global_plan()
+        tree = {"type": "leaf", "key": "not-an-entry"}
+        return dataclasses.replace(plan, manifest=dataclasses.replace(plan.manifest, tree=tree))
+
+
+def test_a_manifest_that_would_not_read_back_is_never_committed(store):
+    # The manifest is encoded and parsed once more while the data is written (Writer.
+    # encode_ahead); its error must still stop the commit, and the save's data must go.
+    jaxckpt.save(store.url, state())
+    with pytest.raises(jaxckpt.ManifestError, match="about to be committed"):
+        jaxckpt.save(store.url, state(2.0), overwrite=True, planner=UnreadableManifest())
+    settle()
+    assert_tree_equal(jaxckpt.restore(store.url), jax_to_numpy(state()))
+    assert generations_of(store.keys(store.prefix)) == {"arrays"}  # the failed save's went

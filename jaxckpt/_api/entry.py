@@ -352,6 +352,8 @@ def _write_and_commit(
             items, skip = increment.to_write(items, sync, writer, ahead_bytes=staged.ahead_bytes)
         if sync.is_coordinator:
             writer.open_arrays((e for k, e in entries.items() if k not in skip), create=True)
+            if increment is None:  # committed as planned (unless iterators are added)
+                writer.encode_ahead(global_plan.manifest)
             if sync.count > 1:  # the others open them after the barrier
                 writer.opened()
         sync.barrier("created", wait_for_all=False)
@@ -365,7 +367,9 @@ def _write_and_commit(
         t3 = time.perf_counter()
         if sync.is_coordinator and payloads is not None:  # (gathered: the coordinator)
             saved, payloads = _iterators.collect(payloads, sync.count, str(loc))
-            manifest = dataclasses.replace(global_plan.manifest, iterators=saved)
+            manifest = global_plan.manifest  # the object encoded ahead, unless it changes
+            if saved:
+                manifest = dataclasses.replace(manifest, iterators=saved)
             if increment is not None:
                 manifest = increment.manifest(manifest, payloads)
             writer.commit(manifest)

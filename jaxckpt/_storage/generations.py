@@ -229,8 +229,32 @@ def _refs(raw: bytes | None) -> dict[str, str]:
         return {}  # what it referenced is unknown: its markers stay (they only keep data)
 
 
-def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None:
+def encode(loc: Location, target: Target, manifest: Manifest) -> tuple[Manifest, bytes]:
+    """Step 3's manifest: ``manifest`` moved into the target's generation, and the bytes
+    :func:`commit` writes, parsed once more (CPU only: a save may run it while its data is
+    written, see ``Writer.encode_ahead``).
+
+    Raises:
+      ManifestError: the bytes would not read back as a manifest.
+    """
+    moved = manifest.relocated(target.generation)
+    if moved.refs:  # its reader checks the markers commit writes (jaxckpt._storage.holds)
+        moved = dataclasses.replace(moved, created={**moved.created, "held_by": True})
+    data = moved.to_json()
+    Manifest.from_json(data, where=f"{loc}/{MANIFEST} (about to be committed)")
+    return moved, data
+
+
+def commit(
+    loc: Location,
+    target: Target,
+    manifest: Manifest,
+    name: str,
+    encoded: tuple[Manifest, bytes] | None = None,
+) -> None:
     """Steps 3 and 4: the markers, the manifest (compare-and-swap), then the clean-up.
+
+    ``encoded``: what :func:`encode` returned for ``manifest`` and ``target``, if it ran already.
 
     Raises:
       CheckpointExistsError: another save committed at the prefix meanwhile (this one's arrays
@@ -238,11 +262,7 @@ def commit(loc: Location, target: Target, manifest: Manifest, name: str) -> None
       CheckpointError: the commit write failed, or its outcome is unknown (then nothing is
         deleted, and the message says which checkpoint is committed where it could tell).
     """
-    moved = manifest.relocated(target.generation)
-    if moved.refs:  # its reader checks the markers written below (jaxckpt._storage.holds)
-        moved = dataclasses.replace(moved, created={**moved.created, "held_by": True})
-    data = moved.to_json()
-    Manifest.from_json(data, where=f"{loc}/{MANIFEST} (about to be committed)")
+    moved, data = encoded if encoded is not None else encode(loc, target, manifest)
     referenced = holds.by_holder(moved.refs)
     honoured = _check_probe(loc, target.probe)
     try:

@@ -17,6 +17,7 @@ import os
 import queue
 import shutil
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,7 @@ class Writer:
         self.staging: Path | None = None  # the coordinator's, on local files
         self._lease: Lease | None = None
         self._target: generations.Target | None = None  # object stores
+        self._ahead: tuple[Manifest, Future[tuple[Manifest, bytes]]] | None = None
         self._keep = False  # an object-store commit of unknown outcome: abort deletes nothing
         if loc.local is not None:
             name = ""
@@ -316,6 +318,15 @@ class Writer:
             except OSError as e:
                 raise write_error(self.loc, "making its data durable (syncfs)", e) from e
 
+    def encode_ahead(self, manifest: Manifest) -> None:
+        """Object stores (coordinator): encode ``manifest`` for the commit, and parse it once
+        more, on another thread while the data is written; :meth:`commit` of this same object
+        takes the result (and raises its error, if any), so that check no longer delays the
+        commit (about 50 ms for 2,000 leaves)."""
+        if self._target is not None:
+            done = pools.stage_pool().submit(generations.encode, self.loc, self._target, manifest)
+            self._ahead = (manifest, done)
+
     def commit(self, manifest: Manifest) -> None:
         """Write the manifest last and make the checkpoint visible (the store's protocol).
 
@@ -325,8 +336,11 @@ class Writer:
           CheckpointError: the commit failed (or its outcome is unknown: see ``generations``).
         """
         if self._target is not None:
+            ahead, self._ahead = self._ahead, None
+            # Encoded ahead only for this very manifest (the object, not an equal one).
+            encoded = ahead[1].result() if ahead is not None and ahead[0] is manifest else None
             try:
-                generations.commit(self.loc, self._target, manifest, self.loc.name)
+                generations.commit(self.loc, self._target, manifest, self.loc.name, encoded)
             except generations.OutcomeUnknown:
                 self._keep = True
                 raise
