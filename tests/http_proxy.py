@@ -27,6 +27,7 @@ import bisect
 import dataclasses
 import http.client
 import http.server
+import sys
 import threading
 import time
 import urllib.parse
@@ -89,6 +90,12 @@ class _Server(http.server.ThreadingHTTPServer):
     # (tensorstore does, for a save's chunks); curl then retries after a back-off, which
     # would count as the link's time.
     request_queue_size = 1024
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that hangs up before its answer is sent (gcsfs does, for Orbax) is its own
+        # business; anything else is printed as before.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
 
 class Proxy:
