@@ -288,8 +288,9 @@ def report(
         raw = nbytes(states[first]) / 1e6
         print(
             f"\nThe rig unshaped (proxy and emulator on this machine) moved {first} uncompressed at "
-            f"{raw / top['save']:.0f} MB/s saving, {raw / top['restore']:.0f} MB/s restoring: "
-            "a link faster than that measures the rig, not the link."
+            f"{raw / top['save']:.0f} MB/s saving, {raw / top['restore']:.0f} MB/s restoring "
+            "(a save's fixed costs included): a link faster than that measures the rig, not "
+            "the link."
         )
     stragglers = [k for k, v in local.items() if v["resident"]]
     if stragglers:
