@@ -11,8 +11,9 @@ Each request is passed to ``rule(method, path_and_query)``, which answers one of
   server (``None``: forward as usual), e.g. to enforce a precondition an emulator ignores.
 
 A :class:`Shaping` (``proxy.shaping``, settable at any time) makes the link slow as a real one
-is: a round-trip latency per request, a rate per request's body and answer, an optional cap on
-the requests served at once. Every request is logged in :attr:`Proxy.log` (a :class:`Request`:
+is: a round-trip latency per request, a rate per request's body and answer, an optional rate of
+the whole link (shared by all the requests in flight), an optional cap on the requests served
+at once. Every request is logged in :attr:`Proxy.log` (a :class:`Request`:
 what, when it arrived and when it was answered, its bytes), from which
 :func:`sequential_round_trips` counts how many requests waited one on another.
 
@@ -41,11 +42,34 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgra
 class Shaping:
     """A slow link: ``latency`` seconds added to each request (one round trip), each body and
     answer passed at ``rate`` bytes/s (``None``: at once), at most ``max_concurrent`` requests
-    served at once (``None``: any number; the rest queue, as at a connection limit)."""
+    served at once (``None``: any number; the rest queue, as at a connection limit).
+
+    ``link_rate``: bytes/s of the whole link in each direction (``None``: no limit), shared by
+    every request, as a machine's network link is: the bodies (uploads) of all requests
+    together pass at most this fast, and so do the answers (downloads). Bodies take turns in
+    order of arrival, each whole, so a batch of requests is done when the link has carried all
+    their bytes, as on a fairly shared link (though a small request behind a big one waits
+    longer than it would over TCP). With ``rate`` too, a body passes at the slower of the two.
+    """
 
     latency: float = 0.0
     rate: float | None = None
     max_concurrent: int | None = None
+    link_rate: float | None = None
+
+
+class _Link:
+    """One direction of a shared link: the time until which it is busy with what it was given."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free = 0.0
+
+    def carry(self, nbytes: int, rate: float) -> float:
+        """Queue ``nbytes`` at ``rate`` bytes/s; the ``time.monotonic()`` they will have passed."""
+        with self._lock:
+            self._free = max(time.monotonic(), self._free) + nbytes / rate
+            return self._free
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +131,7 @@ class Proxy:
         self.log: list[Request] = []  # every request answered (see Shaping)
         self.shaping = Shaping()
         self._slots: tuple[int, threading.Semaphore] | None = None
+        self._up_link, self._down_link = _Link(), _Link()
         self._up = urllib.parse.urlsplit(upstream)
         self._released = threading.Event()
         proxy = self
@@ -152,8 +177,9 @@ class Proxy:
         shape = self.shaping
         length = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(length) if length else b""
-        if shape.latency or shape.rate:
-            time.sleep(shape.latency + (len(body) / shape.rate if shape.rate else 0.0))
+        if shape.latency:
+            time.sleep(shape.latency)
+        self._pass(shape, self._up_link, len(body))
         action = self.rule(h.command, h.path)
         self.seen.append((h.command, h.path, action))
         released = self._released  # the release that ends this request's hold
@@ -175,8 +201,7 @@ class Proxy:
             released.wait()
             h.close_connection = True
             return
-        if shape.rate and answer[2]:
-            time.sleep(len(answer[2]) / shape.rate)
+        self._pass(shape, self._down_link, len(answer[2]))
         # Logged as the answer goes out, not after: a client that has its answer (with Nagle's
         # delay gone, at once) finds the request in the log, and its end is no later than that.
         self.log.append(
@@ -185,6 +210,17 @@ class Proxy:
             )
         )
         self._answer(h, *answer)
+
+    @staticmethod
+    def _pass(shape: Shaping, link: _Link, nbytes: int) -> None:
+        """Wait while ``nbytes`` pass at the request's ``rate`` and their turn on ``link``."""
+        if not nbytes or not (shape.rate or shape.link_rate):
+            return
+        now = time.monotonic()
+        done = now + nbytes / shape.rate if shape.rate else now
+        if shape.link_rate:
+            done = max(done, link.carry(nbytes, shape.link_rate))
+        time.sleep(max(0.0, done - time.monotonic()))
 
     def _forward(self, h: http.server.BaseHTTPRequestHandler, body: bytes) -> tuple:
         return self.ask(h.command, h.path, body, dict(h.headers.items()))

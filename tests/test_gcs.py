@@ -16,6 +16,7 @@ import logging
 import re
 import time
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable
 
@@ -91,6 +92,29 @@ def test_the_proxy_answers_the_preconditions_the_emulator_ignores(gcs, prefix, m
     assert all(honoured(gcs.url, "proxied").values())
     # The emulator alone honours none of them (if it starts to, the proxy can go).
     assert not any(honoured(gcs.server_url, "direct").values())
+
+
+def test_the_link_rate_is_shared_by_the_requests_in_flight(gcs, prefix):
+    """Shaping(link_rate=): two uploads at once pass at the link's rate between them, not each
+    at it (benchmarks/compression.py shapes a machine's link so), and so do two downloads."""
+    names = [f"{prefix}/o{i}" for i in range(2)]
+    blob = bytes(500_000)
+
+    def send(name: str) -> None:
+        q = urllib.parse.urlencode({"uploadType": "media", "name": name})
+        req = urllib.request.Request(f"{gcs.url}/upload/storage/v1/b/{BUCKET}/o?{q}", blob)
+        urllib.request.urlopen(req, timeout=30).read()
+
+    def fetch(name: str) -> None:
+        path = f"/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(name, safe='')}?alt=media"
+        assert len(urllib.request.urlopen(gcs.url + path, timeout=30).read()) == len(blob)
+
+    gcs.proxy.shaping = Shaping(link_rate=5e6)  # two bodies: 0.2 s at least
+    for fn in (send, fetch):
+        t = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(fn, names))
+        assert time.monotonic() - t >= 2 * len(blob) / 5e6
 
 
 def test_the_emulator_used_directly_reads_and_saves_with_a_warning(
