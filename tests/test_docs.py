@@ -27,6 +27,7 @@ NOT_RUN = {
     ("multihost.md", "needs a cluster"),
     ("multihost.md", "starts jax.distributed processes"),
     ("object_storage.md", "needs an S3 bucket"),
+    ("object_storage.md", "needs a GCS bucket"),
 }
 TIMEOUT_S = 180  # a page takes a few seconds; this only stops a hung one
 
