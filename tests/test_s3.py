@@ -200,6 +200,7 @@ def test_s3_options_come_from_the_aws_variables(monkeypatch):
         "AWS_DEFAULT_REGION",
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",
+        "TENSORSTORE_S3_USE_CONDITIONAL_WRITE",
     ):
         monkeypatch.delenv(k, raising=False)
     spec = _location.Location("s3://bkt/p/q/").kvstore
@@ -221,6 +222,29 @@ def test_s3_options_come_from_the_aws_variables(monkeypatch):
         "aws_region": "eu-west-1",
         "aws_credentials": {"type": "environment"},
     }
+
+
+@pytest.mark.parametrize("conditional", ["1", None])
+def test_conditional_writes_are_one_put_where_the_server_honours_them(
+    s3, prefix, monkeypatch, conditional
+):
+    """With TENSORSTORE_S3_USE_CONDITIONAL_WRITE=1 (moto honours If-None-Match and If-Match)
+    the lease and the commit go without a HEAD first, and a second save is still refused."""
+    monkeypatch.delenv("TENSORSTORE_S3_USE_CONDITIONAL_WRITE", raising=False)
+    if conditional:
+        monkeypatch.setenv("TENSORSTORE_S3_USE_CONDITIONAL_WRITE", conditional)
+    proxy = Proxy(os.environ["AWS_ENDPOINT_URL"], lambda method, path: "pass")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        url = f"s3://{BUCKET}/{prefix}"
+        jaxckpt.save(url, state())
+        heads = [p for m, p, _ in proxy.seen if m == "HEAD" and "writer.json" in p]
+        assert bool(heads) == (conditional is None), proxy.seen
+        with pytest.raises(jaxckpt.CheckpointExistsError, match="already exists"):
+            jaxckpt.save(url, state(2.0))
+        assert jaxckpt.restore(url)["step"] == 1
+    finally:
+        proxy.stop()
 
 
 # memory:// -- the same protocol, no server ------------------------------------------------

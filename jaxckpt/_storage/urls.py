@@ -147,7 +147,9 @@ def s3_options() -> dict[str, Any]:
     ``AWS_DEFAULT_REGION`` the region (otherwise tensorstore asks the bucket). With
     ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` set, those keys (and
     ``AWS_SESSION_TOKEN``) are used; otherwise tensorstore's default chain (profile, instance
-    metadata).
+    metadata). ``TENSORSTORE_S3_USE_CONDITIONAL_WRITE=1`` (``0``) makes each conditional write
+    one PUT with ``If-None-Match``/``If-Match`` (a HEAD, then a PUT), as tensorstore does on
+    AWS's own endpoints by default; tensorstore 0.1.86 and before take it only in the spec.
     """
     env = os.environ
     opts: dict[str, Any] = {}
@@ -159,4 +161,7 @@ def s3_options() -> dict[str, Any]:
         opts["aws_region"] = region
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
         opts["aws_credentials"] = {"type": "environment"}
+    conditional = env.get("TENSORSTORE_S3_USE_CONDITIONAL_WRITE", "").strip().lower()
+    if conditional in ("1", "true", "0", "false"):  # else: tensorstore's choice by endpoint
+        opts["use_conditional_write"] = conditional in ("1", "true")
     return opts
