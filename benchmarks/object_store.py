@@ -294,6 +294,11 @@ def median_call(calls: list[Call]) -> Call:
     return sorted(calls, key=lambda c: c.seconds)[len(calls) // 2]
 
 
+def medians(got: dict[str, list[Call]]) -> dict[str, float]:
+    """The median seconds of each kind of call of a scenario."""
+    return {k: statistics.median(c.seconds for c in v) for k, v in got.items()}
+
+
 def report(rows: list[tuple[str, str, float, dict[str, list[Call]]]]) -> None:
     print(
         "| store | state | latency | save | raw write | save ÷ raw | restore | raw read | "
@@ -301,7 +306,7 @@ def report(rows: list[tuple[str, str, float, dict[str, list[Call]]]]) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for store, kind, ms, got in rows:
-        med = {k: statistics.median(c.seconds for c in v) for k, v in got.items()}
+        med = medians(got)
         s, r = median_call(got["save"]), median_call(got["restore"])
         print(
             f"| {store} | {kind} | {ms:g} ms | {med['save']:.2f} s | {med['raw write']:.2f} s | "
@@ -310,15 +315,14 @@ def report(rows: list[tuple[str, str, float, dict[str, list[Call]]]]) -> None:
             f"{s.round_trips} ({s.besides_data()}) | {r.round_trips} ({r.besides_data()}) | "
             f"{s.requests}/{r.requests} |"
         )
-    orbax = [(s, k, ms, got) for s, k, ms, got in rows if "orbax save" in got]
+    orbax = [(s, k, ms, medians(got)) for s, k, ms, got in rows if "orbax save" in got]
     if orbax:
         print(
-            "\n| store | state | latency | Orbax save | Orbax restore | save: Orbax ÷ jaxckpt "
-            "| restore: Orbax ÷ jaxckpt |"
+            "\n| store | state | latency | Orbax save | Orbax restore | save: Orbax ÷ jaxckpt ",
+            end="",
         )
-        print("|---|---|---:|---:|---:|---:|---:|")
-    for store, kind, ms, got in orbax:
-        med = {k: statistics.median(c.seconds for c in v) for k, v in got.items()}
+        print("| restore: Orbax ÷ jaxckpt |\n|---|---|---:|---:|---:|---:|---:|")
+    for store, kind, ms, med in orbax:
         print(
             f"| {store} | {kind} | {ms:g} ms | {med['orbax save']:.2f} s | "
             f"{med['orbax restore']:.2f} s | {med['orbax save'] / med['save']:.1f}x | "
