@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 import uuid
 
 import jax
@@ -375,3 +377,44 @@ def test_the_restore_log_names_why_the_local_tier_was_not_used(tmp_path, caplog)
             assert line and why in line[0], (why, line)
             others = {w for _, w in cases} - {why}
             assert not any(o in line[0] for o in others)
+
+
+KILL_MID_ROLLBACK = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np
+import jaxckpt
+from jaxckpt._manager.run import Run
+
+run = sys.argv[1]
+with jaxckpt.CheckpointManager(run) as mgr:
+    for step in (3, 6, 9, 12):
+        mgr.save(step, {"w": np.full(4, step, np.float32)})
+    mgr.wait()
+real = Run.delete
+def delete_then_die(self, step):  # the process dies right after deleting the newest step
+    real(self, step)
+    os._exit(17)
+Run.delete = delete_then_die
+mgr = jaxckpt.CheckpointManager(run)
+mgr.rollback(6)
+"""
+
+
+def test_a_rollback_killed_midway_leaves_the_old_branch_and_can_be_run_again(tmp_path):
+    """A process killed inside ``rollback(6)`` (after deleting step 12, before step 9): the
+    restarted run holds only steps of the abandoned branch up to the rollback point (docs/
+    manager.md: deleted newest first), refuses a save of the new branch naming the rollback,
+    and ``rollback(6)`` run again finishes it; the new branch then survives a restart."""
+    run = str(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-c", KILL_MID_ROLLBACK, run], timeout=300)
+    assert done.returncode == 17  # killed midway, not finished
+    with jaxckpt.CheckpointManager(run) as mgr:
+        assert mgr.all_steps() == [3, 6, 9]  # the newest went first; 9 and the point remain
+        with pytest.raises(jaxckpt.CheckpointExistsError, match=r"\[9\].*rollback\(6\)"):
+            mgr.save(7, {"w": np.full(4, 7, np.float32)})
+        assert mgr.rollback(6) == [9]
+        mgr.save(7, {"w": np.full(4, 7, np.float32)})
+    with jaxckpt.CheckpointManager(run) as mgr:
+        assert mgr.all_steps() == [3, 6, 7]
+        assert mgr.restore()["w"].tolist() == [7.0] * 4
