@@ -78,7 +78,7 @@ def save(
       progress: ``True``: this process's bytes written, rate, time left on stderr (tqdm's bar
         if installed); a callable: ``fn(done_bytes, total_bytes)`` as it goes; ``None``: quiet.
       compression: ``"zstd"`` or ``"lz4"``: compress every chunk, losslessly (blosc after a
-        byte shuffle; format version 4, readable by jaxckpt 0.3 and later and by zarr v3
+        byte shuffle; format version 4, readable by jaxckpt 0.2 and later and by zarr v3
         readers); ``None`` (default): raw chunks, which local disks read in place.
         docs/object_storage.md, "Compression", says when it pays.
 
