@@ -34,6 +34,7 @@ from test_s3 import state
 import jaxckpt
 from jaxckpt._cli.main import main
 from jaxckpt._runtime.pools import settle
+from jaxckpt._storage import lease
 from jaxckpt._storage.location import ABSENT, Location, wait
 
 DEADLINE = 3  # seconds: JAXCKPT_IO_TIMEOUT of the tests whose server stalls
@@ -348,6 +349,31 @@ def test_a_stalled_server_fails_within_the_deadline_and_names_it(gcs, prefix, mo
     gcs.fault = None
     gcs.proxy.release()
     assert_tree_equal(jaxckpt.restore(url), tree)  # the old checkpoint, intact
+
+
+def test_a_save_busier_than_the_deadline_keeps_its_heartbeat(gcs, prefix, monkeypatch):
+    """A save whose requests take longer in all than one operation's deadline commits: its
+    heartbeat (rewriting writer.json, every 0.2 s here) does not queue behind the save's own
+    requests and miss the deadline, which would fail a healthy save as if the server stalled."""
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", "2")
+    monkeypatch.setattr(lease, "BEAT_S", 0.2)
+    # 500 requests (a zarr.json and a chunk per array), 64 at a time, each 0.5 s: ~4 s in all.
+    gcs.proxy.shaping = Shaping(latency=0.5)
+    tree = {f"a{i:03d}": np.full(4, i, np.float32) for i in range(250)}
+    url = f"gs://{BUCKET}/{prefix}"
+    t = time.monotonic()
+    jaxckpt.save(url, tree, planner=unpacked())
+    log = [r for r in gcs.proxy.log if r.start >= t]
+    beats = [r for r in log if r.method == "POST" and "writer.json" in urllib.parse.unquote(r.path)]
+    assert len(beats) >= 3, [r.path for r in beats]  # it beat while the data was written
+    assert max(r.end for r in log) - t > 2  # and the data outlasted one deadline
+    # Each beat goes out when it is due (0.2 s after the last was answered), not behind the
+    # save's queued requests: a long save on a slow link would look dead to another save's
+    # clean-up if its beats waited behind its data.
+    times = [r.start for r in beats] + [max(r.end for r in log if r not in beats)]
+    assert max(b - a for a, b in zip(times, times[1:])) < 2, [round(x - t, 2) for x in times]
+    gcs.proxy.shaping = Shaping()
+    assert_tree_equal(jaxckpt.restore(url), tree)
 
 
 def test_the_deadline_error_names_the_gcs_endpoint(monkeypatch):

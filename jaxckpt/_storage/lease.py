@@ -128,7 +128,7 @@ class Lease:
         loc, key = self._object
         record = {"format": 1, "host": host_id(), "pid": os.getpid()}
         data = json.dumps({**record, "beat": time.time()}).encode()
-        return kvstore(loc.kvstore, loc).write(
+        return kvstore(loc.kvstore, loc, own_queue=True).write(
             key, data, if_equal=ABSENT if only_if_absent else None
         )
 
@@ -148,7 +148,7 @@ class Lease:
         if self._object is not None and delete:
             loc, key = self._object
             try:
-                kv = kvstore(loc.kvstore, loc)
+                kv = kvstore(loc.kvstore, loc, own_queue=True)
                 # One DELETE (a range delete lists first: a round trip more on GCS).
                 wait(kv.write(key, None), loc, f"deleting {key}")
             except Exception:  # noqa: BLE001 - a stale writer.json only delays a clean-up

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -46,6 +47,14 @@ CONTEXT = ts.Context(
         "gcs_request_concurrency": {"limit": _request_concurrency()},
         "s3_request_concurrency": {"limit": _request_concurrency()},
     }
+)
+
+# A save's heartbeat (``jaxckpt._storage.lease``) rewrites one small key while the save's own
+# requests fill CONTEXT's queue; behind them it would wait as long as the whole save's data, and
+# its deadline, which is for a server that stopped answering, would fail a busy save. Its own
+# queue lets it through at once.
+BEAT_CONTEXT = ts.Context(
+    {"gcs_request_concurrency": {"limit": 2}, "s3_request_concurrency": {"limit": 2}}
 )
 
 # The stamp generation of a missing key: a write conditional on it creates a key only if absent.
@@ -133,6 +142,7 @@ class Location:
         self.io_timeout: float | None = None
         self.one_operation = one_operation
         self.stalled: str | None = None  # why, once a wait missed its deadline: see wait
+        self.progress = 0.0  # time.monotonic() a watched request last finished: see watch
         if "://" in text:
             self.local: Path | None = None
             self.kvstore: dict[str, Any] = _urls.kvstore_spec(text)
@@ -145,6 +155,17 @@ class Location:
 
     def __str__(self) -> str:
         return self.url
+
+    def watch(self, fut: Pending[Any]) -> None:
+        """Count ``fut``'s completion as progress of what is done at this location: a
+        :func:`wait` here keeps waiting while requests started beside the one it waits for
+        finish (the server is working through this operation's queue, not stalled). Whoever
+        keeps many requests in flight (a save's writes, a restore's reads) watches each."""
+        if self.io_timeout is not None:
+            fut.add_done_callback(self._progressed)
+
+    def _progressed(self, _: object) -> None:
+        self.progress = time.monotonic()  # on tensorstore's thread: one float, no lock needed
 
     @property
     def name(self) -> str:
@@ -189,11 +210,16 @@ class Pending(Protocol[T_co]):
     def result(self, timeout: float | None = None) -> T_co: ...
     def done(self) -> bool: ...
     def cancel(self) -> bool: ...
+    def add_done_callback(self, callback: Any) -> None: ...
 
 
 def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
     """``fut.result()``, within ``loc``'s deadline on object stores (plus a second per 8 MiB
-    that ``fut`` transfers); past it the operation is cancelled.
+    that ``fut`` transfers); past it the operation is cancelled. The deadline counts from the
+    later of the call and the last completion of a request :meth:`Location.watch` watches at
+    ``loc``: a request queued behind others of the same save (tensorstore keeps
+    ``JAXCKPT_REQUEST_CONCURRENCY`` in flight, a save up to a GiB of data) waits as long as the
+    server keeps answering them, and a server that answers none fails it after one deadline.
 
     On the location of one save or restore (``Location(..., one_operation=True)``) the first
     miss marks it stalled: every later wait on it (the rest of the save's writes, its abort)
@@ -210,10 +236,14 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         fut.cancel()
         raise CheckpointError(f"{what} at {loc} was not waited for: {loc.stalled}")
     limit = loc.io_timeout + nbytes / _MIN_RATE
-    try:
-        return fut.result(timeout=limit)
-    except TimeoutError:
-        fut.cancel()
+    since = time.monotonic()
+    left = limit
+    while left > 0:
+        try:
+            return fut.result(timeout=left)
+        except TimeoutError:
+            left = max(since, loc.progress) + limit - time.monotonic()
+    fut.cancel()
     server = _urls.endpoint(loc.kvstore)
     message = (
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
@@ -227,9 +257,14 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
     raise CheckpointError(message)
 
 
-def kvstore(spec: dict[str, Any], loc: Location | None = None) -> ts.KvStore:
-    """The open kvstore of ``spec`` (within ``loc``'s deadline, if given)."""
-    fut = ts.KvStore.open(spec, context=CONTEXT)
+def kvstore(
+    spec: dict[str, Any], loc: Location | None = None, *, own_queue: bool = False
+) -> ts.KvStore:
+    """The open kvstore of ``spec`` (within ``loc``'s deadline, if given); with ``own_queue``
+    its requests to GCS or S3 skip the queue of this process's others (:data:`BEAT_CONTEXT`;
+    ``memory://`` is one store per context, so it stays in the shared one)."""
+    own = own_queue and spec["driver"] in ("gcs", "s3")
+    fut = ts.KvStore.open(spec, context=BEAT_CONTEXT if own else CONTEXT)
     return wait(fut, loc, "opening the store") if loc is not None else fut.result()
 
 

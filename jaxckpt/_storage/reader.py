@@ -397,6 +397,7 @@ class CheckpointReader(Reader):
             fut: Pending[Any] = ts.array(out, copy=False, write=True).write(store)
         else:
             fut = store.read()
+        self.loc.watch(fut)
         nbytes = math.prod(item.sizes) * dtype.itemsize
         return lambda: self._result(entry, fut, out, nbytes)
 

@@ -159,9 +159,11 @@ class Writer:
             if self.loc.local is None:  # object stores: no round trip before the data
                 self._opening[e.key] = (e, ts.open(spec, assume_metadata=True, context=CONTEXT))
                 if create:
-                    self._metadata[e.key] = self._root_kv().write(
+                    fut = self._root_kv().write(
                         f"{e.path}/zarr.json", zarr_json(e), if_equal=ABSENT
                     )
+                    self.loc.watch(fut)
+                    self._metadata[e.key] = fut
                 continue
             self._opening[e.key] = (
                 e,
@@ -292,6 +294,7 @@ class Writer:
         fut: ts.WriteFutures = target.write(
             data, can_reference_source_data_indefinitely=self._reference
         )
+        self.loc.watch(fut)
         if self._reference:
             folder = self.root["path"] + entry.path
             files = writeback.chunk_files(folder, item.offsets, item.sizes, entry.chunks)
