@@ -156,7 +156,7 @@ class Location:
     def __str__(self) -> str:
         return self.url
 
-    def watch(self, fut: Pending[Any]) -> None:
+    def watch(self, fut: ts.Future[Any] | ts.WriteFutures) -> None:
         """Count ``fut``'s completion as progress of what is done at this location: a
         :func:`wait` here keeps waiting while requests started beside the one it waits for
         finish (the server is working through this operation's queue, not stalled). Whoever
@@ -210,7 +210,6 @@ class Pending(Protocol[T_co]):
     def result(self, timeout: float | None = None) -> T_co: ...
     def done(self) -> bool: ...
     def cancel(self) -> bool: ...
-    def add_done_callback(self, callback: Any) -> None: ...
 
 
 def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:

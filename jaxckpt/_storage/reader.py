@@ -394,7 +394,8 @@ class CheckpointReader(Reader):
         if math.prod(item.sizes) * dtype.itemsize >= _ALIGNED_MIN_BYTES:
             # into an aligned buffer: CPU devices alias it, no copy
             out = aligned_empty(item.sizes, dtype)
-            fut: Pending[Any] = ts.array(out, copy=False, write=True).write(store)
+            into = ts.array(out, copy=False, write=True)
+            fut: ts.Future[Any] | ts.WriteFutures = into.write(store)
         else:
             fut = store.read()
         self.loc.watch(fut)
