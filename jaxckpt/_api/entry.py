@@ -352,7 +352,7 @@ def _write_and_commit(
             items, skip = increment.to_write(items, sync, writer, ahead_bytes=staged.ahead_bytes)
         if sync.is_coordinator:
             writer.open_arrays((e for k, e in entries.items() if k not in skip), create=True)
-            if increment is None:  # committed as planned (unless iterators are added)
+            if increment is None and not records:  # committed as planned: no iterators added
                 writer.encode_ahead(global_plan.manifest)
             if sync.count > 1:  # the others open them after the barrier
                 writer.opened()

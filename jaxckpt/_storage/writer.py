@@ -325,7 +325,7 @@ class Writer:
         """Object stores (coordinator): encode ``manifest`` for the commit, and parse it once
         more, on another thread while the data is written; :meth:`commit` of this same object
         takes the result (and raises its error, if any), so that check no longer delays the
-        commit (about 50 ms for 2,000 leaves)."""
+        commit (its cost per leaf: docs/benchmarks.md, issue 52's second pass)."""
         if self._target is not None:
             done = pools.stage_pool().submit(generations.encode, self.loc, self._target, manifest)
             self._ahead = (manifest, done)
