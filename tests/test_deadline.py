@@ -24,6 +24,7 @@ from helpers import assert_tree_equal
 import jaxckpt
 from jaxckpt._cli.main import main
 from jaxckpt._format.plan import ReadItem
+from jaxckpt._runtime.pools import settle
 from jaxckpt._sources import detect
 from jaxckpt._storage.location import Location
 
@@ -126,6 +127,7 @@ def test_the_manager_has_its_own_deadline(server):
 def test_a_dead_server_fails_within_the_deadline(server, monkeypatch):
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
     jaxckpt.save(url, {"w": np.ones(4)})
+    settle()  # its clean-up after the commit, before the server dies (else it waits 30 s)
     monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", str(DEADLINE))
     server.kill()  # connections refused: tensorstore would retry for ~900 s
     server.wait()

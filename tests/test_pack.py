@@ -233,9 +233,10 @@ def _s3_counts() -> tuple[int, int]:
 
 
 @pytest.mark.usefixtures("s3")
-def test_s3_save_of_2000_leaves_is_a_few_puts(tmp_path):
+def test_s3_save_of_many_leaves_is_a_few_puts(tmp_path):
+    # 300 leaves: unpacked, two PUTs a leaf (what 2,000 show too, in a sixth of the time)
     url = f"s3://{BUCKET}/t-pack"
-    tree = many()
+    tree = many(300)
     counts = {}
     for name, planner in (("v1", jaxckpt.DefaultSavePlanner(pack_bytes=0)), ("packed", None)):
         before = _s3_counts()
@@ -249,7 +250,7 @@ def test_s3_save_of_2000_leaves_is_a_few_puts(tmp_path):
     print("s3 (PUTs, HTTP requests) per save:", counts)
     # packed: its zarr.json, its one chunk and the manifest, and the save's lease (writer.json,
     # written at the start and deleted at the commit)
-    assert counts["v1"][0] >= 4001 and counts["packed"][0] == 5, counts
+    assert counts["v1"][0] >= 601 and counts["packed"][0] == 5, counts
 
 
 def test_object_store_overwrite_moves_packs_to_the_new_generation():
