@@ -29,11 +29,17 @@ $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py $(ARGS)
 
+# The suite in JOBS processes (pytest-xdist), each test file whole in one of them (its module
+# fixtures, e.g. a multi-host group, run once): most tests wait on subprocesses, servers or
+# deadlines, so two share 2 cores well. JOBS=0 runs it in this one process.
+JOBS ?= 2
+PYTEST_JOBS := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
+
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_JOBS)
 
 test-floors: $(FLOORS_VENV)/.installed
-	$(FLOORS_VENV)/bin/python -m pytest
+	$(FLOORS_VENV)/bin/python -m pytest $(PYTEST_JOBS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

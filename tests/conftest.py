@@ -28,3 +28,24 @@ def loops_group(tmp_path_factory):
     for r in records:
         assert "error" not in r, r["error"]
     return records, work
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    """fake-gcs-server behind its proxy (tests/gcs_server.py), one per test process: tensorstore
+    reads the emulator's URL from the environment when it opens a store and reuses an open one,
+    so a second emulator in the same process would get some requests of the first's stores."""
+    from gcs_server import serve
+
+    yield from serve()
+
+
+@pytest.fixture
+def gcs(emulator):
+    """The emulator, its link healthy again after the test (no fault, held requests released)."""
+    from http_proxy import Shaping
+
+    yield emulator
+    emulator.fault = None
+    emulator.proxy.shaping = Shaping()
+    emulator.proxy.release()

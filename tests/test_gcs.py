@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
-from gcs_server import BUCKET, ENV, serve
+from gcs_server import BUCKET, ENV
 from helpers import assert_tree_equal, mesh, put
 from http_proxy import Request, Shaping, sequential_round_trips
 from test_commit import check_one_winner, race
@@ -38,20 +38,6 @@ from jaxckpt._storage import lease
 from jaxckpt._storage.location import ABSENT, Location, wait
 
 DEADLINE = 3  # seconds: JAXCKPT_IO_TIMEOUT of the tests whose server stalls
-
-
-@pytest.fixture(scope="session")
-def emulator():
-    yield from serve()
-
-
-@pytest.fixture
-def gcs(emulator):
-    """The emulator, its link healthy again after the test (no fault, held requests released)."""
-    yield emulator
-    emulator.fault = None
-    emulator.proxy.shaping = Shaping()
-    emulator.proxy.release()
 
 
 @pytest.fixture

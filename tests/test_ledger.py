@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from test_gcs import emulator, gcs  # noqa: F401 (fixtures: fake-gcs-server)
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt

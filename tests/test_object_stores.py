@@ -23,7 +23,7 @@ import pytest
 import test_gcs
 import test_s3
 from helpers import assert_tree_equal, mesh, one_array_per_leaf, put  # noqa: F401 (autouse)
-from test_gcs import emulator, gcs, generations_of  # noqa: F401  (fixtures: the emulator)
+from test_gcs import generations_of
 from test_s3 import BUCKET, FailingPlanner, jax_to_numpy, keys, s3, state  # noqa: F401
 
 import jaxckpt
