@@ -7,11 +7,13 @@ Timing is asserted only as "fails within a generous bound".
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +28,7 @@ from jaxckpt._cli.main import main
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._runtime.pools import settle
 from jaxckpt._sources import detect
-from jaxckpt._storage.location import Location
+from jaxckpt._storage.location import Location, wait
 
 BUCKET = "deadline"
 DEADLINE = 3  # seconds, set per test through JAXCKPT_IO_TIMEOUT or io_timeout=
@@ -211,5 +213,31 @@ def test_one_deadline_bounds_a_whole_save_and_restore_of_many_arrays(server, mon
     finally:
         if how == "stalled":
             os.kill(server.pid, signal.SIGCONT)
-    if how == "stalled":  # the last committed checkpoint is whole
+    if how == "stalled":  # the last committed checkpoint is whole (read with the default
+        monkeypatch.delenv("JAXCKPT_IO_TIMEOUT")  # deadline: the server works off a backlog)
         assert_tree_equal(jaxckpt.restore(url), state)
+
+
+def test_a_deadline_counts_from_the_last_answer_to_a_watched_request(monkeypatch):
+    """A request queued behind others of the same save waits while they are answered, and
+    fails one deadline after the last answer (the writer and reader watch each request)."""
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", "1")
+    loc = Location(f"s3://{BUCKET}/c", one_operation=True)
+    slow, never = concurrent.futures.Future(), concurrent.futures.Future()
+    answers = [concurrent.futures.Future() for _ in range(30)]
+    for fut in [slow, never, *answers]:
+        loc.watch(fut)
+
+    def serve() -> None:  # answer one request every 0.1 s, then the slow one
+        for fut in answers:
+            time.sleep(0.1)
+            fut.set_result(None)
+        slow.set_result("done")
+
+    threading.Thread(target=serve, daemon=True).start()
+    t = time.monotonic()
+    assert wait(slow, loc, "reading x") == "done"  # 3 s, while answers came every 0.1 s
+    assert time.monotonic() - t > 2  # so it outlasted its own 1 s deadline
+    with pytest.raises(jaxckpt.CheckpointError, match="reading y at s3://deadline/c did not"):
+        wait(never, loc, "reading y")  # nothing answered any more
+    assert never.cancelled()

@@ -11,7 +11,10 @@ import contextlib
 import contextvars
 import os
 import stat
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -142,7 +145,11 @@ class Location:
         self.io_timeout: float | None = None
         self.one_operation = one_operation
         self.stalled: str | None = None  # why, once a wait missed its deadline: see wait
-        self.progress = 0.0  # time.monotonic() a watched request last finished: see watch
+        # The requests watch() was given and not yet seen finished (weak: never kept alive
+        # here), and the time.monotonic() one was last seen finished.
+        self._watched: deque[weakref.ref[Any]] = deque()
+        self._answered = 0.0
+        self._watch_lock = threading.Lock()
         if "://" in text:
             self.local: Path | None = None
             self.kvstore: dict[str, Any] = _urls.kvstore_spec(text)
@@ -160,12 +167,29 @@ class Location:
         """Count ``fut``'s completion as progress of what is done at this location: a
         :func:`wait` here keeps waiting while requests started beside the one it waits for
         finish (the server is working through this operation's queue, not stalled). Whoever
-        keeps many requests in flight (a save's writes, a restore's reads) watches each."""
-        if self.io_timeout is not None:
-            fut.add_done_callback(self._progressed)
+        keeps many requests in flight (a save's writes, a restore's reads) watches each.
 
-    def _progressed(self, _: object) -> None:
-        self.progress = time.monotonic()  # on tensorstore's thread: one float, no lock needed
+        Polled, not a done-callback: no Python runs in tensorstore's threads (a callback per
+        request would queue them for the GIL, docs/benchmarks.md). Each call drops the oldest
+        requests that finished (they mostly finish in order), so what is watched stays about
+        what is in flight."""
+        if self.io_timeout is None:
+            return
+        with self._watch_lock:
+            self._watched.append(weakref.ref(fut))
+            while self._watched and _finished(self._watched[0]):
+                self._watched.popleft()
+                self._answered = time.monotonic()
+
+    def answered(self) -> float:
+        """The ``time.monotonic()`` a watched request was last seen finished (0: none yet),
+        looking at every one watched now."""
+        with self._watch_lock:
+            pending = deque(r for r in self._watched if not _finished(r))
+            if len(pending) < len(self._watched):
+                self._answered = time.monotonic()
+            self._watched = pending
+            return self._answered
 
     @property
     def name(self) -> str:
@@ -200,6 +224,11 @@ class Location:
             return Location(self.url.rstrip("/") + "/" + name)
 
 
+def _finished(ref: weakref.ref[Any]) -> bool:
+    fut = ref()
+    return fut is None or bool(fut.done())  # gone: its caller took its result (or gave it up)
+
+
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
@@ -218,7 +247,8 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
     later of the call and the last completion of a request :meth:`Location.watch` watches at
     ``loc``: a request queued behind others of the same save (tensorstore keeps
     ``JAXCKPT_REQUEST_CONCURRENCY`` in flight, a save up to a GiB of data) waits as long as the
-    server keeps answering them, and a server that answers none fails it after one deadline.
+    server keeps answering them, and a server that answers none fails it within 1.25 deadlines
+    of its last answer (answers are seen when looked for, every quarter deadline).
 
     On the location of one save or restore (``Location(..., one_operation=True)``) the first
     miss marks it stalled: every later wait on it (the rest of the save's writes, its abort)
@@ -235,13 +265,12 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         fut.cancel()
         raise CheckpointError(f"{what} at {loc} was not waited for: {loc.stalled}")
     limit = loc.io_timeout + nbytes / _MIN_RATE
-    since = time.monotonic()
-    left = limit
-    while left > 0:
-        try:
-            return fut.result(timeout=left)
+    end = time.monotonic() + limit
+    while (left := end - time.monotonic()) > 0:
+        try:  # looks at the watched requests every quarter deadline: each answer is seen late
+            return fut.result(timeout=min(left, limit / 4))  # by that much at most
         except TimeoutError:
-            left = max(since, loc.progress) + limit - time.monotonic()
+            end = max(end, loc.answered() + limit)
     fut.cancel()
     server = _urls.endpoint(loc.kvstore)
     message = (
