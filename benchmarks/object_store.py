@@ -318,10 +318,9 @@ def report(rows: list[tuple[str, str, float, dict[str, list[Call]]]]) -> None:
     orbax = [(s, k, ms, medians(got)) for s, k, ms, got in rows if "orbax save" in got]
     if orbax:
         print(
-            "\n| store | state | latency | Orbax save | Orbax restore | save: Orbax ÷ jaxckpt ",
-            end="",
+            "\n| store | state | latency | Orbax save | Orbax restore | save: Orbax ÷ jaxckpt "
+            "| restore: Orbax ÷ jaxckpt |\n|---|---|---:|---:|---:|---:|---:|"
         )
-        print("| restore: Orbax ÷ jaxckpt |\n|---|---|---:|---:|---:|---:|---:|")
     for store, kind, ms, med in orbax:
         print(
             f"| {store} | {kind} | {ms:g} ms | {med['orbax save']:.2f} s | "
