@@ -196,6 +196,7 @@ class SaveHandle:
         self.timings: dict[str, float] = {}
         self.nbytes = 0
         self.reused_bytes = 0  # bytes an incremental save took from its base instead
+        self.resumed_bytes = 0  # bytes a failed save of the same plan had written, kept
         self._error: BaseException | None = None
         self._future: Future[None] | None = None  # the background run, staging buffers released
         self._runner: int | None = None  # the thread id that runs it
@@ -265,10 +266,17 @@ def _start_save(
             "base", lambda: Increment(base_loc, loc, global_plan.manifest, entries)
         )
     handle.timings["plan"] = time.perf_counter() - t0
+    # A failed save of this same plan is resumed (not an incremental one: its boxes are linked
+    # or referenced, never compared with leftovers).
+    plan = f"{global_plan.digest}:{compression or 'raw'}" if increment is None else None
     writer = sync.run(
         "open",
         lambda: _storage.Writer(
-            loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
+            loc,
+            overwrite=overwrite,
+            is_coordinator=sync.is_coordinator,
+            broadcast=sync.broadcast,
+            plan=plan,
         ),
     )
     t1 = time.perf_counter()
@@ -375,20 +383,22 @@ def _write_and_commit(
             writer.commit(manifest)
         sync.barrier("committed", wait_for_all=False)
         handle.reused_bytes = increment.reused_bytes if increment is not None else 0
+        handle.resumed_bytes = writer.resumed.kept if writer.resumed is not None else 0
         bar.finish()
         handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
         logger.info(
-            "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused), %s",
+            "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused, %.1f MB resumed), %s",
             loc,
             handle.nbytes / 1e6,
             handle.gbps,
             handle.reused_bytes / 1e6,
+            handle.resumed_bytes / 1e6,
             {k: round(v, 3) for k, v in handle.timings.items()},
         )
     except BaseException as e:  # re-raised by wait()
         # failed() first: it returns once the others stopped
         handle._error = sync.failed(typed_os_error(e, loc))
-        writer.abort()
+        writer.abort(handle._error)
     finally:
         bar.close()
         handle._finished.set()

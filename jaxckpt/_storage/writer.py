@@ -24,15 +24,16 @@ from typing import Any
 import numpy.typing as npt
 import tensorstore as ts
 
+from jaxckpt._errors import CheckpointExistsError
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
-from jaxckpt._storage import directwrite, generations, local_commit, writeback
+from jaxckpt._storage import directwrite, generations, local_commit, resume, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
 from jaxckpt._storage.location import ABSENT, CONTEXT, Location, Pending, kvstore, wait
-from jaxckpt._storage.messages import lost_error, write_error
+from jaxckpt._storage.messages import is_full, lost_error, write_error
 
 MAX_INFLIGHT_BYTES = 1 << 30
 
@@ -107,8 +108,13 @@ class Writer:
         overwrite: bool,
         is_coordinator: bool = True,
         broadcast: Callable[[str, str], str] | None = None,
+        plan: str | None = None,
     ) -> None:
-        """``broadcast(name, value)``: the coordinator's value on every process (multi-process)."""
+        """``broadcast(name, value)``: the coordinator's value on every process (multi-process).
+
+        ``plan``: what identifies the save's plan (its agreed digest): a failed save's
+        leftovers of the same plan are adopted, and the chunks they hold already are not
+        written again (``jaxckpt._storage.resume``); ``None``: always start afresh."""
         self.loc = loc
         self.overwrite = overwrite
         self.is_coordinator = is_coordinator
@@ -123,11 +129,13 @@ class Writer:
         self._target: generations.Target | None = None  # object stores
         self._ahead: tuple[Manifest, Future[tuple[Manifest, bytes]]] | None = None
         self._keep = False  # an object-store commit of unknown outcome: abort deletes nothing
+        self._plan = plan
+        resumed = False
         if loc.local is not None:
             name = ""
             if is_coordinator:  # the others write into the same dir (shared storage)
-                self.staging, self._lease = local_commit.make_staging(loc, overwrite)
-                name = self.staging.name
+                self.staging, self._lease, resumed = local_commit.make_staging(loc, overwrite, plan)
+                name = resume.tell(self.staging.name, resumed)
             elif broadcast is None:
                 raise ValueError("a non-coordinator Writer needs broadcast= to find the staging")
             if broadcast is not None:
@@ -136,13 +144,17 @@ class Writer:
                 except BaseException:
                     self.abort()
                     raise
+            name, resumed = resume.told(name)
             self.root = {"driver": "file", "path": str(loc.local.parent / name) + "/"}
         else:  # object store: no rename, the manifest written last is the commit
             try:
-                self._target = generations.prepare(loc, overwrite, is_coordinator, broadcast)
+                self._target = generations.prepare(loc, overwrite, is_coordinator, broadcast, plan)
             except ValueError as e:  # the store refused a read, a listing or the lease
                 raise write_error(loc, "preparing its target", e) from e
             self.root = {**loc.kvstore, "path": loc.kvstore["path"] + self._target.generation}
+            resumed = self._target.resumed
+        # A failed save's leftovers adopted: each chunk is checked before it is written.
+        self.resumed = resume.Present(self.root, loc) if resumed else None
 
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
         """Start creating (coordinator) or opening (others, after it) the zarr arrays, all at
@@ -158,16 +170,23 @@ class Writer:
             spec = {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True}
             if self.loc.local is None:  # object stores: no round trip before the data
                 self._opening[e.key] = (e, ts.open(spec, assume_metadata=True, context=CONTEXT))
-                if create:
+                if create:  # an adopted generation's are this plan's: written again
                     fut = self._root_kv().write(
-                        f"{e.path}/zarr.json", zarr_json(e), if_equal=ABSENT
+                        f"{e.path}/zarr.json",
+                        zarr_json(e),
+                        if_equal=ABSENT if self.resumed is None else None,
                     )
                     self.loc.watch(fut)
                     self._metadata[e.key] = fut
                 continue
-            self._opening[e.key] = (
+            self._opening[e.key] = (  # adopted leftovers: an array may exist already
                 e,
-                ts.open(spec, create=create, open=not create, context=CONTEXT),
+                ts.open(
+                    spec,
+                    create=create,
+                    open=not create or self.resumed is not None,
+                    context=CONTEXT,
+                ),
             )
 
     def _root_kv(self) -> ts.KvStore:
@@ -243,13 +262,20 @@ class Writer:
         try:
             for item, data in items:
                 entry = entries[item.key]
-                fut = self._start(entry, item, data, hints, direct)
-                pending.append((fut, data.nbytes, entry))
-                inflight += data.nbytes
-                total += data.nbytes
-                if holder is not None:
-                    holder.add(fut, data)
+                boxes = (
+                    [(item, data)]
+                    if self.resumed is None
+                    else self.resumed.missing(entry, item, data)
+                )
                 del data  # not held here while the next item is made (see release_each)
+                for part, box in boxes:
+                    fut = self._start(entry, part, box, hints, direct)
+                    pending.append((fut, box.nbytes, entry))
+                    inflight += box.nbytes
+                    total += box.nbytes
+                    if holder is not None:
+                        holder.add(fut, box)
+                del boxes
                 while inflight > max_inflight_bytes and pending:
                     fut, n, e = pending.popleft()
                     self._finish(fut, e, n)
@@ -372,8 +398,11 @@ class Writer:
             linker = self._linkers[root] = Linker(root, self.root["path"])
         return linker.link(base_path, entry.path, entry.chunks, offsets, sizes)
 
-    def abort(self) -> None:
-        """After a failure: remove this save's own data (never raises)."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """After a failure (``error``): remove this save's own data, or, where a retry of the
+        same plan may resume it (see :func:`resumable`), leave it for that retry, its lease
+        released (never raises)."""
+        keep = self._plan is not None and error is not None and resumable(error)
         for key in list(self._opening):  # none may create a file after the removal
             try:
                 self._array(key)
@@ -385,17 +414,24 @@ class Writer:
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes
                 pass
         self._metadata.clear()
-        if self.staging is not None:
+        if self.staging is not None and not keep:
             shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging = None
-        if self._target is not None and self.is_coordinator and not self._keep:
+        self.staging = None
+        if self._target is not None and self.is_coordinator and not (self._keep or keep):
             generations.drop(self.loc, self._target)
-        self._release(delete=not self._keep)
+        self._release(delete=not self._keep, resumable=keep and not self._keep)
 
-    def _release(self, *, delete: bool = True) -> None:
+    def _release(self, *, delete: bool = True, resumable: bool = False) -> None:
         lease = self._lease or (self._target.lease if self._target is not None else None)
         if lease is not None:
-            lease.release(delete=delete)
+            lease.release(delete=delete, resumable=resumable)
+
+
+def resumable(error: BaseException) -> bool:
+    """Whether a failed save's data is kept for a retry of the same plan to resume: not where
+    another save took its place (``CheckpointExistsError``), nor on a full disk (the data
+    would keep it full)."""
+    return not isinstance(error, CheckpointExistsError) and not is_full(error)
 
 
 class Holder:

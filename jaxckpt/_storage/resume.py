@@ -1,0 +1,235 @@
+"""Resuming a failed save: a dead save's leftovers of the same plan are adopted, and the chunks
+they already hold with the very bytes this save would write are not written again.
+
+Two separable steps:
+
+1. **Adopt leftovers.** A save records its plan (the digest every process agreed on, with
+   its compression) where it writes: ``writer.json`` in a local staging directory
+   (:func:`mark_local`, removed at the commit) or in an object store's ``writer.json`` lease
+   (``jaxckpt._storage.lease``). When a save of the same path starts, its coordinator looks
+   for a leftover that no live save holds and that records the same plan (:func:`adopt_local`
+   here; ``jaxckpt._storage.generations`` on object stores) and writes into it instead of a
+   fresh staging directory or generation. The coordinator chooses; the others learn it with
+   the staging name or generation it broadcasts (:func:`tell`, :func:`told`), so every
+   process adopts the same leftover.
+2. **Skip chunks present** (:class:`Present`): for each chunk a process would write, the
+   chunk's expected stored bytes (its elements at full chunk shape, zero-filled at the
+   array's edge, then their CRC-32C) are compared with what the leftover holds: byte for byte
+   on local files (the file is read: the data may have changed between the failed save and
+   this one), by the stored CRC-32C trailer on object stores (a ranged read of 4 bytes; an
+   object is written whole or not at all). A chunk that matches is kept; the others are
+   written as usual. Compressed arrays are written whole (their stored bytes are not known
+   without compressing them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from jaxckpt._format.dtypes import dtype_from_name
+from jaxckpt._format.grid import chunk_key, chunks_touching
+from jaxckpt._format.manifest import ArrayEntry
+from jaxckpt._format.names import WRITER, parse_staging
+from jaxckpt._format.plan import WriteItem
+from jaxckpt._storage import crc
+from jaxckpt._storage.lease import Lease
+from jaxckpt._storage.location import Location, kvstore, wait
+
+_RESUMED = "|resume"  # appended to a broadcast staging name or generation: adopted leftovers
+_lock = threading.Lock()
+_kept = 0  # see bytes_kept()
+
+
+def bytes_kept() -> int:
+    """Chunk bytes this process found already written by a failed save and did not write
+    again (stored bytes, checksums excluded), since it started."""
+    with _lock:
+        return _kept
+
+
+def tell(name: str, resumed: bool) -> str:
+    """The value the coordinator broadcasts: the staging name or generation, and whether it
+    adopted a failed save's leftovers there."""
+    return name + _RESUMED if resumed else name
+
+
+def told(value: str) -> tuple[str, bool]:
+    """:func:`tell`'s ``(name, resumed)`` back from the broadcast value."""
+    if value.endswith(_RESUMED):
+        return value[: -len(_RESUMED)], True
+    return value, False
+
+
+def mark_local(staging: Path, plan: str) -> None:
+    """Record ``plan`` in a new staging directory (a crash that loses it loses only the resume)."""
+    (staging / WRITER).write_bytes(json.dumps({"format": 1, "plan": plan}).encode())
+
+
+def plan_of(staging: Path) -> str | None:
+    """The plan a staging directory records (:func:`mark_local`), if any."""
+    try:
+        raw = (staging / WRITER).read_bytes()
+        plan = json.loads(raw).get("plan")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return plan if isinstance(plan, str) else None
+
+
+def adopt_local(target: Path, plan: str) -> tuple[Path, Lease] | None:
+    """A dead save's staging directory of ``target`` that records ``plan``, leased to this
+    save; ``None`` if there is none."""
+    try:
+        siblings = sorted(target.parent.iterdir())
+    except OSError:
+        return None
+    for path in siblings:
+        parsed = parse_staging(path.name)
+        if parsed is None or parsed[0] != target.name or parsed[2] or plan_of(path) != plan:
+            continue
+        lease = Lease.adopt_local(path)
+        if lease is None:
+            continue
+        if plan_of(path) == plan:  # still: not removed and made anew before the lock
+            return path, lease
+        lease.release()
+    return None
+
+
+class Present:
+    """The chunks an adopted leftover under ``root`` (a kvstore spec) already holds."""
+
+    def __init__(self, root: dict[str, Any], loc: Location) -> None:
+        self.loc = loc
+        self.local = Path(root["path"]) if root["driver"] == "file" else None
+        self._kv = None if self.local is not None else kvstore(root, loc)
+        self.kept = 0  # chunk bytes found written and kept by this save
+
+    def missing(
+        self, entry: ArrayEntry, item: WriteItem, data: npt.NDArray[Any]
+    ) -> list[tuple[WriteItem, npt.NDArray[Any]]]:
+        """The boxes of ``item`` (``data``) still to write, each whole chunks with its view of
+        ``data``; ``[(item, data)]`` where its chunks cannot be checked."""
+        boxes = _chunk_boxes(entry, item, data)
+        if boxes is None:
+            return [(item, data)]
+        stored = data.view(dtype_from_name(entry.storage_dtype))
+        same = self._same(
+            entry, [(idx, _expected(entry, stored, item, lo, hi)) for idx, lo, hi in boxes]
+        )
+        out: list[tuple[WriteItem, npt.NDArray[Any]]] = []
+        for (_, lo, hi), kept in zip(boxes, same):
+            if not kept:
+                part = dataclasses.replace(
+                    item, offsets=lo, sizes=tuple(b - a for a, b in zip(lo, hi))
+                )
+                out.append(
+                    (
+                        part,
+                        data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets))],
+                    )
+                )
+        kept = sum(same) * math.prod(entry.chunks) * stored.dtype.itemsize
+        self.kept += kept
+        _count(kept)
+        return out
+
+    def _same(
+        self, entry: ArrayEntry, chunks: list[tuple[tuple[int, ...], npt.NDArray[Any]]]
+    ) -> list[bool]:
+        """Whether each chunk ``(idx, expected bytes)`` is stored with exactly those bytes."""
+        if self.local is not None:
+            folder = self.local / entry.path
+            return [_file_holds(folder / chunk_key(idx), want) for idx, want in chunks]
+        assert self._kv is not None
+        n = math.prod(entry.chunks) * dtype_from_name(entry.storage_dtype).itemsize
+        reads = [
+            self._kv.read(f"{entry.path}/{chunk_key(idx)}", byte_range=slice(n, n + 4))
+            for idx, _ in chunks
+        ]
+        out = []
+        for fut, (idx, want) in zip(reads, chunks):
+            try:
+                got = wait(fut, self.loc, f"reading chunk {idx} of key {entry.key!r}")
+            except ValueError:  # shorter than a chunk: not ours to keep
+                out.append(False)
+                continue
+            out.append(got.state == "value" and bytes(got.value) == want[-4:].tobytes())
+        return out
+
+
+def _chunk_boxes(
+    entry: ArrayEntry, item: WriteItem, data: npt.NDArray[Any]
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None:
+    """``(chunk index, low corner, high corner)`` of each chunk ``item`` covers, each within
+    the array; ``None`` if they cannot be checked (compressed, no checksum, a chunk the box
+    covers only in part)."""
+    if entry.compression is not None or entry.checksum != "crc32c":
+        return None
+    if sys.byteorder != "little" or data.shape != tuple(item.sizes):
+        return None
+    boxes = []
+    for idx in chunks_touching(item.offsets, item.sizes, entry.chunks):
+        lo = tuple(i * c for i, c in zip(idx, entry.chunks))
+        hi = tuple(min(a + c, n) for a, c, n in zip(lo, entry.chunks, entry.shape))
+        if any(a < o or b > o + s for a, b, o, s in zip(lo, hi, item.offsets, item.sizes)):
+            return None
+        boxes.append((idx, lo, hi))
+    return boxes
+
+
+def _expected(
+    entry: ArrayEntry,
+    stored: npt.NDArray[Any],
+    item: WriteItem,
+    lo: tuple[int, ...],
+    hi: tuple[int, ...],
+) -> npt.NDArray[np.uint8]:
+    """The bytes a chunk file of the box ``lo``..``hi`` holds: its elements at full chunk
+    shape (zero beyond the array's edge), then their CRC-32C, little endian."""
+    chunk = np.zeros(entry.chunks, stored.dtype)
+    chunk[tuple(slice(0, b - a) for a, b in zip(lo, hi))] = stored[
+        tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets))
+    ]
+    raw = chunk.reshape(-1).view(np.uint8)
+    tail = np.frombuffer(crc.crc32c(raw).to_bytes(4, "little"), np.uint8)
+    return np.concatenate([raw, tail])
+
+
+def _file_holds(path: Path, want: npt.NDArray[np.uint8]) -> bool:
+    """Whether the file ``path`` (no link followed) holds exactly the bytes ``want``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size != want.nbytes:
+            return False
+        have = np.empty_like(want)
+        view = memoryview(have.data).cast("B")
+        done = 0
+        while done < want.nbytes:
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:
+                return False
+            done += n
+        return bool(np.array_equal(have, want))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _count(n: int) -> None:
+    global _kept
+    with _lock:
+        _kept += n
