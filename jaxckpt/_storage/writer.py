@@ -24,7 +24,7 @@ from typing import Any
 import numpy.typing as npt
 import tensorstore as ts
 
-from jaxckpt._errors import CheckpointExistsError
+from jaxckpt._errors import CheckpointError, CheckpointExistsError
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._format.plan import WriteItem
@@ -428,53 +428,12 @@ class Writer:
 
 
 def resumable(error: BaseException) -> bool:
-    """Whether a failed save's data is kept for a retry of the same plan to resume: not where
-    another save took its place (``CheckpointExistsError``), nor on a full disk (the data
-    would keep it full)."""
-    return not isinstance(error, CheckpointExistsError) and not is_full(error)
-
-
-class Holder:
-    """Keeps each write's source data until tensorstore has completed the write, then drops it.
-
-    tensorstore may read a source array after ``write`` returned, holding no reference to it
-    (the array must stay unchanged until the write completes), so whoever reuses the memory
-    of a written array once nothing references it must find this reference. One task on a
-    save thread waits for the writes in order and drops each one's data as it completes: no
-    Python runs in tensorstore's threads (as in ``writeback.Hints``). Where no thread can be
-    started (at interpreter exit) each write is waited for as it is added.
-
-    Args:
-      loc: where the writes go (their deadlines: a write that misses it is dropped too, and
-        the writer reports it).
-    """
-
-    def __init__(self, loc: Location) -> None:
-        self.loc = loc
-        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
-        # None where the interpreter is exiting: no new threads, and _run waits for add()
-        self._task = pools.start(pools.save_pool(), self._run)
-
-    def add(self, fut: Any, data: Any) -> None:
-        """Drop ``data`` once the write ``fut`` of it has completed."""
-        if self._task is None:
-            self._wait(fut)
-            return
-        self._queue.put((fut, data))
-
-    def close(self) -> None:
-        """Wait until every write added has completed and its data is dropped."""
-        if self._task is not None:
-            self._queue.put(None)
-            self._task.result()
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self._wait(job[0])
-            del job  # the last reference to the data, where nothing else holds it
-
-    def _wait(self, fut: Any) -> None:
-        try:
-            wait(fut, self.loc, "writing")
-        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the writer reports it
-            pass
+    """Whether a failed save's data is kept for a retry of the same plan to resume: where
+    storage or another process failed it (a ``CheckpointError``: a deadline, a refused or
+    throttled request, a process that died) or it was interrupted (``KeyboardInterrupt``,
+    ``SystemExit``); not where another save took its place (``CheckpointExistsError``), on a
+    full disk (the data would keep it full), nor where the caller's own code raised (a
+    planner, a data source: the retry usually changes what is saved)."""
+    if isinstance(error, CheckpointExistsError) or is_full(error):
+        return False
+    return isinstance(error, CheckpointError) or not isinstance(error, Exception)
