@@ -18,7 +18,7 @@ import jaxckpt
 from jaxckpt._storage import resume
 from tests import partial_save_worker as worker
 from tests.http_proxy import Proxy
-from tests.test_s3 import BUCKET, s3, prefix, keys  # noqa: F401 - fixtures
+from tests.test_s3 import BUCKET, keys, prefix, s3  # noqa: F401 - fixtures
 
 TOTAL = worker.ARRAYS * worker.ELEMENTS * 4
 CHUNK = worker.ELEMENTS * 4
@@ -139,3 +139,53 @@ def test_an_s3_save_the_store_refused_partway_resumes(s3, prefix, monkeypatch): 
     finally:
         proxy.stop()
     _assert_restores(url, state)
+
+
+def test_a_manager_reopened_after_a_preemption_resumes_the_step(tmp_path):
+    """A job preempted mid-save restarts: the manager it opens keeps the failed save of the step
+    after its newest committed one, and saving that step again resumes it; once a later step
+    commits, a failed save of an earlier one goes."""
+    run = tmp_path / "run"
+    with jaxckpt.CheckpointManager(run) as mgr:
+        mgr.save(4, worker.state(changed=4))
+    _kill_at_90(str(run / "00000005"))
+    with jaxckpt.CheckpointManager(run) as mgr:  # its clean-up at opening keeps the leftover
+        assert any(p.name.startswith(".00000005.tmp-") for p in run.iterdir())
+        kept0 = resume.bytes_kept()
+        mgr.save(5, worker.state())
+        mgr.wait()
+        assert resume.bytes_kept() - kept0 >= 18 * CHUNK
+        _assert_restores(str(run / "00000005"), worker.state())
+    _kill_at_90(str(run / "00000006"))
+    with jaxckpt.CheckpointManager(run) as mgr:
+        mgr.save(7, worker.state())
+        mgr.wait()
+    with jaxckpt.CheckpointManager(run) as mgr:
+        assert mgr.all_steps() == [4, 5, 7]
+    assert not any(p.name.startswith(".") for p in run.iterdir())  # step 6's went
+
+
+def test_an_object_store_manager_keeps_a_refused_save_for_its_retry(s3, prefix, monkeypatch):  # noqa: F811
+    run = f"s3://{BUCKET}/{prefix}"
+    refuse = {"on": True}
+
+    def rule(method, path):
+        refused = refuse["on"] and method == "PUT" and "/a19/c/" in path  # the others land
+        return 403 if refused else "pass"
+
+    proxy = Proxy(os.environ["AWS_ENDPOINT_URL"], rule)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with jaxckpt.CheckpointManager(run, async_save=False) as mgr:
+            with pytest.raises(jaxckpt.CheckpointError):
+                mgr.save(1, worker.state())
+        refuse["on"] = False
+        with jaxckpt.CheckpointManager(run, async_save=False) as mgr:
+            assert "00000001/writer.json" in keys(s3, prefix)  # kept at opening
+            kept0 = resume.bytes_kept()
+            mgr.save(1, worker.state())
+            assert resume.bytes_kept() - kept0 == (worker.ARRAYS - 1) * CHUNK
+            assert mgr.all_steps() == [1]
+    finally:
+        proxy.stop()
+    _assert_restores(f"{run}/00000001", worker.state())

@@ -386,15 +386,7 @@ def _write_and_commit(
         handle.resumed_bytes = writer.resumed.kept if writer.resumed is not None else 0
         bar.finish()
         handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
-        logger.info(
-            "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused, %.1f MB resumed), %s",
-            loc,
-            handle.nbytes / 1e6,
-            handle.gbps,
-            handle.reused_bytes / 1e6,
-            handle.resumed_bytes / 1e6,
-            {k: round(v, 3) for k, v in handle.timings.items()},
-        )
+        _log_saved(loc, handle)
     except BaseException as e:  # re-raised by wait()
         # failed() first: it returns once the others stopped
         handle._error = sync.failed(typed_os_error(e, loc))
@@ -402,6 +394,18 @@ def _write_and_commit(
     finally:
         bar.close()
         handle._finished.set()
+
+
+def _log_saved(loc: _location.Location, handle: SaveHandle) -> None:
+    logger.info(
+        "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused, %.1f MB resumed), %s",
+        loc,
+        handle.nbytes / 1e6,
+        handle.gbps,
+        handle.reused_bytes / 1e6,
+        handle.resumed_bytes / 1e6,
+        {k: round(v, 3) for k, v in handle.timings.items()},
+    )
 
 
 def _counted(

@@ -42,7 +42,7 @@ from jaxckpt._format.manifest import ArrayEntry
 from jaxckpt._format.names import WRITER, parse_staging
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._storage import crc
-from jaxckpt._storage.lease import Lease
+from jaxckpt._storage.lease import Lease, dead_plan, is_lease
 from jaxckpt._storage.location import Location, kvstore, wait
 
 _RESUMED = "|resume"  # appended to a broadcast staging name or generation: adopted leftovers
@@ -103,6 +103,18 @@ def adopt_local(target: Path, plan: str) -> tuple[Path, Lease] | None:
             return path, lease
         lease.release()
     return None
+
+
+def resumable(loc: Location, keys: list[str]) -> bool:
+    """Whether an object-store prefix (its ``keys``) holds a dead save's data that records
+    its plan (a ``writer.json`` lease that is not live)."""
+    kv = kvstore(loc.kvstore, loc)
+    for key in keys:
+        if is_lease(key):
+            got = wait(kv.read(key), loc, f"reading {key}")
+            if got.state == "value" and dead_plan(got.value) is not None:
+                return True
+    return False
 
 
 class Present:

@@ -437,3 +437,49 @@ def resumable(error: BaseException) -> bool:
     if isinstance(error, CheckpointExistsError) or is_full(error):
         return False
     return isinstance(error, CheckpointError) or not isinstance(error, Exception)
+
+
+class Holder:
+    """Keeps each write's source data until tensorstore has completed the write, then drops it.
+
+    tensorstore may read a source array after ``write`` returned, holding no reference to it
+    (the array must stay unchanged until the write completes), so whoever reuses the memory
+    of a written array once nothing references it must find this reference. One task on a
+    save thread waits for the writes in order and drops each one's data as it completes: no
+    Python runs in tensorstore's threads (as in ``writeback.Hints``). Where no thread can be
+    started (at interpreter exit) each write is waited for as it is added.
+
+    Args:
+      loc: where the writes go (their deadlines: a write that misses it is dropped too, and
+        the writer reports it).
+    """
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
+        # None where the interpreter is exiting: no new threads, and _run waits for add()
+        self._task = pools.start(pools.save_pool(), self._run)
+
+    def add(self, fut: Any, data: Any) -> None:
+        """Drop ``data`` once the write ``fut`` of it has completed."""
+        if self._task is None:
+            self._wait(fut)
+            return
+        self._queue.put((fut, data))
+
+    def close(self) -> None:
+        """Wait until every write added has completed and its data is dropped."""
+        if self._task is not None:
+            self._queue.put(None)
+            self._task.result()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._wait(job[0])
+            del job  # the last reference to the data, where nothing else holds it
+
+    def _wait(self, fut: Any) -> None:
+        try:
+            wait(fut, self.loc, "writing")
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - the writer reports it
+            pass
