@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import partial_save_worker as worker
 import pytest
+from http_proxy import Proxy
+from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto server)
 
 import jaxckpt
 from jaxckpt._storage import resume
-from tests import partial_save_worker as worker
-from tests.http_proxy import Proxy
-from tests.test_s3 import BUCKET, keys, prefix, s3  # noqa: F401 - fixtures
 
 TOTAL = worker.ARRAYS * worker.ELEMENTS * 4
 CHUNK = worker.ELEMENTS * 4
