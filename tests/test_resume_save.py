@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import partial_save_worker as worker
 import pytest
+from helpers import mesh, put
 from http_proxy import Proxy
 from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto server)
 
@@ -189,3 +190,39 @@ def test_an_object_store_manager_keeps_a_refused_save_for_its_retry(s3, prefix, 
     finally:
         proxy.stop()
     _assert_restores(f"{run}/00000001", worker.state())
+
+
+class Throttled(jaxckpt.DefaultSavePlanner):
+    """Storage failing the save once ``n`` items were handed to it (a ``CheckpointError``, as a
+    deadline or a refused request raises)."""
+
+    def __init__(self, n: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.n = n
+
+    def resolve_data(self, item):
+        self.n -= 1
+        if self.n < 0:
+            raise jaxckpt.CheckpointError("throttled: injected by the test")
+        return super().resolve_data(item)
+
+
+def test_a_sharded_save_resumes_chunk_by_chunk(tmp_path):
+    """Shards of 2 MiB in chunks of 1 MiB (written straight to disk, ``directwrite``): half the
+    shards were written when storage failed the save; the retry's data differs in one chunk of
+    a written shard. It writes the missing shards and that chunk, and keeps the rest."""
+    m = mesh((8,), ("data",))
+    host = np.arange(8192 * 512, dtype=np.float32).reshape(8192, 512)
+    url = str(tmp_path / "ckpt")
+    with pytest.raises(jaxckpt.CheckpointError, match="throttled"):
+        jaxckpt.save(
+            url, {"w": put(host, m, "data")}, planner=Throttled(8, max_chunk_bytes=1 << 20)
+        )
+    host[600, 7] = -1.0  # in the second chunk of the first shard
+    h = jaxckpt.save_async(
+        url, {"w": put(host, m, "data")}, planner=Throttled(99, max_chunk_bytes=1 << 20)
+    )
+    h.wait()
+    assert h.resumed_bytes == 7 << 20 and h.nbytes == 9 << 20
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    _assert_restores(url, {"w": host})

@@ -34,6 +34,7 @@ from jaxckpt._runtime import progress as _progress
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
+from jaxckpt._storage import resume as _resume
 from jaxckpt._storage import writer as _storage
 from jaxckpt._storage.messages import typed_os_error
 
@@ -268,7 +269,8 @@ def _start_save(
     handle.timings["plan"] = time.perf_counter() - t0
     # A failed save of this same plan is resumed (not an incremental one: its boxes are linked
     # or referenced, never compared with leftovers).
-    plan = f"{global_plan.digest}:{compression or 'raw'}" if increment is None else None
+    key = f"{global_plan.digest}:{compression}"
+    plan = None if increment is not None else _resume.plan_id(key, entries.values())
     writer = sync.run(
         "open",
         lambda: _storage.Writer(

@@ -179,8 +179,8 @@ class Lease:
         """Stop holding the lease (``delete``: remove ``writer.json`` too; ``resumable``:
         rewrite it as dead at once instead, its plan kept, so that a retry adopts the data;
         never raises)."""
-        if self._beat is not None:
-            self._beat.stop()
+        if self._beat is not None:  # a beat after the dead record would revive it
+            self._beat.stop(wait=resumable)
         if self._fd is not None:
             os.close(self._fd)  # drops the lock
             self._fd = None

@@ -3,8 +3,8 @@ they already hold with the very bytes this save would write are not written agai
 
 Two separable steps:
 
-1. **Adopt leftovers.** A save records its plan (the digest every process agreed on, with
-   its compression) where it writes: ``writer.json`` in a local staging directory
+1. **Adopt leftovers.** A save records its plan (:func:`plan_id`: its arrays' storage
+   layout) where it writes: ``writer.json`` in a local staging directory
    (:func:`mark_local`, removed at the commit) or in an object store's ``writer.json`` lease
    (``jaxckpt._storage.lease``). When a save of the same path starts, its coordinator looks
    for a leftover that no live save holds and that records the same plan (:func:`adopt_local`
@@ -25,11 +25,13 @@ Two separable steps:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,27 @@ def bytes_kept() -> int:
     again (stored bytes, checksums excluded), since it started."""
     with _lock:
         return _kept
+
+
+_IDS: dict[str, str] = {}  # plan_id's, by the agreed digest and codec
+
+
+def plan_id(key: str, entries: Iterable[ArrayEntry]) -> str:
+    """What identifies a save's plan for a later save to adopt its leftovers: the hash of its
+    arrays' storage layout (path, shape, stored dtype, chunks, codec, checksum), which every
+    process computes alike; not of Python values or the plan cache's history, as the plan's
+    own digest is. Computed once per ``key`` (the plan's digest and codec: the same arrays)."""
+    known = _IDS.get(key)
+    if known is not None:
+        return known
+    h = hashlib.sha256()
+    for e in sorted(entries, key=lambda e: e.path):
+        layout = [e.path, e.shape, e.storage_dtype, e.chunks, e.compression, e.checksum]
+        h.update(json.dumps(layout).encode())
+    if len(_IDS) >= 1024:  # one per kind of state: bounded for runs of many
+        _IDS.clear()
+    _IDS[key] = known = h.hexdigest()[:16]
+    return known
 
 
 def tell(name: str, resumed: bool) -> str:
