@@ -310,7 +310,8 @@ class CheckpointModel(RuleBasedStateMachine):
         with pytest.raises(jaxckpt.CheckpointError, match="throttled"):
             jaxckpt.save(path, state(v), overwrite=overwrite, planner=Throttled(written))
         if name in self.plain:
-            _restores(lambda: jaxckpt.restore(path), state(self.plain[name]), False)
+            want = state(self.plain[name])
+            _restores(lambda: jaxckpt.restore(path), want, name in self.plain_broken)
         handle = jaxckpt.save_async(path, state(w), overwrite=overwrite)
         handle.wait()
         if written and v == w:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import partial_save_worker as worker
 import pytest
+from groups import run_group
 from helpers import mesh, put
 from http_proxy import Proxy
 from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto server)
@@ -226,3 +227,18 @@ def test_a_sharded_save_resumes_chunk_by_chunk(tmp_path):
     assert h.resumed_bytes == 7 << 20 and h.nbytes == 9 << 20
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     _assert_restores(url, {"w": host})
+
+
+def test_a_two_process_save_one_process_died_in_resumes_on_both(tmp_path):
+    """Process 1 dies after writing 10 of its 16 chunks; process 0 (the coordinator) fails the
+    save and keeps the staging directory. A new group saves again: the coordinator adopts it and
+    tells process 1, and each process writes only its missing chunks; bit-exact."""
+    mh = Path(__file__).with_name("resume_mh_worker.py")
+    died = run_group(mh, "die", 2, tmp_path, 150)
+    assert died[1]["data"] == {"died": True} and died[0]["data"] == {"raised": True}
+    assert len([n for n in os.listdir(tmp_path) if n.startswith(".ckpt.tmp-")]) == 1
+    retry = run_group(mh, "retry", 2, tmp_path, 150)
+    chunk = 64 << 10  # 16 per process
+    assert [r["data"]["resumed"] for r in retry] == [16 * chunk, 10 * chunk]
+    assert [r["data"]["nbytes"] for r in retry] == [0, 6 * chunk]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ckpt")]

@@ -161,21 +161,17 @@ class Present:
         same = self._same(
             entry, [(idx, _expected(entry, stored, item, lo, hi)) for idx, lo, hi in boxes]
         )
+        nbytes = sum(same) * math.prod(entry.chunks) * stored.dtype.itemsize
+        self.kept += nbytes
+        _count(nbytes)
+        if not any(same):
+            return [(item, data)]
         out: list[tuple[WriteItem, npt.NDArray[Any]]] = []
         for (_, lo, hi), kept in zip(boxes, same):
             if not kept:
-                part = dataclasses.replace(
-                    item, offsets=lo, sizes=tuple(b - a for a, b in zip(lo, hi))
-                )
-                out.append(
-                    (
-                        part,
-                        data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets))],
-                    )
-                )
-        kept = sum(same) * math.prod(entry.chunks) * stored.dtype.itemsize
-        self.kept += kept
-        _count(kept)
+                sizes = tuple(b - a for a, b in zip(lo, hi))
+                view = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets))
+                out.append((dataclasses.replace(item, offsets=lo, sizes=sizes), data[view]))
         return out
 
     def _same(
