@@ -24,6 +24,7 @@ Two separable steps:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -31,7 +32,8 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._format.manifest import ArrayEntry
 from jaxckpt._format.names import WRITER, parse_staging
 from jaxckpt._format.plan import WriteItem
+from jaxckpt._runtime import pools
 from jaxckpt._storage import crc
 from jaxckpt._storage.lease import Lease, dead_plan, is_lease
 from jaxckpt._storage.location import Location, kvstore, wait
@@ -148,6 +151,33 @@ class Present:
         self.local = Path(root["path"]) if root["driver"] == "file" else None
         self._kv = None if self.local is not None else kvstore(root, loc)
         self.kept = 0  # chunk bytes found written and kept by this save
+        self._lock = threading.Lock()
+
+    def ahead(
+        self,
+        entries: dict[str, ArrayEntry],
+        items: Iterable[tuple[WriteItem, npt.NDArray[Any]]],
+        depth: int,
+    ) -> Iterator[tuple[ArrayEntry, list[tuple[WriteItem, npt.NDArray[Any]]]]]:
+        """Each of ``items`` with its boxes still to write (:meth:`missing`), in order; the
+        checks run ``depth`` items ahead on the hash threads (0: here, one at a time), so that
+        they overlap each other and the writes."""
+        window: collections.deque[tuple[ArrayEntry, Future[Any]]] = collections.deque()
+        for item, data in items:
+            entry = entries[item.key]
+            if depth == 0:  # the list is the only reference to the data once yielded
+                boxes = self.missing(entry, item, data)
+                del data
+                yield entry, boxes
+                continue
+            window.append((entry, pools.hash_pool().submit(self.missing, entry, item, data)))
+            del data  # held by its check only
+            while len(window) > depth:
+                e, fut = window.popleft()
+                yield e, fut.result()
+        while window:
+            e, fut = window.popleft()
+            yield e, fut.result()
 
     def missing(
         self, entry: ArrayEntry, item: WriteItem, data: npt.NDArray[Any]
@@ -159,10 +189,11 @@ class Present:
             return [(item, data)]
         stored = data.view(dtype_from_name(entry.storage_dtype))
         same = self._same(
-            entry, [(idx, _expected(entry, stored, item, lo, hi)) for idx, lo, hi in boxes]
+            entry, [(idx, *_expected(entry, stored, item, lo, hi)) for idx, lo, hi in boxes]
         )
         nbytes = sum(same) * math.prod(entry.chunks) * stored.dtype.itemsize
-        self.kept += nbytes
+        with self._lock:
+            self.kept += nbytes
         _count(nbytes)
         if not any(same):
             return [(item, data)]
@@ -175,26 +206,27 @@ class Present:
         return out
 
     def _same(
-        self, entry: ArrayEntry, chunks: list[tuple[tuple[int, ...], npt.NDArray[Any]]]
+        self, entry: ArrayEntry, chunks: list[tuple[tuple[int, ...], npt.NDArray[Any], int]]
     ) -> list[bool]:
-        """Whether each chunk ``(idx, expected bytes)`` is stored with exactly those bytes."""
+        """Whether each chunk ``(idx, expected elements' bytes, their CRC-32C)`` is stored with
+        exactly those bytes."""
         if self.local is not None:
             folder = self.local / entry.path
-            return [_file_holds(folder / chunk_key(idx), want) for idx, want in chunks]
+            return [_file_holds(folder / chunk_key(idx), body, c) for idx, body, c in chunks]
         assert self._kv is not None
         n = math.prod(entry.chunks) * dtype_from_name(entry.storage_dtype).itemsize
         reads = [
             self._kv.read(f"{entry.path}/{chunk_key(idx)}", byte_range=slice(n, n + 4))
-            for idx, _ in chunks
+            for idx, _, _ in chunks
         ]
         out = []
-        for fut, (idx, want) in zip(reads, chunks):
+        for fut, (idx, _, want) in zip(reads, chunks):
             try:
                 got = wait(fut, self.loc, f"reading chunk {idx} of key {entry.key!r}")
             except ValueError:  # shorter than a chunk: not ours to keep
                 out.append(False)
                 continue
-            out.append(got.state == "value" and bytes(got.value) == want[-4:].tobytes())
+            out.append(got.state == "value" and bytes(got.value) == want.to_bytes(4, "little"))
         return out
 
 
@@ -224,36 +256,40 @@ def _expected(
     item: WriteItem,
     lo: tuple[int, ...],
     hi: tuple[int, ...],
-) -> npt.NDArray[np.uint8]:
-    """The bytes a chunk file of the box ``lo``..``hi`` holds: its elements at full chunk
-    shape (zero beyond the array's edge), then their CRC-32C, little endian."""
-    chunk = np.zeros(entry.chunks, stored.dtype)
-    chunk[tuple(slice(0, b - a) for a, b in zip(lo, hi))] = stored[
-        tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets))
-    ]
-    raw = chunk.reshape(-1).view(np.uint8)
-    tail = np.frombuffer(crc.crc32c(raw).to_bytes(4, "little"), np.uint8)
-    return np.concatenate([raw, tail])
+) -> tuple[npt.NDArray[np.uint8], int]:
+    """What a chunk file of the box ``lo``..``hi`` holds: its elements' bytes at full chunk
+    shape (zero beyond the array's edge: then a copy, else a view of ``stored`` where it is
+    contiguous), and their CRC-32C, which follows them."""
+    part = stored[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, item.offsets))]
+    if part.shape != tuple(entry.chunks) or not part.flags.c_contiguous:
+        chunk = np.zeros(entry.chunks, stored.dtype)
+        chunk[tuple(slice(0, b - a) for a, b in zip(lo, hi))] = part
+        part = chunk
+    raw = part.reshape(-1).view(np.uint8)
+    return raw, crc.crc32c(raw)
 
 
-def _file_holds(path: Path, want: npt.NDArray[np.uint8]) -> bool:
-    """Whether the file ``path`` (no link followed) holds exactly the bytes ``want``."""
+_BLOCK = 4 << 20  # bytes of a chunk file read and compared at a time
+
+
+def _file_holds(path: Path, body: npt.NDArray[np.uint8], want: int) -> bool:
+    """Whether the file ``path`` (no link followed) holds exactly ``body`` then the CRC-32C
+    ``want`` (little endian)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
     try:
-        if os.fstat(fd).st_size != want.nbytes:
+        if os.fstat(fd).st_size != body.nbytes + 4:
             return False
-        have = np.empty_like(want)
-        view = memoryview(have.data).cast("B")
-        done = 0
-        while done < want.nbytes:
-            n = os.preadv(fd, [view[done:]], done)
-            if n == 0:
+        buf = np.empty(min(body.nbytes, _BLOCK) or 1, np.uint8)
+        for at in range(0, body.nbytes, _BLOCK):
+            n = min(_BLOCK, body.nbytes - at)
+            if os.preadv(fd, [memoryview(buf[:n])], at) != n:  # type: ignore[arg-type]
                 return False
-            done += n
-        return bool(np.array_equal(have, want))
+            if not np.array_equal(buf[:n], body[at : at + n]):
+                return False
+        return os.pread(fd, 4, body.nbytes) == want.to_bytes(4, "little")
     except OSError:
         return False
     finally:

@@ -16,7 +16,7 @@ import json
 import os
 import queue
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -260,22 +260,23 @@ class Writer:
         if self._reference and not release_each:
             direct = directwrite.ChunkWriter(self.root["path"])
         try:
-            for item, data in items:
-                entry = entries[item.key]
-                boxes = (
-                    [(item, data)]
-                    if self.resumed is None
-                    else self.resumed.missing(entry, item, data)
-                )
-                del data  # not held here while the next item is made (see release_each)
-                for part, box in boxes:
+            # Adopted leftovers: each item's chunks are checked first, a few items ahead (one
+            # at a time in a budgeted save, whose ring holds only what it bounds).
+            todo = (
+                _whole(entries, items)
+                if self.resumed is None
+                else self.resumed.ahead(entries, items, 0 if release_each else 4)
+            )
+            for entry, boxes in todo:  # none held here while the next is made (release_each)
+                while boxes:  # popped: the list is shared with where it was made
+                    part, box = boxes.pop(0)
                     fut = self._start(entry, part, box, hints, direct)
                     pending.append((fut, box.nbytes, entry))
                     inflight += box.nbytes
                     total += box.nbytes
                     if holder is not None:
                         holder.add(fut, box)
-                del boxes
+                    del part, box
                 while inflight > max_inflight_bytes and pending:
                     fut, n, e = pending.popleft()
                     self._finish(fut, e, n)
@@ -425,6 +426,18 @@ class Writer:
         lease = self._lease or (self._target.lease if self._target is not None else None)
         if lease is not None:
             lease.release(delete=delete, resumable=resumable)
+
+
+def _whole(
+    entries: dict[str, ArrayEntry], items: Iterable[tuple[WriteItem, npt.NDArray[Any]]]
+) -> Iterator[tuple[ArrayEntry, list[tuple[WriteItem, npt.NDArray[Any]]]]]:
+    """Each item as one box to write (no leftovers adopted); the list it yields is the only
+    reference to the data here, so once the writer has taken the box out none is held while the
+    next item is made (``Writer.write``'s ``release_each``)."""
+    for item, data in items:
+        boxes = [(item, data)]
+        del data
+        yield entries[item.key], boxes
 
 
 def resumable(error: BaseException) -> bool:
