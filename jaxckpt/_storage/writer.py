@@ -84,7 +84,8 @@ class Writer:
     1. ``Writer(loc, overwrite=..., is_coordinator=..., broadcast=...)`` (all processes): the
        coordinator checks the target (``CheckpointExistsError``, or foreign files) and makes
        and leases the hidden staging directory (local) or chooses the generation (object
-       stores); the others learn its name through ``broadcast``.
+       stores), or, with ``plan=``, adopts a dead save's of the same plan
+       (``jaxckpt._storage.resume``); the others learn its name through ``broadcast``.
     2. ``open_arrays(entries, create=True)`` (coordinator), then, after a barrier,
        ``open_arrays(own entries, create=False)`` (the others): one zarr array per entry.
     3. ``write(entries, items)`` (all processes): each item's box into its array, as whole
@@ -96,9 +97,10 @@ class Writer:
        then made visible at once (``syncfs`` and a rename, or the manifest is the commit on
        object stores).
 
-    On any failure, ``abort()`` (every process that made one): this save's own data goes; the
-    last committed checkpoint at ``loc`` is never touched (nor, where the outcome of an
-    object-store commit is unknown, this save's data).
+    On any failure, ``abort(error)`` (every process that made one): this save's own data goes,
+    or stays for a retry of the same plan where :func:`resumable` says so; the last committed
+    checkpoint at ``loc`` is never touched (nor, where the outcome of an object-store commit is
+    unknown, this save's data).
     """
 
     def __init__(
