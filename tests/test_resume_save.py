@@ -242,3 +242,18 @@ def test_a_two_process_save_one_process_died_in_resumes_on_both(tmp_path):
     assert [r["data"]["resumed"] for r in retry] == [16 * chunk, 10 * chunk]
     assert [r["data"]["nbytes"] for r in retry] == [0, 6 * chunk]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".ckpt")]
+
+
+def test_a_gcs_save_the_store_failed_partway_resumes(gcs):
+    """The same on GCS (fake-gcs-server behind its precondition proxy): the generation is
+    adopted by compare-and-swap on its dead writer.json and the stored CRC-32C of each chunk is
+    read with a ranged request."""
+    from gcs_server import BUCKET as GCS_BUCKET
+
+    url = f"gs://{GCS_BUCKET}/resume-{os.urandom(4).hex()}"
+    with pytest.raises(jaxckpt.CheckpointError, match="throttled"):
+        jaxckpt.save(url, worker.state(), planner=Throttled(15))
+    h = jaxckpt.save_async(url, worker.state(changed=0))  # a0 was written; now it differs
+    h.wait()
+    assert h.resumed_bytes == 14 * CHUNK and h.nbytes == 6 * CHUNK
+    _assert_restores(url, worker.state(changed=0))
