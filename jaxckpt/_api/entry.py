@@ -269,8 +269,7 @@ def _start_save(
     handle.timings["plan"] = time.perf_counter() - t0
     # A failed save of this same plan is resumed (not an incremental one: its boxes are linked
     # or referenced, never compared with leftovers).
-    key = f"{global_plan.digest}:{compression}"
-    plan = None if increment is not None else _resume.plan_id(key, entries.values())
+    plan = None if increment is not None else _plan_id(global_plan, entries, compression)
     writer = sync.run(
         "open",
         lambda: _storage.Writer(
@@ -302,6 +301,13 @@ def _start_save(
     if not staged.complete:  # the save failed before its last item was staged
         handle.wait()  # its error
     return handle
+
+
+def _plan_id(
+    global_plan: GlobalSavePlan, entries: dict[str, ArrayEntry], compression: str | None
+) -> str:
+    """What a failed save of this plan records for a retry to resume (``_storage.resume``)."""
+    return _resume.plan_id(f"{global_plan.digest}:{compression}", entries.values())
 
 
 def _in_background(handle: SaveHandle, staged: Staged, run: Callable[[], None]) -> None:
