@@ -29,6 +29,7 @@ _FOR_CLI: list[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]]] = [
     (re.compile(r", or jaxckpt\.CheckpointManager\('[^']*'\)\.restore\(\)"), ""),
     (re.compile(r"jaxckpt\.restore\('([^']*)'\)"), r"`jaxckpt inspect \1`"),
     (re.compile(r"\blocal_directory '([^']*)'"), r"--local \1"),
+    (re.compile(r"\bbest='([^']*)'"), r"--best \1"),
     # keys=['a', 'b/c'] (the list a selection repeats) -> --keys a b/c
     (re.compile(r"\bkeys=\[((?:'[^']*'(?:, )?)*)\]"), lambda m: "--keys " + _unquoted(m[1])),
 ]
