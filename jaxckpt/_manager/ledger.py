@@ -122,25 +122,14 @@ class Ledger:
         persistent = self.run.steps()
         if self.local is None:  # the listing is the whole truth (a step deleted by hand too)
             self.newest = max(persistent, default=None)
-        if step in persistent or step == self.newest:
-            raise CheckpointExistsError(
-                f"Step {step} is already saved in {directory}. A saved step is never replaced, "
-                f"force=True included (force only skips save_interval_steps). Save a later step, "
-                f"or restore it (CheckpointManager.restore({step})) and go on from there; to "
-                f"save it anew, call CheckpointManager.rollback({step}) and .delete({step}) first "
-                f"(docs/manager.md, *Going back to an older step*)."
-            )
+        saved = step in persistent or step == self.newest
         newer = sorted(set(self.newer(step)) | {s for s in persistent if s > step})
-        if newer:
-            back = restored if restored is not None and restored < step else max(step - 1, 0)
-            raise CheckpointExistsError(
-                f"Step {step} is older than steps already saved in {directory} ({newer}, in "
-                f"either tier): saving it would leave a newer step of another branch that a "
-                f"restart restores. Nothing was saved. To go on from an older step, call "
-                f"CheckpointManager.rollback({back}) first: it deletes every step after {back} "
-                f"from every tier. Or save a step after {newer[-1]}."
-            )
-        return persistent
+        if not (saved or newer):
+            return persistent
+        # Where the run goes on from: the step restore() returned, else the one before.
+        back = restored if restored is not None and restored < step else step - 1
+        doomed = sorted(set(self.newer(back)) | {s for s in persistent if s > back})
+        raise CheckpointExistsError(_refusal(step, directory, saved, newer, back, doomed))
 
     def begin(self, step: int) -> None:
         """A save of ``step`` starts (in either tier) on every process."""
@@ -238,3 +227,32 @@ class Ledger:
                 self.run.delete(s)
             if gone:
                 clean_up()
+
+
+def _refusal(
+    step: int, directory: str, saved: bool, newer: list[int], back: int, doomed: list[int]
+) -> str:
+    """Why ``save(step)`` is refused, and the ``rollback(back)`` that deletes ``doomed``."""
+    if saved:
+        head = (
+            f"Step {step} is already saved in {directory}. A saved step is never replaced, "
+            f"force=True included (force only skips save_interval_steps)"
+        )
+    else:
+        head = (
+            f"Step {step} is older than steps already saved in {directory} ({newer}, in either "
+            f"tier): saving it would leave a newer step of another branch that a restart restores"
+        )
+    where = "(docs/manager.md, *Going back to an older step*)"
+    if back < 0:  # step 0 itself: no step before it to roll back to
+        fix = f"call CheckpointManager.rollback(0) and .delete(0) first {where}"
+    else:
+        fix = (
+            f"call CheckpointManager.rollback({back}) first: it deletes steps {doomed} from "
+            f"every tier {where}"
+        )
+    after = max(doomed, default=step)
+    return (
+        f"{head}. Nothing was saved. To go on from step {max(back, 0)}, {fix}. Or save a later "
+        f"step (after {after}), or restore step {after} and go on from there."
+    )
