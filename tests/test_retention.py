@@ -147,6 +147,26 @@ def test_a_pinned_step_survives_retention_until_unpinned(tmp_path):
         assert mgr.all_steps() == [4] and mgr.pinned_steps() == []
 
 
+def test_pinning_a_step_only_the_local_tier_holds_says_why_with_every_listed_step(tmp_path):
+    kw = dict(local_directory=tmp_path / "local", save_interval_steps=10, async_save=False)
+    with jaxckpt.CheckpointManager(tmp_path / "run", **kw) as mgr:
+        for step in (10, 11, 12):
+            mgr.save(step, {"x": np.full(2, step)})
+        mgr.wait()
+        assert mgr.all_steps() == [10, 11, 12] and mgr.all_steps("persistent") == [10]
+        with pytest.raises(
+            jaxckpt.CheckpointNotFoundError,
+            match=r"Step 12 is held only by the local tier .*local_max_to_keep=2.*"
+            r"all_steps\(\) lists \[10, 11, 12\], of which .*run holds \[10\]: pin one of "
+            r"those\. To keep step 12's state for good, restore\(12\) and save it",
+        ):
+            mgr.pin(12)
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"Step 13 .*\[10, 11, 12\]"):
+            mgr.pin(13)
+        mgr.pin(10)
+        assert mgr.pinned_steps() == [10]
+
+
 def test_a_deleted_pinned_step_is_unpinned(tmp_path):
     with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
         mgr.save(1, {"x": np.zeros(2)})

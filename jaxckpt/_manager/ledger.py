@@ -89,6 +89,34 @@ class Ledger:
             found.add(self.newest)
         return sorted(s for s in found if s > step)
 
+    def require_persistent(self, step: int, call: str) -> None:
+        """Refuse ``call`` (``pin``) of a ``step`` the persistent directory lacks, saying why:
+        held only by the local tier, or not saved at all.
+
+        Raises:
+          CheckpointNotFoundError: names the steps of both tiers, as this process sees them.
+        """
+        persistent = self.run.steps()
+        if step in persistent:
+            return
+        local = [] if self.local is None else self.local.steps()
+        listed = sorted(set(persistent) | set(local))
+        if step not in local:
+            raise CheckpointNotFoundError(
+                f"Step {step} is not in {self.run.directory}; committed steps: {listed}. "
+                f"{call.capitalize()} one of those."
+            )
+        assert self.local is not None
+        raise CheckpointNotFoundError(
+            f"Step {step} is held only by the local tier ({self.local.mine}, on the processes' "
+            f"own disks, which keep their newest local_max_to_keep={self.local.max_to_keep} "
+            f"steps and nothing else), not by {self.run.directory}: {call}() keeps steps of "
+            f"the persistent directory from its retention. all_steps() lists {listed}, of "
+            f"which {self.run.directory} holds {persistent}: {call} one of those. To keep step "
+            f"{step}'s state for good, restore({step}) and save it to the directory as a later "
+            f"step with force=True, then {call} that step."
+        )
+
     # -- saving ---------------------------------------------------------------------------------
 
     def may_save(self, step: int) -> bool:

@@ -399,12 +399,14 @@ class CheckpointManager(RunReader):
         ``jaxckpt ls``. ``delete`` and ``rollback`` still delete a pinned step.
 
         Raises:
-          CheckpointNotFoundError: ``step`` is not a committed step of the directory.
+          CheckpointNotFoundError: ``step`` is not a committed step of the directory (a step
+            only the local tier holds: its message says why it cannot be pinned).
           CheckpointError: the manager is read-only or closed.
         """
         self._check_open()
         step = step_arg(step, "pin(step)")
         self._wait_persistent()
+        self._ledger.require_persistent(step, "pin")
         if self._primary:
             self._run.pin(step, True)
 
