@@ -210,6 +210,7 @@ class Policy:
         """
         if self.best_fn is None:
             return
+        cause: Exception | None = None
         try:
             got = self.best_fn(record)
         except Exception as e:  # noqa: BLE001 - the user's function: named in the message
