@@ -65,3 +65,16 @@ def test_diff_json_spells_differences_and_values_that_are_not_finite(tmp_path, c
     doc = json_of(capsys, "diff", "--json", tmp_path / "a", tmp_path / "b")
     assert doc["arrays"]["x"]["max_abs"] == "Infinity" and not doc["equal"]
     assert doc["values"] == {"u": {"a": "Infinity", "b": "-Infinity"}}  # NaN equals NaN
+
+
+def test_verify_json_is_one_document_of_what_was_found(tmp_path, capsys):
+    jaxckpt.save(tmp_path / "a", {"w": np.arange(8.0), "v": NAN})
+    doc = json_of(capsys, "verify", "--json", tmp_path / "a")
+    assert doc["ok"] and doc["damaged"] == {} and doc["summary"].startswith("OK: ")
+    chunk = next((tmp_path / "a" / "arrays").rglob("c/*"))
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x55  # one bad byte (w may be packed: then its pack's chunk)
+    chunk.write_bytes(bytes(data))
+    doc = json_of(capsys, "verify", "--json", tmp_path / "a")
+    assert not doc["ok"] and doc["bad_chunks"] == 1 and list(doc["damaged"]) == ["w"], doc
+    assert doc["problems"][0].startswith("DAMAGED w") and doc["summary"].startswith("DAMAGED:")
