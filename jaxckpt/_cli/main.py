@@ -5,7 +5,7 @@ Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exp
 for ``diff``, checkpoints that differ, 2 a usage error or a path that holds no checkpoint (one line on stderr, no traceback)::
 
     jaxckpt inspect PATH [--json] [-v]     keys, shapes, dtypes, chunk grids, bytes
-    jaxckpt verify PATH                    read every chunk, check every checksum
+    jaxckpt verify PATH [--json]           read every chunk, check every checksum
     jaxckpt ls DIR [--all] [--json]        a run's steps: status, tiers, sizes, metrics
     jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
     jaxckpt convert SRC DST                Orbax / safetensors / jaxckpt -> a jaxckpt checkpoint
@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(run=run_inspect)
     c = sub.add_parser("verify", help="read every chunk and check its checksum")
     c.add_argument("path", metavar="PATH")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
     c.set_defaults(run=run_verify)
     _add_ls(sub)

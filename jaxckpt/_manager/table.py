@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
 from jaxckpt._format.manifest import Manifest, storage_entries
 from jaxckpt._format.names import MANIFEST, parse_step, step_name
 from jaxckpt._manager.retention import MetricsFile, Policy
@@ -65,6 +65,7 @@ def run_table(
     Raises:
       CheckpointNotFoundError: ``directory`` or ``local_directory`` is not a directory.
       CheckpointError: ``directory`` is itself a checkpoint.
+      InvalidArgumentError: ``best`` names a metric no committed step has (names theirs).
 
     Example:
       >>> import numpy as np, jaxckpt, tempfile
@@ -258,6 +259,21 @@ def _local_steps(loc: _location.Location, local_directory: str | Path | None) ->
     }
 
 
+def _check_metric(rows: list[StepRow], name: str) -> None:
+    """Refuse to rank by a metric no committed step has (a misspelt ``--best``)."""
+    committed = [r for r in rows if r.status == "committed"]
+    if not committed or any(name in (r.metrics or {}) for r in committed):
+        return
+    have = sorted({k for r in committed for k in r.metrics or {}})
+    if have:
+        there = f"their metrics are {', '.join(map(repr, have))}: name one of those"
+    else:
+        there = "none was saved with metrics (CheckpointManager.save(..., metrics=...))"
+    raise InvalidArgumentError(
+        f"best={name!r}: no committed step of the run has a metric {name!r} to rank by; {there}."
+    )
+
+
 def _mark_best(
     rows: list[StepRow],
     best: str | Callable[[Mapping[str, Any]], float] | None,
@@ -267,7 +283,9 @@ def _mark_best(
         return rows
     if mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {mode!r}")
-    fn = (lambda m: float(m[best])) if isinstance(best, str) else best
+    if isinstance(best, str):
+        _check_metric(rows, best)
+    fn = (lambda m: m[best]) if isinstance(best, str) else best
     policy = Policy(best_fn=fn, best_mode=mode)  # its score: higher is better, None last
     scored = [
         (score, i)

@@ -263,7 +263,7 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         return fut.result()
     if loc.stalled is not None and not fut.done():
         fut.cancel()
-        raise CheckpointError(f"{what} at {loc} was not waited for: {loc.stalled}")
+        raise DeadlineError(f"{what} at {loc} was not waited for: {loc.stalled}")
     limit = loc.io_timeout + nbytes / _MIN_RATE
     end = time.monotonic() + limit
     while (left := end - time.monotonic()) > 0:
@@ -277,12 +277,26 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
         f"{loc.io_timeout:g} s): {server} is not answering, or too slowly. Check that it is up "
         f"and reachable (endpoint, network, credentials), or raise {IO_TIMEOUT_ENV} (or "
-        f"CheckpointManager(io_timeout=...)) for a slow link. A save that fails so before its "
-        f"commit has not committed; the last committed checkpoint is intact."
+        f"CheckpointManager(io_timeout=...)) for a slow link."
     )
     if loc.one_operation:
         loc.stalled = message
-    raise CheckpointError(message)
+    raise DeadlineError(message)
+
+
+class DeadlineError(CheckpointError):
+    """An operation on a store missed its deadline (:func:`wait`). ``cause`` says what and
+    what to check; the message adds what that means for a save that fails so before its
+    commit, which a commit of unknown outcome quotes ``cause`` without."""
+
+    AFTER = (
+        "A save that fails so before its commit has not committed; the last committed "
+        "checkpoint is intact."
+    )
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(f"{cause} {self.AFTER}")
+        self.cause = cause
 
 
 def kvstore(
