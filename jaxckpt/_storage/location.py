@@ -70,22 +70,11 @@ _MIN_RATE = 8 << 20  # bytes/s: a transfer of N bytes gets N / _MIN_RATE seconds
 _io_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "io_timeout", default=None
 )
-
-
-# curl (tensorstore's HTTP client) has no stall timeout by default: a request to a server that
-# stopped answering would hang forever, in the background after a deadline too. These make it
-# drop a connection that moved no byte for that long (tensorstore then retries), and must be set
-# before the process's first request; a user's own setting wins.
-def _curl_stall_seconds() -> str:
-    try:
-        seconds = float(os.environ.get(IO_TIMEOUT_ENV, DEFAULT_IO_TIMEOUT))
-    except ValueError:
-        seconds = DEFAULT_IO_TIMEOUT
-    return str(max(1, round(seconds))) if 0 < seconds < 1e9 else str(int(DEFAULT_IO_TIMEOUT))
-
-
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", _curl_stall_seconds())
+# A request wait() gives up is cancelled, but curl (tensorstore's HTTP client) keeps its
+# connection until the server answers or closes it. Only the process-wide
+# TENSORSTORE_CURL_LOW_SPEED_* variables (or absl flags) make curl drop a silent connection:
+# tensorstore has no context or spec form of them, so jaxckpt leaves them to the user
+# (docs/object_storage.md, "Deadlines"); importing jaxckpt changes no setting of the process.
 
 
 def io_timeout() -> float:

@@ -1,0 +1,127 @@
+"""What importing jaxckpt does to the process (issue 62): it changes no environment variable,
+and tensorstore's curl stall timeout, which jaxckpt no longer sets, still works when the user
+sets it (docs/object_storage.md, "Abandoned requests")."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_and_a_save_change_no_environment_variable():
+    code = (
+        "import json, os\n"
+        "before = dict(os.environ)\n"
+        "import jaxckpt\n"
+        "after_import = dict(os.environ)\n"
+        "jaxckpt.save('memory://env/1', {'w': [1.0, 2.0], 'step': 1})\n"
+        "jaxckpt.restore('memory://env/1')\n"
+        "print(json.dumps([before, after_import, dict(os.environ)]))\n"
+    )
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSTORE_CURL_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**full, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    before, after_import, after_save = json.loads(done.stdout.splitlines()[-1])
+    assert after_import == before
+    assert after_save == before
+
+
+class _Silent:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers: records how long
+    each connection stayed open before the client closed it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.lived: list[float] = []  # seconds from accept to the client's close
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+
+    def _drain(self, conn: socket.socket) -> None:
+        opened = time.monotonic()
+        with conn:
+            try:
+                while conn.recv(65536):
+                    pass
+            except OSError:
+                pass
+        with self._lock:
+            self.lived.append(time.monotonic() - opened)
+
+
+# A client that gives up one read at its deadline (1 s), then lives LINGER s more.
+LINGER = 8
+_CLIENT = f"""
+import time, jaxckpt
+try:
+    jaxckpt.metadata("s3://silent-bucket/run/1")
+except jaxckpt.CheckpointError as e:
+    assert "did not finish within" in str(e), e
+    print("deadline missed", flush=True)
+time.sleep({LINGER})
+"""
+
+
+def _abandoned_connections(curl_env: dict[str, str]) -> list[float]:
+    """How long each connection of a client whose read missed its deadline stayed open."""
+    server = _Silent()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSTORE_CURL_")}
+    env.pop("AWS_ENDPOINT_URL_S3", None)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        JAXCKPT_IO_TIMEOUT="1",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{server.port}",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_REGION="us-east-1",
+        **curl_env,
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CLIENT], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        assert "deadline missed" in done.stdout, done.stdout
+        time.sleep(0.5)  # the last close seen
+        assert server.lived, "the client never connected"
+        return sorted(server.lived)
+    finally:
+        server.sock.close()
+
+
+def test_an_abandoned_request_lingers_unless_the_user_sets_curls_stall_timeout():
+    """Without the TENSORSTORE_CURL_LOW_SPEED_* variables (jaxckpt no longer sets them),
+    jaxckpt's deadline still fails the read, but its connection stays open until the process
+    ends; with them, set by the user as docs/object_storage.md says, curl drops it at once."""
+    lived = _abandoned_connections({})
+    assert lived[0] > LINGER - 1, lived  # open until the client exited
+    stall = {
+        "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1",
+        "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1",
+    }
+    lived = _abandoned_connections(stall)
+    assert lived[0] < LINGER / 2, lived  # dropped after 1 s of silence (and retried)
