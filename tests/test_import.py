@@ -125,3 +125,61 @@ def test_an_abandoned_request_lingers_unless_the_user_sets_curls_stall_timeout()
     }
     lived = _abandoned_connections(stall)
     assert lived[0] < LINGER / 2, lived  # dropped after 1 s of silence (and retried)
+
+
+def _modules_after(code: str) -> dict:
+    """Runs ``code`` (which sets ``rc``) in a fresh process; the jax modules loaded then."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys\n"
+            + code
+            + "\nprint(json.dumps({'rc': rc, 'jax': sorted(m for m in sys.modules"
+            " if m == 'jax' or m.startswith(('jax.', 'jaxlib')))}))",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_version_inspect_and_ls_import_no_jax(tmp_path):
+    import numpy as np
+
+    import jaxckpt
+
+    run = tmp_path / "run"
+    with jaxckpt.CheckpointManager(run, async_save=False) as mgr:
+        mgr.save(1, {"w": np.arange(4.0), "b": np.ones((2, 3), np.int32)}, metrics={"loss": 1.0})
+    ckpt = str(run / "00000001")
+    for argv in (
+        ["--version"],
+        ["inspect", ckpt],
+        ["inspect", ckpt, "--json"],
+        ["ls", str(run)],
+        ["ls", str(run), "--json", "--best", "loss"],
+    ):
+        got = _modules_after(f"from jaxckpt._cli.main import main\nrc = main({argv!r})")
+        assert got == {"rc": 0, "jax": []}, argv
+    # a command that restores arrays imports jax when it runs, and works
+    got = _modules_after(f"from jaxckpt._cli.main import main\nrc = main(['verify', {ckpt!r}])")
+    assert got["rc"] == 0 and "jax" in got["jax"]
+
+
+def test_import_jaxckpt_imports_jax_on_first_use_of_a_name_that_needs_it(tmp_path):
+    assert _modules_after("import jaxckpt\nrc = jaxckpt.__version__ and 0") == {"rc": 0, "jax": []}
+    code = (
+        "import jaxckpt\n"
+        "from jaxckpt import CheckpointError, Manifest\n"  # loaded with the package
+        "assert 'jax' not in sys.modules\n"
+        "from jaxckpt import save\n"  # the first name that needs jax loads every one
+        f"save({str(tmp_path / 'c')!r}, {{'w': [1.0]}})\n"
+        "assert set(jaxckpt.__all__) <= set(vars(jaxckpt)) and set(jaxckpt.__all__) <= set(dir(jaxckpt))\n"
+        "try:\n    jaxckpt.no_such_name\nexcept AttributeError as e:\n    rc = 0 if 'no_such_name' in str(e) else 1\n"
+    )
+    got = _modules_after(code)
+    assert got["rc"] == 0 and "jax" in got["jax"]
