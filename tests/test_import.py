@@ -183,3 +183,70 @@ def test_import_jaxckpt_imports_jax_on_first_use_of_a_name_that_needs_it(tmp_pat
     )
     got = _modules_after(code)
     assert got["rc"] == 0 and "jax" in got["jax"]
+
+
+class _SilentOnce(_Silent):
+    """Silent on its first connection; answers every request of later ones 404 (no such key)."""
+
+    def _drain(self, conn: socket.socket) -> None:
+        with self._lock:
+            first = not getattr(self, "_had_one", False)
+            self._had_one = True
+        if first:
+            return super()._drain(conn)
+        with conn:
+            data = b""
+            try:
+                while True:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                    while b"\r\n\r\n" in data:  # one request (no body): one answer
+                        _, data = data.split(b"\r\n\r\n", 1)
+                        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+            except OSError:
+                return
+
+
+_AFTER_A_STALL = """
+import jaxckpt
+for _ in range(2):
+    try:
+        jaxckpt.metadata("s3://silent-bucket/run/1")
+    except jaxckpt.CheckpointNotFoundError:
+        print("answered", flush=True)
+    except jaxckpt.CheckpointError as e:
+        assert "did not finish within" in str(e), e
+        print("deadline missed", flush=True)
+"""
+
+
+def test_a_request_abandoned_at_its_deadline_does_not_block_later_ones():
+    """With one request slot (JAXCKPT_REQUEST_CONCURRENCY=1) and no curl stall timeout, the
+    request abandoned at its deadline keeps its slot; the next operation goes out on fresh
+    queues and gets the server's answer instead of missing its own deadline behind it."""
+    server = _SilentOnce()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSTORE_CURL_")}
+    env.pop("AWS_ENDPOINT_URL_S3", None)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        JAXCKPT_IO_TIMEOUT="1",
+        JAXCKPT_REQUEST_CONCURRENCY="1",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{server.port}",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_REGION="us-east-1",
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _AFTER_A_STALL],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        server.sock.close()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["deadline missed", "answered"], done.stdout

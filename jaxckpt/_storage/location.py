@@ -2,7 +2,8 @@
 
 ``Location`` turns what a user passes as ``path`` (a local path, with ``~`` expanded as a shell
 would; ``file://``, ``memory://``, ``s3://``, ``gs://``) into a tensorstore kvstore spec; one tensorstore context serves the
-process, so ``memory://`` checkpoints live as long as it does.
+process (its request queues renewed after an abandoned request: :func:`context`), so
+``memory://`` checkpoints live as long as it does.
 """
 
 from __future__ import annotations
@@ -60,6 +61,30 @@ BEAT_CONTEXT = ts.Context(
     {"gcs_request_concurrency": {"limit": 2}, "s3_request_concurrency": {"limit": 2}}
 )
 
+
+def _queues(limit: int, parent: ts.Context | None = None) -> ts.Context:
+    spec = {"gcs_request_concurrency": {"limit": limit}, "s3_request_concurrency": {"limit": limit}}
+    return ts.Context(spec) if parent is None else ts.Context(spec, parent)
+
+
+# A request given up at its deadline keeps its place in the queue that sent it while curl
+# waits on a silent server (see the curl note below), so after one, stores opened from then on
+# get fresh queues (the resources of CONTEXT otherwise: its memory:// stores are the same):
+# the process goes on working with a server that answers again, whatever was abandoned.
+_now = [CONTEXT, BEAT_CONTEXT]
+
+
+def context(*, own_queue: bool = False) -> ts.Context:
+    """The context that stores and arrays open in now: :data:`CONTEXT` (``own_queue``:
+    :data:`BEAT_CONTEXT`) until a request was abandoned at its deadline, then one with request
+    queues of its own."""
+    return _now[1 if own_queue else 0]
+
+
+def _renew_queues() -> None:
+    _now[:] = [_queues(_request_concurrency(), CONTEXT), _queues(2)]
+
+
 # The stamp generation of a missing key: a write conditional on it creates a key only if absent.
 ABSENT = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp.generation
 
@@ -71,10 +96,11 @@ _io_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "io_timeout", default=None
 )
 # A request wait() gives up is cancelled, but curl (tensorstore's HTTP client) keeps its
-# connection until the server answers or closes it. Only the process-wide
-# TENSORSTORE_CURL_LOW_SPEED_* variables (or absl flags) make curl drop a silent connection:
-# tensorstore has no context or spec form of them, so jaxckpt leaves them to the user
-# (docs/object_storage.md, "Deadlines"); importing jaxckpt changes no setting of the process.
+# connection, and its place in its queue, until the server answers or closes it. Only the
+# process-wide TENSORSTORE_CURL_LOW_SPEED_* variables (or absl flags) make curl drop a silent
+# connection: tensorstore has no context or spec form of them, so jaxckpt leaves them to the
+# user (docs/object_storage.md, "Abandoned requests") and renews its queues instead
+# (context()); importing jaxckpt changes no setting of the process.
 
 
 def io_timeout() -> float:
@@ -261,6 +287,7 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         except TimeoutError:
             end = max(end, loc.answered() + limit)
     fut.cancel()
+    _renew_queues()  # the abandoned request may hold its queue's place: see context()
     server = _urls.endpoint(loc.kvstore)
     message = (
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
@@ -281,7 +308,7 @@ def kvstore(
     its requests to GCS or S3 skip the queue of this process's others (:data:`BEAT_CONTEXT`;
     ``memory://`` is one store per context, so it stays in the shared one)."""
     own = own_queue and spec["driver"] in ("gcs", "s3")
-    fut = ts.KvStore.open(spec, context=BEAT_CONTEXT if own else CONTEXT)
+    fut = ts.KvStore.open(spec, context=context(own_queue=own))
     return wait(fut, loc, "opening the store") if loc is not None else fut.result()
 
 
