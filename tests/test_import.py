@@ -20,7 +20,10 @@ def test_import_and_a_save_change_no_environment_variable():
     code = (
         "import json, os\n"
         "before = dict(os.environ)\n"
-        "import jaxckpt\n"
+        "import importlib, pkgutil, jaxckpt\n"
+        "for m in pkgutil.walk_packages(jaxckpt.__path__, 'jaxckpt.'):\n"  # every module
+        "    if m.name != 'jaxckpt.__main__':\n"
+        "        importlib.import_module(m.name)\n"
         "after_import = dict(os.environ)\n"
         "jaxckpt.save('memory://env/1', {'w': [1.0, 2.0], 'step': 1})\n"
         "jaxckpt.restore('memory://env/1')\n"
