@@ -1,8 +1,9 @@
 """jaxckpt: fast, safe checkpoints of sharded JAX state, through tensorstore zarr v3.
 
-The errors, the manifest's classes and the plan items are imported with the package (numpy
-only); every other public name on first use of any of them (PEP 562), so that ``import
-jaxckpt`` and the command line's ``--version``, ``inspect`` and ``ls`` do not import jax.
+The errors are imported with the package; the manifest's classes and the plan items (numpy)
+on first use of one of them, and every other public name (jax) on first use of one of them
+(PEP 562): ``import jaxckpt`` imports neither numpy nor jax, and the command line's
+``--version``, ``inspect`` and ``ls`` never import jax.
 """
 
 import typing as _typing
@@ -21,13 +22,6 @@ from jaxckpt._errors import ManifestError as ManifestError
 from jaxckpt._errors import PlanValidationError as PlanValidationError
 from jaxckpt._errors import ShapeMismatchError as ShapeMismatchError
 from jaxckpt._errors import UnsupportedLeafError as UnsupportedLeafError
-from jaxckpt._format.manifest import ArrayEntry as ArrayEntry
-from jaxckpt._format.manifest import Manifest as Manifest
-from jaxckpt._format.manifest import ValueEntry as ValueEntry
-from jaxckpt._format.plan import LoadPlan as LoadPlan
-from jaxckpt._format.plan import ReadItem as ReadItem
-from jaxckpt._format.plan import SavePlan as SavePlan
-from jaxckpt._format.plan import WriteItem as WriteItem
 from jaxckpt._version import __version__ as __version__
 
 if _typing.TYPE_CHECKING:
@@ -36,6 +30,13 @@ if _typing.TYPE_CHECKING:
     from jaxckpt._api.entry import restore as restore
     from jaxckpt._api.entry import save as save
     from jaxckpt._api.entry import save_async as save_async
+    from jaxckpt._format.manifest import ArrayEntry as ArrayEntry
+    from jaxckpt._format.manifest import Manifest as Manifest
+    from jaxckpt._format.manifest import ValueEntry as ValueEntry
+    from jaxckpt._format.plan import LoadPlan as LoadPlan
+    from jaxckpt._format.plan import ReadItem as ReadItem
+    from jaxckpt._format.plan import SavePlan as SavePlan
+    from jaxckpt._format.plan import WriteItem as WriteItem
     from jaxckpt._manager.manager import CheckpointManager as CheckpointManager
     from jaxckpt._manager.run_view import RunTable as RunTable
     from jaxckpt._manager.table import run_table as run_table
@@ -51,8 +52,20 @@ if _typing.TYPE_CHECKING:
 else:
     import importlib as _importlib
 
-    # name -> the module it is defined in: imported, all of them, on first use of one
+    # name -> the module it is defined in. The manifest's classes and the plan items (numpy
+    # only) are imported on first use of one of them; the others (jax) on first use of one of
+    # them, all at once, with the first group.
+    _LIGHT = {
+        "ArrayEntry": "jaxckpt._format.manifest",
+        "Manifest": "jaxckpt._format.manifest",
+        "ValueEntry": "jaxckpt._format.manifest",
+        "LoadPlan": "jaxckpt._format.plan",
+        "ReadItem": "jaxckpt._format.plan",
+        "SavePlan": "jaxckpt._format.plan",
+        "WriteItem": "jaxckpt._format.plan",
+    }
     _LAZY = {
+        **_LIGHT,
         "SaveHandle": "jaxckpt._api.entry",
         "metadata": "jaxckpt._api.entry",
         "restore": "jaxckpt._api.entry",
@@ -75,7 +88,7 @@ else:
     def __getattr__(name: str) -> object:
         if name not in _LAZY:
             raise AttributeError(f"module 'jaxckpt' has no attribute {name!r}")
-        for each, module in _LAZY.items():
+        for each, module in (_LIGHT if name in _LIGHT else _LAZY).items():
             globals()[each] = getattr(_importlib.import_module(module), each)
         return globals()[name]
 

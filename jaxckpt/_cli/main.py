@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt._cli.text import UsageError, for_cli, one_line
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._version import __version__
 
@@ -48,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or argparse's own usage error (already printed)
         return int(e.code or 0)
+    from jaxckpt._cli.text import UsageError, for_cli, one_line  # numpy: not for --version
+
     try:
         status: int = args.run(args)  # the subcommand's run_* function
         return status
