@@ -6,12 +6,24 @@ import argparse
 import sys
 from typing import Any
 
-from jaxckpt._api.entry import metadata
 from jaxckpt._cli.text import UsageError, json_text
-from jaxckpt._format.manifest import ArrayEntry, ValueEntry
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._manager.table import run_table
 from jaxckpt._planning import display as _display
+from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
+
+
+def metadata(path: str) -> Manifest:
+    """What ``jaxckpt.metadata(path)`` holds, read without jax where the manifest has no PRNG
+    key arrays (their implementations are checked by jax)."""
+    loc = _location.Location(path, one_operation=True)
+    manifest, _ = _sources.open_source(loc, listing=False)
+    if any(isinstance(e, ArrayEntry) and e.prng_impl for e in manifest.entries.values()):
+        from jaxckpt._planning.mismatch import check_prng_keys
+
+        check_prng_keys(manifest, f"{loc}/manifest.json")
+    return manifest
 
 
 def _entry_json(e: ArrayEntry | ValueEntry) -> dict[str, Any]:

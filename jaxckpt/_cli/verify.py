@@ -193,7 +193,9 @@ def _zarr_json_problem(loc: _location.Location, path: str, e: ArrayEntry) -> str
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
         _location.wait(
-            ts.open(_storage.array_spec(loc.child(path), e), open=True, context=_location.CONTEXT),
+            ts.open(
+                _storage.array_spec(loc.child(path), e), open=True, context=_location.context()
+            ),
             loc,
             f"opening {path}/zarr.json",
         )

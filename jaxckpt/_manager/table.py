@@ -26,14 +26,13 @@ from typing import Any, Literal
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
 from jaxckpt._format.manifest import Manifest, storage_entries
-from jaxckpt._format.names import MANIFEST, parse_step, step_name
+from jaxckpt._format.names import MANIFEST, parse_part, parse_step, step_name
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run_view import RunTable, StepRow
 from jaxckpt._sources import orbax_step as _orbax_step
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import holds as _holds
 from jaxckpt._storage import location as _location
-from jaxckpt._tiers import local_part as _part
 from jaxckpt._tiers import local_run as _local_run
 
 
@@ -249,7 +248,7 @@ def _local_steps(loc: _location.Location, local_directory: str | Path | None) ->
     for step_dir in root.glob("p*/*"):
         step = parse_step(step_dir.name)
         for pd in step_dir.iterdir() if step is not None and step_dir.is_dir() else ():
-            got = _part.parse_part(pd.name)
+            got = parse_part(pd.name)
             if step is not None and got is not None and (pd / MANIFEST).is_file():
                 have, _ = parts.get(step, (set(), got[1]))
                 parts[step] = (have | {got[0]}, got[1])

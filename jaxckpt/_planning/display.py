@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from jaxckpt._format.entries import ArrayEntry, ValueEntry
 from jaxckpt._format.manifest import Manifest
 from jaxckpt._format.names import SEP
-from jaxckpt._planning.structs import leaf_struct
 from jaxckpt._runtime.progress import human_bytes
 
 
@@ -46,6 +45,8 @@ def what(e: ArrayEntry) -> str:
     """``float32[8,8]``; a PRNG key array: ``key<threefry2x32>[] (key data uint32[2])``."""
     text = f"{e.dtype}[{','.join(map(str, e.shape))}]"
     if e.prng_impl:  # as restore returns it: keys of the key array's shape
+        from jaxckpt._planning.structs import leaf_struct  # jax: for key arrays only
+
         keys = ",".join(map(str, leaf_struct(e).shape))
         text = f"key<{e.prng_impl}>[{keys}] (key data {text})"
     return text
