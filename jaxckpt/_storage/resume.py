@@ -138,7 +138,7 @@ def resumable(loc: Location, keys: list[str]) -> bool:
     for key in keys:
         if is_lease(key):
             got = wait(kv.read(key), loc, f"reading {key}")
-            if got.state == "value" and dead_plan(got.value) is not None:
+            if dead_plan(loc, key, got) is not None:
                 return True
     return False
 
