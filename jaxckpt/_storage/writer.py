@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import json
 import os
 import queue
@@ -447,11 +448,25 @@ def resumable(error: BaseException) -> bool:
     storage or another process failed it (a ``CheckpointError``: a deadline, a refused or
     throttled request, a process that died) or it was interrupted (``KeyboardInterrupt``,
     ``SystemExit``); not where another save took its place (``CheckpointExistsError``), on a
-    full disk (the data would keep it full), nor where the caller's own code raised (a
-    planner, a data source: the retry usually changes what is saved)."""
-    if isinstance(error, CheckpointExistsError) or is_full(error):
+    full disk (the data would keep it full), where the file system refused the operation
+    itself (a retry cannot succeed there: a mount that renames no directory), nor where the
+    caller's own code raised (a planner, a data source: the retry usually changes what is
+    saved)."""
+    if isinstance(error, CheckpointExistsError) or is_full(error) or _unsupported(error):
         return False
     return isinstance(error, CheckpointError) or not isinstance(error, Exception)
+
+
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV)
+
+
+def _unsupported(error: BaseException | None) -> bool:
+    """Whether ``error`` or one it was raised from is the OS refusing an operation outright."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _UNSUPPORTED:
+            return True
+        error = error.__cause__
+    return False
 
 
 class Holder:
