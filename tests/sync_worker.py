@@ -155,6 +155,7 @@ def run_stage(stage: str, checks: Checks, work: Path, pid: int) -> None:
     checks.run("save_async_fails_then_works", save_async_fails_then_works)
     checks.run("coordinator_fails_then_works", coordinator_fails_then_works)
     checks.run("counts", lambda: count_operations(data, work))
+    checks.run("keys_bounded", lambda: keys_bounded(data, work, pid))
     checks.run("slow_process_logged", lambda: slow_process(data, work, pid, fails))
     if stage == "sync2":
         checks.run("manager_fails_then_works", lambda: manager(work, pid, fails, tree))
@@ -229,6 +230,21 @@ def count_operations(data: dict, work: Path) -> None:
         jaxckpt.save(work / f"count{leaves}", tree)
         after = kvstore.operations()
         data[f"ops_{leaves}"] = {k: after[k] - before.get(k, 0) for k in after}
+
+
+def keys_bounded(data: dict, work: Path, pid: int) -> None:
+    """The keys saves leave in the store stop growing: 20 more saves add none."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    counts = []
+    for k in range(20):
+        barrier(f"keys {k}")
+        counts.append(len(client.key_value_dir_get("jaxckpt/")))
+        jaxckpt.save(work / "keys" / str(k), state(1))
+    data["keys_in_store"] = counts
+    assert counts[-1] <= counts[9] + 2, counts  # a lagging reader's answer at most
+    assert counts[-1] <= 6 * 10, counts
 
 
 def slow_process(data: dict, work: Path, pid: int, slow: int) -> None:

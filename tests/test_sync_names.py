@@ -23,6 +23,7 @@ SHARED = [
     "save_async_fails_then_works",
     "coordinator_fails_then_works",
     "counts",
+    "keys_bounded",
     "slow_process_logged",
 ]
 TWO_ONLY = [

@@ -34,11 +34,13 @@ Waits block on one key at a time with the store's own timeout, in slices that gr
 a timeout names the processes that did not arrive. A wait longer than
 :data:`FIRST_REPORT_S` is logged on the coordinator, then every :data:`REPORT_EVERY_S`, with
 the processes it still waits for and what they have not done yet. The coordinator deletes each
-arrival folder once everyone has arrived, so a save leaves only a handful of small keys.
+arrival folder once everyone has arrived, and a save's other keys (its releases) once
+:data:`KEPT_SAVES` later saves have begun, so the store holds a bounded number of keys.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import logging
@@ -65,6 +67,8 @@ REPORT_EVERY_S = 30.0  # ... and again after each of these
 _PREFIX = "jaxckpt/save"
 _saves = itertools.count()  # the coordinator's: makes each save's id unique; the others learn it
 _saves_lock = threading.Lock()
+_recent: collections.deque[str] = collections.deque()  # the coordinator's last saves' ids
+KEPT_SAVES = 8  # older saves' keys are deleted: the store holds a bounded number of keys
 # What the processes a step still waits for have not done yet (for the coordinator's log).
 _PHASES = {
     "plan": "plan the save",
@@ -258,6 +262,10 @@ class SaveSync:
             return self._knock(value)
         with _saves_lock:
             self.id = f"{_PREFIX}/{self._key}-{next(_saves)}-{os.urandom(3).hex()}"
+            _recent.append(self.id)
+            old = _recent.popleft() if len(_recent) > KEPT_SAVES else None
+        if old is not None:  # the keys a save leaves (its releases) are read long since
+            self._kv.key_value_delete(old)
         posted = self._await(f"{self._door}/at/", "plan", set(range(1, self.count)), watch=False)
         missing = set(range(1, self.count)) - set(posted)
         values = {p: v.partition(" ")[2] for p, v in posted.items()}
