@@ -426,8 +426,8 @@ class SaveSync:
             done = "The save did not complete on this process."
         return DistributedError(
             f"Save to {self.path}: {what} within {waited:g} s (seen from process "
-            f"{self.process}). A process crashed, hangs, or did not call save (every process "
-            f"must). Check the logs; if saves are just slow, raise the deadline with "
+            f"{self.process}). A process crashed, hangs, or did not call save with this same "
+            f"path (every process must). Check the logs; if saves are just slow, raise the deadline with "
             f"JAXCKPT_SYNC_TIMEOUT=SECONDS. {done}"
         )
 
