@@ -272,16 +272,7 @@ def _start_save(
     # A failed save of this same plan is resumed (not an incremental one: its boxes are linked
     # or referenced, never compared with leftovers).
     plan = None if increment is not None else _plan_id(global_plan, entries, compression)
-    writer = sync.run(
-        "open",
-        lambda: _storage.Writer(
-            loc,
-            overwrite=overwrite,
-            is_coordinator=sync.is_coordinator,
-            broadcast=sync.broadcast,
-            plan=plan,
-        ),
-    )
+    writer = _open_writer(sync, loc, overwrite, plan)
     t1 = time.perf_counter()
     order = local.items if increment is None else increment.order(local.items)
     bar = _progress.Progress("save", local.nbytes, progress)
@@ -303,6 +294,22 @@ def _start_save(
     if not staged.complete:  # the save failed before its last item was staged
         handle.wait()  # its error
     return handle
+
+
+def _open_writer(
+    sync: _distributed.SaveSync, loc: _location.Location, overwrite: bool, plan: str | None
+) -> _storage.Writer:
+    """The save's ``Writer`` on every process (its failure reaches all of them)."""
+    return sync.run(
+        "open",
+        lambda: _storage.Writer(
+            loc,
+            overwrite=overwrite,
+            is_coordinator=sync.is_coordinator,
+            broadcast=sync.broadcast,
+            plan=plan,
+        ),
+    )
 
 
 def _plan_id(
