@@ -20,6 +20,7 @@ from jaxckpt._api.incremental import Increment
 from jaxckpt._api.staged import Staged, budget_arg, stage_all, stream
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format import iterators as _iterators
+from jaxckpt._format import objects as _objects
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import ReadItem, SavePlan, WriteItem
@@ -257,6 +258,9 @@ def _start_save(
     # Made first, so that a failure on any process from here on reaches all of them.
     sync = _distributed.SaveSync(str(loc))
     global_plan, local = _plan_everywhere(sync, planner, tree, compression)
+    objects = base is None and not digests and compression is None and loc.local is None
+    if objects and getattr(planner, "layout", "chunks") == "objects":  # format v5
+        global_plan = _with_objects(global_plan, sync.count, planner)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None
     if base is not None or digests:  # the base's manifest is read before anything is written
@@ -271,6 +275,8 @@ def _start_save(
             loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
         ),
     )
+    if global_plan.manifest.objects is not None:
+        writer.use_objects(global_plan.manifest.objects, entries, sync.process)
     t1 = time.perf_counter()
     order = local.items if increment is None else increment.order(local.items)
     bar = _progress.Progress("save", local.nbytes, progress)
@@ -292,6 +298,15 @@ def _start_save(
     if not staged.complete:  # the save failed before its last item was staged
         handle.wait()  # its error
     return handle
+
+
+def _with_objects(plan: GlobalSavePlan, count: int, planner: Any) -> GlobalSavePlan:
+    """``plan`` with format v5's data objects: who writes each chunk, from its array plans."""
+    rows = ((a.entry, a.offsets, a.process) for a in plan.arrays)
+    objects = _objects.from_plans(rows, count, planner.object_bytes)
+    version = max(plan.manifest.version, _objects.VERSION)
+    manifest = dataclasses.replace(plan.manifest, objects=objects, version=version)
+    return dataclasses.replace(plan, manifest=manifest)
 
 
 def _in_background(handle: SaveHandle, staged: Staged, run: Callable[[], None]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
-from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.manifest import Manifest, storage_entries
 from jaxckpt._format.names import ARRAYS, MANIFEST
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
@@ -57,7 +57,18 @@ def open_source(
         raise _not_found(loc) from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
     marked = manifest.created.get("held_by") is True
-    reader = _reader.CheckpointReader(loc, stamp, manifest.refs, marked=marked, listing=started)
+    stored = None
+    if manifest.objects is not None:
+        stored = {e.path: e for e in storage_entries(manifest).values()}
+    reader = _reader.CheckpointReader(
+        loc,
+        stamp,
+        manifest.refs,
+        marked=marked,
+        listing=started,
+        objects=manifest.objects,
+        stored=stored,
+    )
     return manifest, reader
 
 

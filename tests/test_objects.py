@@ -1,0 +1,158 @@
+"""Format v5's data objects (issue 63.1): a few objects per process, not one per chunk.
+
+On S3 (moto) and GCS (fake-gcs-server) through the shared ``store`` fixture, and on
+``memory://`` for what does not need a server (hostile manifests). Saves use
+``DefaultSavePlanner(layout="objects")``; every other save keeps a file per chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_equal, mesh, put
+from test_object_stores import Store, store  # noqa: F401 (the fixture)
+from test_s3 import s3  # noqa: F401 (the store fixture's S3 side)
+
+import jaxckpt
+from jaxckpt._cli.main import main
+from jaxckpt._storage.location import Location, kvstore
+
+
+def planner(object_bytes: int = 1 << 20, **kw) -> jaxckpt.DefaultSavePlanner:
+    return jaxckpt.DefaultSavePlanner(
+        layout="objects", object_bytes=object_bytes, pack_bytes=0, max_chunk_bytes=256, **kw
+    )
+
+
+def many_arrays(n: int = 12) -> dict:
+    """``n`` sharded matrices of 8 chunks each (256-byte chunks), a vector and a scalar."""
+    m = mesh((4, 2), ("data", "model"))
+    tree = {
+        f"w{i}": put(jnp.arange(512.0).reshape(16, 32) + i, m, "data", "model") for i in range(n)
+    }
+    return {**tree, "v": np.arange(5, dtype=np.int16), "step": 4}
+
+
+def host(tree: dict) -> dict:
+    return {k: np.asarray(v) if hasattr(v, "shape") else v for k, v in tree.items()}
+
+
+def data_objects(found: list[str]) -> list[str]:
+    return [k for k in found if re.fullmatch(r"(g[0-9a-f]+/)?data/\d+\.\d+", k)]
+
+
+def test_a_save_writes_a_few_objects_and_restores_resharded(store: Store):
+    url = f"{store.url}/v5"
+    tree = many_arrays()
+    jaxckpt.save(url, tree, planner=planner(object_bytes=4096))
+    found = store.keys(f"{store.prefix}/v5")
+    objs = data_objects(found)
+    # 12 x 8 chunks of 256 B + checksums: 24.4 KiB in objects of at most 4 KiB, not 98 objects
+    assert 6 <= len(objs) <= 8, found
+    assert not any("/c/" in k or k.endswith("zarr.json") for k in found), found
+    doc = json.loads(store.get(f"{store.prefix}/v5/manifest.json"))
+    assert doc["version"] == 5 and doc["objects"]["processes"] == 1
+    assert_tree_equal(jaxckpt.restore(url), host(tree))
+    other = mesh((2, 4), ("a", "b"))
+    target = {k: None for k in tree} | {"w3": put(jnp.zeros((16, 32)), other, "b", "a")}
+    got = jaxckpt.restore(url, target)
+    assert got["w3"].sharding == target["w3"].sharding
+    np.testing.assert_array_equal(np.asarray(got["w3"]), np.asarray(tree["w3"]))
+    assert main(["verify", url]) == 0
+
+
+def test_overwrite_keeps_the_layout_per_save(store: Store):
+    """An overwrite writes its objects under its own generation; the old ones go."""
+    url = f"{store.url}/ow"
+    jaxckpt.save(url, many_arrays(2), planner=planner())
+    tree = {**many_arrays(2), "step": 5}
+    jaxckpt.save(url, tree, planner=planner(), overwrite=True)
+    assert_tree_equal(jaxckpt.restore(url), host(tree))
+    jaxckpt.save(url, tree, overwrite=True)  # back to a file per chunk
+    assert_tree_equal(jaxckpt.restore(url), host(tree))
+
+
+def test_a_corrupted_record_is_named(store: Store):
+    url = f"{store.url}/bad"
+    jaxckpt.save(url, many_arrays(2), planner=planner())
+    (obj,) = data_objects(store.keys(f"{store.prefix}/bad"))
+    data = bytearray(store.get(f"{store.prefix}/bad/{obj}"))
+    data[300] ^= 0xFF  # inside the second record of the first array
+    store.put(f"{store.prefix}/bad/{obj}", bytes(data))
+    with pytest.raises(
+        jaxckpt.CorruptChunkError, match=r"Key 'w0'.*chunk \(0,1\).*fails its checksum"
+    ):
+        jaxckpt.restore(url)
+    assert main(["verify", url]) != 0
+
+
+def test_a_truncated_object_is_named(store: Store):
+    url = f"{store.url}/short"
+    jaxckpt.save(url, many_arrays(2), planner=planner())
+    (obj,) = data_objects(store.keys(f"{store.prefix}/short"))
+    store.put(f"{store.prefix}/short/{obj}", store.get(f"{store.prefix}/short/{obj}")[:1000])
+    with pytest.raises(jaxckpt.CorruptChunkError, match=rf"Key 'w\d'.*data object {obj}.*"):
+        jaxckpt.restore(url)
+
+
+def _saved(url: str) -> tuple[object, dict]:
+    jaxckpt.save(url, many_arrays(2), planner=planner())
+    kv = kvstore(Location(url).kvstore)
+    return kv, json.loads(kv.read("manifest.json").result().value)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda o: o["owners"]["arrays/w0"].append([0, 1]), "declares 9 chunks"),
+        (lambda o: o["owners"]["arrays/w0"].__setitem__(0, [1, 8]), "bad runs"),
+        (lambda o: o["owners"]["arrays/w0"].__setitem__(0, [0, 1 << 40]), "bad runs"),
+        (lambda o: o.__setitem__("target", 1 << 60), "target"),
+        (lambda o: o.__setitem__("processes", 0), "processes"),
+        (lambda o: o.__setitem__("folder", "../x/data"), "folder"),
+        (lambda o: o["owners"].pop("arrays/v"), "exactly the stored arrays"),
+    ],
+)
+def test_a_hostile_objects_field_is_refused(change, match):
+    url = f"memory://v5-hostile-{uuid.uuid4().hex}"
+    kv, doc = _saved(url)
+    change(doc["objects"])
+    kv.write("manifest.json", json.dumps(doc).encode()).result()
+    with pytest.raises(jaxckpt.ManifestError, match=match):
+        jaxckpt.restore(url)
+
+
+def test_huge_shapes_are_refused_before_any_table():
+    url = f"memory://v5-huge-{uuid.uuid4().hex}"
+    kv, doc = _saved(url)
+    doc["entries"]["v"].update(shape=[1 << 40], chunks=[1])
+    doc["objects"]["owners"]["arrays/v"] = [[0, 1 << 24], [0, 1 << 24]]
+    kv.write("manifest.json", json.dumps(doc).encode()).result()
+    with pytest.raises(jaxckpt.ManifestError, match="over 16777216 records"):
+        jaxckpt.restore(url)
+
+
+def test_the_default_and_local_disks_keep_a_file_per_chunk(tmp_path):
+    tree = many_arrays(1)
+    jaxckpt.save(tmp_path / "c", tree, planner=planner())
+    assert json.loads((tmp_path / "c/manifest.json").read_text())["version"] < 5
+    assert (tmp_path / "c/arrays/w0/c/0/0").exists()
+    assert_tree_equal(jaxckpt.restore(tmp_path / "c"), host(tree))
+    with pytest.raises(jaxckpt.InvalidArgumentError, match="layout"):
+        jaxckpt.DefaultSavePlanner(layout="records")
+
+
+def test_a_v5_checkpoint_copied_to_a_local_disk_reads(tmp_path):
+    url = f"memory://v5-copy-{uuid.uuid4().hex}"
+    tree = many_arrays(2)
+    kv, _ = _saved(url)
+    for key in kv.list().result():
+        out = tmp_path / key.decode()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(kv.read(key).result().value)
+    assert_tree_equal(jaxckpt.restore(tmp_path), host(tree))
