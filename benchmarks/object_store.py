@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _orbax_gcs  # noqa: E402  (beside this file)
 
 RESTORE_MIB: int | None = None  # --restore-mib: the restores' host budget (None: the default)
+LAYOUT = "chunks"  # --layout: the saves' DefaultSavePlanner(layout=...)
 
 PHASES = ("manifest", "list", "lease", "open", "markers", "data", "commit", "after", "other")
 
@@ -261,7 +262,8 @@ def one_round(store: Store, kind: str, state: Any, orbax: bool = False) -> dict[
             catalog.delete(Location(f"{run}/{step:08d}"))
     else:
         url = store.url(name)
-        save = timed(store, lambda: jaxckpt.save(url, state))
+        planned = jaxckpt.DefaultSavePlanner(layout=LAYOUT)
+        save = timed(store, lambda: jaxckpt.save(url, state, planner=planned))
         settle()  # its clean-up, in the background, is not the restore's
         target = state if kind == "big" else None
         planner = (
@@ -354,9 +356,13 @@ def main() -> None:
     ap.add_argument(
         "--no-orbax", action="store_true", help="leave out Orbax (run on gcs when gcsfs is there)"
     )
+    ap.add_argument(
+        "--layout", default="chunks", help="chunks, or objects (format v5's data objects)"
+    )
     args = ap.parse_args()
-    global RESTORE_MIB
+    global RESTORE_MIB, LAYOUT
     RESTORE_MIB = args.restore_mib
+    LAYOUT = args.layout
 
     import http_proxy
 

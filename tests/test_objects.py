@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_equal, mesh, put
-from test_object_stores import Store, store  # noqa: F401 (the fixture)
+from test_object_stores import Store, store  # noqa: F401, F811 (the fixture)
 from test_s3 import s3  # noqa: F401 (the store fixture's S3 side)
 
 import jaxckpt
@@ -46,7 +46,7 @@ def data_objects(found: list[str]) -> list[str]:
     return [k for k in found if re.fullmatch(r"(g[0-9a-f]+/)?data/\d+\.\d+", k)]
 
 
-def test_a_save_writes_a_few_objects_and_restores_resharded(store: Store):
+def test_a_save_writes_a_few_objects_and_restores_resharded(store: Store):  # noqa: F811
     url = f"{store.url}/v5"
     tree = many_arrays()
     jaxckpt.save(url, tree, planner=planner(object_bytes=4096))
@@ -66,7 +66,7 @@ def test_a_save_writes_a_few_objects_and_restores_resharded(store: Store):
     assert main(["verify", url]) == 0
 
 
-def test_overwrite_keeps_the_layout_per_save(store: Store):
+def test_overwrite_keeps_the_layout_per_save(store: Store):  # noqa: F811
     """An overwrite writes its objects under its own generation; the old ones go."""
     url = f"{store.url}/ow"
     jaxckpt.save(url, many_arrays(2), planner=planner())
@@ -77,7 +77,7 @@ def test_overwrite_keeps_the_layout_per_save(store: Store):
     assert_tree_equal(jaxckpt.restore(url), host(tree))
 
 
-def test_a_corrupted_record_is_named(store: Store):
+def test_a_corrupted_record_is_named(store: Store):  # noqa: F811
     url = f"{store.url}/bad"
     jaxckpt.save(url, many_arrays(2), planner=planner())
     (obj,) = data_objects(store.keys(f"{store.prefix}/bad"))
@@ -91,7 +91,7 @@ def test_a_corrupted_record_is_named(store: Store):
     assert main(["verify", url]) != 0
 
 
-def test_a_truncated_object_is_named(store: Store):
+def test_a_truncated_object_is_named(store: Store):  # noqa: F811
     url = f"{store.url}/short"
     jaxckpt.save(url, many_arrays(2), planner=planner())
     (obj,) = data_objects(store.keys(f"{store.prefix}/short"))
