@@ -25,7 +25,7 @@ from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
 from jaxckpt._format.objects import DataObjects, Table, table
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._storage.crc import crc32c
-from jaxckpt._storage.location import Location, Pending, wait
+from jaxckpt._storage.location import Location, Pending, kvstore, wait
 from jaxckpt._storage.messages import write_error
 
 # (object index, first byte, end byte, [(chunk index, offset in the read, record length)])
@@ -172,6 +172,12 @@ class RecordReader:
         self.kv, self.loc, self.objects = kv, loc, objects
         self._entries = entries
         self._table: Table | None = None
+        self._kv: ts.KvStore | None = None
+
+    @classmethod
+    def of(cls, loc: Location, objects: DataObjects, stored: dict[str, ArrayEntry]) -> RecordReader:
+        """The reader of the checkpoint at ``loc`` (``stored``: its arrays by storage path)."""
+        return cls(lambda: kvstore(loc.kvstore, loc), loc, objects, lambda: stored)
 
     def covers(self, entry: Any) -> bool:
         return isinstance(entry, ArrayEntry) and entry.path in self.objects.owners
@@ -183,7 +189,9 @@ class RecordReader:
         if self._table is None:
             self._table = table(self.objects, self._entries())
         reads = _ranges(self._table, entry, offsets, sizes)
-        kv = self.kv()
+        if self._kv is None:
+            self._kv = self.kv()
+        kv = self._kv
         futs = [kv.read(self._table.names[o], byte_range=slice(a, b)) for o, a, b, _ in reads]
         for fut in futs:
             self.loc.watch(fut)

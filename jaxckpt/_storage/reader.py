@@ -24,7 +24,6 @@ import tensorstore as ts
 from jaxckpt._errors import CheckpointChangedError, CorruptChunkError, ManifestError
 from jaxckpt._format.grid import aligned_empty, chunk_key, grid_indices, grid_shape, is_chunk_key
 from jaxckpt._format.manifest import ArrayEntry, dtype_from_name
-from jaxckpt._format.objects import DataObjects
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import holds
@@ -35,7 +34,6 @@ from jaxckpt._storage.location import (
     Location,
     Pending,
     Stamp,
-    kvstore,
     manifest_changed,
     wait,
 )
@@ -129,17 +127,12 @@ class CheckpointReader(Reader):
         *,
         marked: bool = False,
         listing: Listing | None = None,
-        objects: DataObjects | None = None,
-        stored: dict[str, ArrayEntry] | None = None,
+        records: RecordReader | None = None,
     ) -> None:
         """``listing``: of ``loc`` (object stores), started beside the manifest's read;
-        ``objects``: a v5 checkpoint's data objects, ``stored`` its arrays by storage path."""
+        ``records``: a v5 checkpoint's, whose boxes are byte ranges of its data objects."""
         self.loc = loc
-        self._records = None
-        if objects is not None:  # format v5: boxes come from byte ranges of data objects
-            self._records = RecordReader(
-                lambda: kvstore(loc.kvstore, loc), loc, objects, lambda: stored or {}
-            )
+        self._records = records
         self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
         # Arrays held by a sibling step (incremental steps on object stores): path -> target;
         # ``marked``: the holders keep held-by markers for them (jaxckpt._storage.holds).
@@ -400,7 +393,7 @@ class CheckpointReader(Reader):
         return self._inplace
 
     def start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
-        if self._records is not None and self._records.covers(entry):
+        if self._v5(entry):
             return self._records.start(entry, item.offsets, item.sizes)
         if (inplace := self._in_place(entry)) is not None:  # local files: in place, one copy
             buf = aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
