@@ -171,3 +171,26 @@ def test_a_group_of_two_writes_two_times_a_few_objects(gcs, tmp_path):
     assert all(r.get("ok") for r in records), records
     objs = data_objects(gcs.keys(f"{prefix}/two"))
     assert sorted(objs) == ["data/0.0", "data/1.0"], objs
+
+
+@pytest.mark.parametrize(
+    "mib, processes, size_mib", [(1, 1, 4), (64, 1, 4), (1024, 1, 64), (8192, 2, 128)]
+)
+def test_object_size_spreads_each_process_over_requests(mib, processes, size_mib):
+    """At most ``object_bytes``, and small enough that the busiest process writes 16 objects
+    side by side, but never below 4 MiB."""
+    from jaxckpt._format.entries import ArrayEntry
+    from jaxckpt._format.objects import from_plans, table
+
+    rows = mib * 1024  # float32 rows of 1 KiB: chunks of 256 rows (256 KiB)
+    e = ArrayEntry("w", (rows, 256), "float32", "float32", (256, 256), "arrays/w")
+    corners = np.arange(0, rows, 256).reshape(-1, 1) * np.array([[1, 0]])
+    writers = np.arange(len(corners)) * processes // len(corners)
+    objects = from_plans([(e, corners, writers)], processes)
+    assert 0 <= objects.target - (size_mib << 20) < 4096  # (checksums: 4 B per record)
+    t = table(objects, {"arrays/w": e})
+    each = -(-(mib // processes) // size_mib)  # objects per process, checksums aside
+    assert processes * each <= len(t.names) <= processes * (each + 1), len(t.names)
+    assert objects.owners["arrays/w"] == tuple(
+        (p, len(corners) // processes) for p in range(processes)
+    )

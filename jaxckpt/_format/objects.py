@@ -32,7 +32,11 @@ from jaxckpt._format.grid import grid_shape
 from jaxckpt._format.names import DATA
 
 VERSION = 5  # the format version that adds "objects"
-DEFAULT_TARGET = 128 << 20  # bytes per data object (docs/architecture.md says why)
+DEFAULT_TARGET = 128 << 20  # bytes per data object at most (docs/architecture.md says why)
+# A process's bytes are spread over at least SPREAD objects of at least MIN_OBJECT bytes, so
+# that its writes and reads run as that many requests at once (a request's rate is bounded).
+SPREAD = 16
+MIN_OBJECT = 4 << 20
 MAX_RECORDS = 1 << 24  # records a manifest may declare: the offset table is ~40 B per record
 MAX_PROCESSES = 1 << 20
 MAX_TARGET = 1 << 40
@@ -74,8 +78,12 @@ def from_plans(
     target: int = DEFAULT_TARGET,
 ) -> DataObjects:
     """The layout of a save from its array plans: ``(entry, box corners, box writers)`` per
-    stored array (one row per box, each box whole chunks of ``entry``'s grid)."""
+    stored array (one row per box, each box whole chunks of ``entry``'s grid).
+
+    The objects' size is ``target`` at most, and less where the busiest process would
+    otherwise write fewer than ``SPREAD`` objects (but at least ``MIN_OBJECT``)."""
     owners: dict[str, Runs] = {}
+    load = np.zeros(processes, np.int64)  # bytes of records each process writes
     for entry, offsets, process in plans:
         grid = grid_shape(entry.shape, entry.chunks)
         who = np.full(grid, -1, np.int64)
@@ -90,7 +98,9 @@ def from_plans(
                 for c, p in zip(corner, process):
                     who[tuple(slice(a, a + b) for a, b in zip(c, box))] = p
         owners[entry.path] = _runs(who.ravel())
-    return DataObjects(FOLDER, processes, target, owners)
+        np.add.at(load, who.ravel(), record_lengths(entry))
+    size = min(target, max(MIN_OBJECT, -(-int(load.max(initial=0)) // SPREAD)))
+    return DataObjects(FOLDER, processes, size, owners)
 
 
 def _box_chunks(entry: ArrayEntry, offsets: npt.NDArray[Any]) -> tuple[int, ...]:

@@ -142,7 +142,9 @@ class DefaultSavePlanner(SavePlanner):
         on ``gs://``, ``s3://`` and ``memory://``, each process's chunks as records in a few
         data objects of about ``object_bytes`` each (format version 5; docs/format.md); saves
         that are compressed or incremental, and local disks, keep a file per chunk.
-      object_bytes: the data objects' target size (``layout="objects"``); default 128 MiB.
+      object_bytes: the data objects' largest size (``layout="objects"``; default 128 MiB);
+        a process with less than 16 such objects' worth writes 16 smaller ones (at least
+        4 MiB), so that its requests still run side by side.
     """
 
     def __init__(
