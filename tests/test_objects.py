@@ -194,3 +194,14 @@ def test_object_size_spreads_each_process_over_requests(mib, processes, size_mib
     assert objects.owners["arrays/w"] == tuple(
         (p, len(corners) // processes) for p in range(processes)
     )
+
+
+def test_an_async_save_within_a_budget_of_one_chunk():
+    """A budgeted async save streams its chunks through a ring: each is copied into its record
+    and released before the next is staged."""
+    url = f"memory://v5-budget-{uuid.uuid4().hex}"
+    tree = many_arrays(3)
+    h = jaxckpt.save_async(url, tree, planner=planner(), max_host_bytes=256)
+    h.wait()
+    assert_tree_equal(jaxckpt.restore(url), host(tree))
+    assert jaxckpt.metadata(url).version == 5

@@ -95,7 +95,9 @@ class RecordWriter:
                 if entry.storage_dtype != entry.dtype:
                     data = data.view(entry.storage_dtype)
                 total += data.nbytes
-                for o in self._add(entry, item.offsets, item.sizes, data):
+                done = self._add(entry, item.offsets, item.sizes, data)
+                del data  # copied: not held while the next item is made (a budgeted save)
+                for o in done:
                     inflight += self._start(o)
                     while inflight > max_inflight_bytes and len(self._pending) > 1:
                         inflight -= self._finish()
