@@ -20,6 +20,7 @@ from test_s3 import s3  # noqa: F401 (the store fixture's S3 side)
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._runtime.pools import settle
 from jaxckpt._storage.location import Location, kvstore
 
 
@@ -73,6 +74,9 @@ def test_overwrite_keeps_the_layout_per_save(store: Store):  # noqa: F811
     tree = {**many_arrays(2), "step": 5}
     jaxckpt.save(url, tree, planner=planner(), overwrite=True)
     assert_tree_equal(jaxckpt.restore(url), host(tree))
+    settle()  # the clean-up after the commit: the first save's objects go
+    (gen,) = {k.split("/")[0] for k in data_objects(store.keys(f"{store.prefix}/ow"))}
+    assert gen.startswith("g"), gen
     jaxckpt.save(url, tree, overwrite=True)  # back to a file per chunk
     assert_tree_equal(jaxckpt.restore(url), host(tree))
 
@@ -89,6 +93,25 @@ def test_a_corrupted_record_is_named(store: Store):  # noqa: F811
     ):
         jaxckpt.restore(url)
     assert main(["verify", url]) != 0
+
+
+class Trip(jaxckpt.DefaultSavePlanner):
+    """Fails while handing over its fifth box, after its first data object is written."""
+
+    def resolve_data(self, item):
+        self.n = getattr(self, "n", 0) + 1
+        if self.n == 5:
+            raise RuntimeError("tripwire")
+        return super().resolve_data(item)
+
+
+def test_a_failed_save_leaves_nothing(store: Store):  # noqa: F811
+    url = f"{store.url}/failed"
+    trip = Trip(layout="objects", object_bytes=600, pack_bytes=0, max_chunk_bytes=256)
+    with pytest.raises(RuntimeError, match="tripwire"):
+        jaxckpt.save(url, many_arrays(2), planner=trip)
+    settle()
+    assert store.keys(f"{store.prefix}/failed") == []
 
 
 def test_a_truncated_object_is_named(store: Store):  # noqa: F811

@@ -190,20 +190,21 @@ class RecordReader:
         """Start the reads of the box's records; return the call that checks and copies them."""
         if self._table is None:
             self._table = table(self.objects, self._entries())
+        names = self._table.names
         reads = _ranges(self._table, entry, offsets, sizes)
         if self._kv is None:
             self._kv = self.kv()
         kv = self._kv
-        futs = [kv.read(self._table.names[o], byte_range=slice(a, b)) for o, a, b, _ in reads]
+        futs = [kv.read(names[o], byte_range=slice(a, b)) for o, a, b, _ in reads]
         for fut in futs:
             self.loc.watch(fut)
         out = aligned_empty(sizes, dtype_from_name(entry.storage_dtype))
 
         def result() -> npt.NDArray[Any]:
             for (o, a, b, recs), fut in zip(reads, futs):
-                value = self._value(entry, self._table.names[o], recs[0][0], fut, b - a)  # type: ignore[union-attr]
+                value = self._value(entry, names[o], recs[0][0], fut, b - a)
                 for idx, at, n in recs:
-                    self._copy(entry, idx, offsets, sizes, value, at, n, out, self._table.names[o])  # type: ignore[union-attr]
+                    self._copy(entry, idx, offsets, sizes, value, at, n, out, names[o])
             if entry.storage_dtype != entry.dtype:
                 return out.view(dtype_from_name(entry.dtype))
             return out
