@@ -393,7 +393,7 @@ class CheckpointReader(Reader):
         return self._inplace
 
     def start(self, entry: ArrayEntry, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
-        if self._v5(entry):
+        if self._records is not None and self._records.covers(entry):  # v5: byte ranges
             return self._records.start(entry, item.offsets, item.sizes)
         if (inplace := self._in_place(entry)) is not None:  # local files: in place, one copy
             buf = aligned_empty(item.sizes, dtype_from_name(entry.storage_dtype))
