@@ -260,9 +260,8 @@ def _start_save(
     planner.max_host_bytes = budget  # before step 1 (SavePlanner)
     handle = SaveHandle(str(loc))
     global_plan, local = _plan_everywhere(sync, planner, tree, compression)
-    objects = base is None and not digests and compression is None and loc.local is None
-    if objects and getattr(planner, "layout", "chunks") == "objects":  # format v5
-        global_plan = _with_objects(global_plan, sync.count, planner)
+    plain = base is None and not digests and compression is None and loc.local is None
+    global_plan = _with_objects(global_plan, sync.count, planner, plain)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None
     if base is not None or digests:  # the base's manifest is read before anything is written
@@ -277,8 +276,7 @@ def _start_save(
             loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
         ),
     )
-    if global_plan.manifest.objects is not None:
-        writer.use_objects(global_plan.manifest.objects, entries, sync.process)
+    writer.use_objects(global_plan.manifest.objects, entries, sync.process)  # v5, if planned
     t1 = time.perf_counter()
     order = local.items if increment is None else increment.order(local.items)
     bar = _progress.Progress("save", local.nbytes, progress)
@@ -302,8 +300,12 @@ def _start_save(
     return handle
 
 
-def _with_objects(plan: GlobalSavePlan, count: int, planner: Any) -> GlobalSavePlan:
-    """``plan`` with format v5's data objects: who writes each chunk, from its array plans."""
+def _with_objects(plan: GlobalSavePlan, count: int, planner: Any, plain: bool) -> GlobalSavePlan:
+    """``plan`` with format v5's data objects (who writes each chunk, from its array plans)
+    where the planner asks for them and the save is ``plain`` (an object store, not
+    compressed, not incremental); else ``plan``."""
+    if not plain or getattr(planner, "layout", "chunks") != "objects":
+        return plan
     rows = ((a.entry, a.offsets, a.process) for a in plan.arrays)
     objects = _objects.from_plans(rows, count, planner.object_bytes)
     version = max(plan.manifest.version, _objects.VERSION)

@@ -148,10 +148,13 @@ class Writer:
             self.root = {**loc.kvstore, "path": loc.kvstore["path"] + self._target.generation}
 
     def use_objects(
-        self, objects: DataObjects, entries: dict[str, ArrayEntry], process: int
+        self, objects: DataObjects | None, entries: dict[str, ArrayEntry], process: int
     ) -> None:
         """Write format v5 (object stores): this process's chunks as records in its few data
-        objects (``jaxckpt._storage.objects``), no zarr arrays. Call before ``open_arrays``."""
+        objects (``jaxckpt._storage.objects``), no zarr arrays. Call before ``open_arrays``;
+        ``None``: a file per chunk, as without the call."""
+        if objects is None:
+            return
         if self.loc.local is not None:
             raise ValueError("data objects are written on object stores only")
         by_path = {e.path: e for e in entries.values()}
