@@ -269,18 +269,22 @@ class CheckpointModel(RuleBasedStateMachine):
         overwrite=st.booleans(),
         use_async=st.booleans(),
         base=st.sampled_from([None, "a", "b", "c"]),
+        objects=st.booleans(),
     )
-    def plain_save(self, name, v, overwrite, use_async, base):
+    def plain_save(self, name, v, overwrite, use_async, base, objects):
         STATS["plain_save"] += 1
+        # Format v5's data objects (object stores; a file per chunk elsewhere, and with a base)
+        planner = jaxckpt.DefaultSavePlanner(layout="objects", object_bytes=64 << 10)
+        kw = {"planner": planner} if objects else {}
         path = f"{self.base}/plain/{name}"
         base_path = None if base is None or base not in self.plain else f"{self.base}/plain/{base}"
         if base_path is not None and base in self.plain_broken:
             base_path = None
         try:
             if use_async:
-                jaxckpt.save_async(path, state(v), overwrite=overwrite, base=base_path).wait()
+                jaxckpt.save_async(path, state(v), overwrite=overwrite, base=base_path, **kw).wait()
             else:
-                jaxckpt.save(path, state(v), overwrite=overwrite, base=base_path)
+                jaxckpt.save(path, state(v), overwrite=overwrite, base=base_path, **kw)
         except jaxckpt.CheckpointExistsError:
             assert name in self.plain and not overwrite
             return

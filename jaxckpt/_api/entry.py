@@ -20,6 +20,7 @@ from jaxckpt._api.incremental import Increment
 from jaxckpt._api.staged import Staged, budget_arg, stage_all, stream
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format import iterators as _iterators
+from jaxckpt._format import objects as _objects
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import ReadItem, SavePlan, WriteItem
@@ -259,6 +260,8 @@ def _start_save(
     planner.max_host_bytes = budget  # before step 1 (SavePlanner)
     handle = SaveHandle(str(loc))
     global_plan, local = _plan_everywhere(sync, planner, tree, compression)
+    plain = base is None and not digests and compression is None and loc.local is None
+    global_plan = _with_objects(global_plan, sync.count, planner, plain)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None
     if base is not None or digests:  # the base's manifest is read before anything is written
@@ -273,6 +276,7 @@ def _start_save(
             loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
         ),
     )
+    writer.use_objects(global_plan.manifest.objects, entries, sync.process)  # v5, if planned
     t1 = time.perf_counter()
     order = local.items if increment is None else increment.order(local.items)
     bar = _progress.Progress("save", local.nbytes, progress)
@@ -294,6 +298,19 @@ def _start_save(
     if not staged.complete:  # the save failed before its last item was staged
         handle.wait()  # its error
     return handle
+
+
+def _with_objects(plan: GlobalSavePlan, count: int, planner: Any, plain: bool) -> GlobalSavePlan:
+    """``plan`` with format v5's data objects (who writes each chunk, from its array plans)
+    where the planner asks for them and the save is ``plain`` (an object store, not
+    compressed, not incremental); else ``plan``."""
+    if not plain or getattr(planner, "layout", "chunks") != "objects":
+        return plan
+    rows = ((a.entry, a.offsets, a.process) for a in plan.arrays)
+    objects = _objects.from_plans(rows, count, planner.object_bytes)
+    version = max(plan.manifest.version, _objects.VERSION)
+    manifest = dataclasses.replace(plan.manifest, objects=objects, version=version)
+    return dataclasses.replace(plan, manifest=manifest)
 
 
 def _in_background(handle: SaveHandle, staged: Staged, run: Callable[[], None]) -> None:
@@ -484,6 +501,9 @@ def _read_into(
     size = {e.key: dtype_from_name(e.dtype).itemsize for e in arrays}
     total = sum(math.prod(i.sizes) * size[i.key] for i in items)
     ahead = planner.read_ahead_bytes
+    if manifest.objects is not None and isinstance(planner, DefaultLoadPlanner):
+        # v5 byte ranges hold a box and its raw bytes, no decode buffers: half the budget
+        ahead = max(ahead, planner.max_host_bytes // 2)
     with _progress.Progress("restore", total, progress) as bar:
         for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
             bar.add(data.nbytes)
