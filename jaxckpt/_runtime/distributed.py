@@ -27,12 +27,13 @@ arrived, so a save leaves only a handful of small keys in the store.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 import jax
 
@@ -107,6 +108,22 @@ def _client() -> KeyValueClient:
     return client
 
 
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def _timed(wait: F) -> F:
+    """``wait`` (a method of :class:`SaveSync`), its seconds added to the save's ``waits``."""
+
+    def timed(self: SaveSync, *args: object, **kwargs: object) -> object:
+        start = time.monotonic()
+        try:
+            return wait(self, *args, **kwargs)
+        finally:
+            self.waits.append((threading.get_ident(), time.monotonic() - start))
+
+    return cast(F, functools.wraps(wait)(timed))
+
+
 class SaveSync:
     """Keeps the processes of one save in step: same plan, one commit, shared failure.
 
@@ -125,6 +142,7 @@ class SaveSync:
         self.process = process_index()
         self.count = process_count()
         self.is_coordinator = self.process == 0
+        self.waits: list[tuple[int, float]] = []  # (thread, seconds) of each wait for others
         if self.count == 1:
             return
         self.timeout = sync_timeout() if timeout is None else timeout
@@ -166,6 +184,12 @@ class SaveSync:
             raise out from e
 
     _last_failed: BaseException | None = None  # failed() shares each failure once
+
+    def waited(self, here: bool = False) -> float:
+        """Seconds this process has spent waiting for the others so far (``here``: on the
+        calling thread only)."""
+        me = threading.get_ident()
+        return sum((s for t, s in list(self.waits) if not here or t == me), 0.0)
 
     def barrier(self, name: str, *, wait_for_all: bool = True) -> None:
         """Return once every process has called ``barrier(name)``; raise if one failed.
@@ -252,6 +276,7 @@ class SaveSync:
 
     # -- waiting ---------------------------------------------------------------------------
 
+    @_timed
     def _arrive(self, name: str, value: str) -> dict[int, str] | None:
         """Post this process's arrival; the coordinator gets every process's value."""
         folder = f"{self.id}/at/{name}/"
@@ -277,6 +302,7 @@ class SaveSync:
     def _released(self, name: str) -> str:
         return self._wait_key(f"{self.id}/go/{name}", name, arrivals=True)
 
+    @_timed
     def _wait_key(self, key: str, name: str, *, arrivals: bool) -> str:
         """The value of ``key`` once the coordinator sets it; raise if a process failed."""
         waited = self.timeout + self._grace
@@ -304,6 +330,7 @@ class SaveSync:
             self._peer_errors.add(id(error))
             raise error
 
+    @_timed
     def _wait_stopped(self) -> None:
         expected = set(range(self.count)) - self._missing
         deadline = time.monotonic() + self.timeout
