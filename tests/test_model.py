@@ -476,6 +476,7 @@ class RunModel(RuleBasedStateMachine):
             assert saved == want, (step, saved, want)  # should_save is exactly save's answer
             self.mgr.wait()
             if self.mgr.last_save is not before:
+                check_timings(MetricsFile(Location(self.run)).timings()[str(step)], None)
                 self._persistent_saved(step, v + step, with_metrics)
             if self.local_on and step % self.cfg["local_save_interval_steps"] == 0:
                 self._local_saved(step, v + step)

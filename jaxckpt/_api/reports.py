@@ -55,13 +55,14 @@ def saved(
     attrs: tuple[str, str],
 ) -> None:  # fmt: skip
     """A committed save's log line and the events of its completion."""
+    shown = dict(timings)  # a copy: an async call's thread may be adding "blocking" now
     logger.info(
         "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused), %s",
         where,
         nbytes / 1e6,
         gbps,
         reused / 1e6,
-        {k: round(v, 3) for k, v in timings.items()},
+        {k: round(v, 3) for k, v in shown.items()},
     )
     if _events.listening():
         done = {k: timings[k] for k in ("write", "wait", "commit", "total")}
