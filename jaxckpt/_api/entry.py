@@ -105,7 +105,7 @@ def save(
             stage=False,
             base=base,
             digests=digests,
-            records=_iterators.capture(iterators),  # the positions now, not at the write
+            iterators=iterators,
             progress=_progress.check_arg(progress, "jaxckpt.save"),
             compression=_codecs.check_arg(compression, "jaxckpt.save"),
         )
@@ -170,7 +170,7 @@ def save_async(
             stage=True,
             base=base,
             digests=digests,
-            records=_iterators.capture(iterators),  # the positions now, not at the write
+            iterators=iterators,
             budget=budget,
             progress=_progress.check_arg(progress, "jaxckpt.save_async"),
             compression=_codecs.check_arg(compression, "jaxckpt.save_async"),
@@ -198,14 +198,14 @@ class SaveHandle:
       (True, 4096, ['blocking', 'commit', 'plan', 'stage', 'total', 'wait', 'write'])
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, attrs: tuple[str, str] = ("local", "save")) -> None:
         self.path = path
         self.timings: dict[str, float] = {}
         self.nbytes = 0
         self.reused_bytes = 0  # bytes an incremental save took from its base instead
         self.processes: dict[int, dict[str, float]] = {}  # the coordinator's: every process's
         self.slowest: dict[str, list[Any]] = {}
-        self._attrs = ("local", "save")  # the events' store and call attributes
+        self._attrs = attrs  # the events' store and call attributes
         self._error: BaseException | None = None
         self._future: Future[None] | None = None  # the background run, staging buffers released
         self._runner: int | None = None  # the thread id that runs it
@@ -252,22 +252,23 @@ def _start_save(
     stage: bool,
     base: PathLike | None = None,
     digests: bool = False,
-    records: dict[str, Any] | None = None,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     budget: int | None = None,
     progress: _progress.ProgressArg = None,
     compression: str | None = None,
 ) -> SaveHandle:
     """Plan on every process, stage (if ``stage``: all at once, or streaming within
     ``budget`` host bytes), then write and commit: in the background when staged, else here."""
-    loc = _location.Location(path, one_operation=True)
+    # Made first, so that a failure on any process from here on reaches all of them.
+    sync = _distributed.SaveSync(os.fspath(path))
+    clock = _events.Clock({}, lambda: sync.waited(here=True))
+    loc = sync.run("open", lambda: _location.Location(path, one_operation=True))
+    sync.path = str(loc)
+    records = sync.run("iterators", lambda: _iterators.capture(iterators))  # the positions now
     planner = planner if planner is not None else DefaultSavePlanner()
     planner.max_host_bytes = budget  # before step 1 (SavePlanner)
-    handle = SaveHandle(str(loc))
-    store = _events.store_kind(loc)
-    handle._attrs = (store, "save_async" if stage else "save")
-    # Made first, so that a failure on any process from here on reaches all of them.
-    sync = _distributed.SaveSync(str(loc))
-    clock = _events.Clock(handle.timings, lambda: sync.waited(here=True))
+    handle = SaveHandle(str(loc), (_events.store_kind(loc), "save_async" if stage else "save"))
+    clock.into = handle.timings
     global_plan, local = _plan_everywhere(sync, planner, tree, compression)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None
@@ -295,14 +296,13 @@ def _start_save(
     # Copy every item off the caller's buffers, which it may reuse once we return.
     if budget is None:
         staged = stage_all(planner, order, loc, sync, writer)
-        clock.mark("stage")  # before the writes start: they send it to the coordinator
+        clock.mark("stage")  # before the writes start, which send it to the coordinator
     else:
         all_first = increment is not None and increment.hashes_all_first
         staged = stream(planner, order, loc, sync, writer, budget=budget, hash_all_first=all_first)
     _in_background(handle, staged, lambda: _write_and_commit(*args, staged, increment, records))
     staged.wait()  # streaming: until the last item is staged, as the writes free the ring
-    if budget is not None:
-        clock.mark("stage")
+    clock.mark("stage")
     if not staged.complete:  # the save failed before its last item was staged
         handle.wait()  # its error
     _blocked(handle, clock.start)
