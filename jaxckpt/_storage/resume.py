@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from jaxckpt._errors import CheckpointError, CheckpointExistsError
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._format.manifest import ArrayEntry
@@ -49,6 +51,7 @@ from jaxckpt._runtime import pools
 from jaxckpt._storage import crc
 from jaxckpt._storage.lease import Lease, dead_plan, is_lease
 from jaxckpt._storage.location import Location, kvstore, wait
+from jaxckpt._storage.messages import is_full
 
 _RESUMED = "|resume"  # appended to a broadcast staging name or generation: adopted leftovers
 _lock = threading.Lock()
@@ -300,3 +303,41 @@ def _count(n: int) -> None:
     global _kept
     with _lock:
         _kept += n
+
+
+def whole(
+    entries: dict[str, ArrayEntry], items: Iterable[tuple[WriteItem, npt.NDArray[Any]]]
+) -> Iterator[tuple[ArrayEntry, list[tuple[WriteItem, npt.NDArray[Any]]]]]:
+    """Each item as one box to write (no leftovers adopted); the list it yields is the only
+    reference to the data here, so once the writer has taken the box out none is held while the
+    next item is made (``Writer.write``'s ``release_each``)."""
+    for item, data in items:
+        boxes = [(item, data)]
+        del data
+        yield entries[item.key], boxes
+
+
+def worth_keeping(error: BaseException) -> bool:
+    """Whether a failed save's data is kept for a retry of the same plan to resume: where
+    storage or another process failed it (a ``CheckpointError``: a deadline, a refused or
+    throttled request, a process that died) or it was interrupted (``KeyboardInterrupt``,
+    ``SystemExit``); not where another save took its place (``CheckpointExistsError``), on a
+    full disk (the data would keep it full), where the file system refused the operation
+    itself (a retry cannot succeed there: a mount that renames no directory), nor where the
+    caller's own code raised (a planner, a data source: the retry usually changes what is
+    saved)."""
+    if isinstance(error, CheckpointExistsError) or is_full(error) or _unsupported(error):
+        return False
+    return isinstance(error, CheckpointError) or not isinstance(error, Exception)
+
+
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV)
+
+
+def _unsupported(error: BaseException | None) -> bool:
+    """Whether ``error`` or one it was raised from is the OS refusing an operation outright."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _UNSUPPORTED:
+            return True
+        error = error.__cause__
+    return False

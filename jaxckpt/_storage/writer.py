@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import errno
 import json
 import os
 import queue
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -25,16 +24,17 @@ from typing import Any
 import numpy.typing as npt
 import tensorstore as ts
 
-from jaxckpt._errors import CheckpointError, CheckpointExistsError
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
+from jaxckpt._format.objects import DataObjects
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
 from jaxckpt._storage import directwrite, generations, local_commit, resume, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
 from jaxckpt._storage.location import ABSENT, Location, Pending, context, kvstore, wait
-from jaxckpt._storage.messages import is_full, lost_error, write_error
+from jaxckpt._storage.messages import lost_error, write_error
+from jaxckpt._storage.objects import RecordWriter
 
 MAX_INFLIGHT_BYTES = 1 << 30
 
@@ -99,7 +99,7 @@ class Writer:
        object stores).
 
     On any failure, ``abort(error)`` (every process that made one): this save's own data goes,
-    or stays for a retry of the same plan where :func:`resumable` says so; the last committed
+    or stays for a retry of the same plan where ``resume.worth_keeping`` says so; the last committed
     checkpoint at ``loc`` is never touched (nor, where the outcome of an object-store commit is
     unknown, this save's data).
     """
@@ -132,6 +132,7 @@ class Writer:
         self._target: generations.Target | None = None  # object stores
         self._ahead: tuple[Manifest, Future[tuple[Manifest, bytes]]] | None = None
         self._keep = False  # an object-store commit of unknown outcome: abort deletes nothing
+        self._records: RecordWriter | None = None  # format v5 (use_objects)
         self._plan = plan
         resumed = False
         if loc.local is not None:
@@ -159,6 +160,19 @@ class Writer:
         # A failed save's leftovers adopted: each chunk is checked before it is written.
         self.resumed = resume.Present(self.root, loc) if resumed else None
 
+    def use_objects(
+        self, objects: DataObjects | None, entries: dict[str, ArrayEntry], process: int
+    ) -> None:
+        """Write format v5 (object stores): this process's chunks as records in its few data
+        objects (``jaxckpt._storage.objects``), no zarr arrays. Call before ``open_arrays``;
+        ``None``: a file per chunk, as without the call."""
+        if objects is None:
+            return
+        if self.loc.local is not None:
+            raise ValueError("data objects are written on object stores only")
+        by_path = {e.path: e for e in entries.values()}
+        self._records = RecordWriter(self._root_kv, self.loc, objects, by_path, process)
+
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
         """Start creating (coordinator) or opening (others, after it) the zarr arrays, all at
         once. Each is waited for where it is first written, and all by :meth:`opened`, which
@@ -169,6 +183,8 @@ class Writer:
         tensorstore would write, :func:`zarr_json`) is created, only if absent, beside the
         chunks; ``flush`` waits for it."""
         self._create = create
+        if self._records is not None:  # format v5: no arrays, no zarr.json
+            return
         for e in entries:
             spec = {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True}
             if self.loc.local is None:  # object stores: no round trip before the data
@@ -252,6 +268,8 @@ class Writer:
 
         Returns the bytes written.
         """
+        if self._records is not None:  # format v5: copied into records (nothing to hold)
+            return self._records.write(entries, items, max_inflight_bytes)
         pending: collections.deque[tuple[Pending[Any], int, ArrayEntry]] = collections.deque()
         inflight = total = 0
         self._reference = self.loc.local is not None
@@ -266,7 +284,7 @@ class Writer:
             # Adopted leftovers: each item's chunks are checked first, a few items ahead (one
             # at a time in a budgeted save, whose ring holds only what it bounds).
             todo = (
-                _whole(entries, items)
+                resume.whole(entries, items)
                 if self.resumed is None
                 else self.resumed.ahead(entries, items, 0 if release_each else 4)
             )
@@ -404,9 +422,9 @@ class Writer:
 
     def abort(self, error: BaseException | None = None) -> None:
         """After a failure (``error``): remove this save's own data, or, where a retry of the
-        same plan may resume it (see :func:`resumable`), leave it for that retry, its lease
+        same plan may resume it (see ``resume.worth_keeping``), leave it for that retry, its lease
         released (never raises)."""
-        keep = self._plan is not None and error is not None and resumable(error)
+        keep = self._plan is not None and error is not None and resume.worth_keeping(error)
         for key in list(self._opening):  # none may create a file after the removal
             try:
                 self._array(key)
@@ -429,44 +447,6 @@ class Writer:
         lease = self._lease or (self._target.lease if self._target is not None else None)
         if lease is not None:
             lease.release(delete=delete, resumable=resumable)
-
-
-def _whole(
-    entries: dict[str, ArrayEntry], items: Iterable[tuple[WriteItem, npt.NDArray[Any]]]
-) -> Iterator[tuple[ArrayEntry, list[tuple[WriteItem, npt.NDArray[Any]]]]]:
-    """Each item as one box to write (no leftovers adopted); the list it yields is the only
-    reference to the data here, so once the writer has taken the box out none is held while the
-    next item is made (``Writer.write``'s ``release_each``)."""
-    for item, data in items:
-        boxes = [(item, data)]
-        del data
-        yield entries[item.key], boxes
-
-
-def resumable(error: BaseException) -> bool:
-    """Whether a failed save's data is kept for a retry of the same plan to resume: where
-    storage or another process failed it (a ``CheckpointError``: a deadline, a refused or
-    throttled request, a process that died) or it was interrupted (``KeyboardInterrupt``,
-    ``SystemExit``); not where another save took its place (``CheckpointExistsError``), on a
-    full disk (the data would keep it full), where the file system refused the operation
-    itself (a retry cannot succeed there: a mount that renames no directory), nor where the
-    caller's own code raised (a planner, a data source: the retry usually changes what is
-    saved)."""
-    if isinstance(error, CheckpointExistsError) or is_full(error) or _unsupported(error):
-        return False
-    return isinstance(error, CheckpointError) or not isinstance(error, Exception)
-
-
-_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV)
-
-
-def _unsupported(error: BaseException | None) -> bool:
-    """Whether ``error`` or one it was raised from is the OS refusing an operation outright."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in _UNSUPPORTED:
-            return True
-        error = error.__cause__
-    return False
 
 
 class Holder:
