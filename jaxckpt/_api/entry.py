@@ -508,13 +508,12 @@ def metadata(path: PathLike) -> CheckpointMetadata:
       >>> jaxckpt.metadata(d).entries["w"].shape
       (4, 2)
     """
-    return CheckpointMetadata.of(_open(path, listing=False)[0])
+    return CheckpointMetadata.of(_open(path)[0])
 
 
-def _open(path: PathLike, *, listing: bool = True) -> tuple[Manifest, Any]:
-    """The manifest (checked where it takes jax to check it) and the reader at ``path``
-    (``listing``: start an object store's listing for the reader beside the manifest)."""
+def _open(path: PathLike) -> tuple[Manifest, Any]:
+    """The manifest (checked where it takes jax to check it) and the reader at ``path``."""
     loc = _location.Location(path, one_operation=True)
-    manifest, reader = _sources.open_source(loc, listing=listing)  # jaxckpt, Orbax, safetensors
+    manifest, reader = _sources.open_source(loc)  # jaxckpt, Orbax, safetensors
     check_prng_keys(manifest, f"{loc}/manifest.json")
     return manifest, reader
