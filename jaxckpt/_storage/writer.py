@@ -396,7 +396,7 @@ class Writer:
                 self._array(key)
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes
                 pass
-        for fut in self._metadata.values():
+        for _, fut in self._metadata.values():
             try:
                 wait(fut, self.loc, "creating a zarr.json")
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes
