@@ -22,7 +22,7 @@ from jaxckpt._errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
 )
-from jaxckpt._format.names import parse_step, step_name
+from jaxckpt._format.names import MANIFEST, parse_step, step_name
 from jaxckpt._manager.retention import MetricsFile, referenced
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
@@ -62,6 +62,22 @@ class Run:
             return []  # e.g. an evaluator started before the trainer made the directory
         found = (parse_step(n) for n, committed in _catalog.children(self.loc) if committed)
         return sorted(s for s in found if s is not None)
+
+    def steps_from(self, step: int) -> list[int]:
+        """The committed steps at or after ``step``, ascending.
+
+        Object stores: one listing of the key range of step names from ``step``'s on, which
+        holds only the objects of those steps (none, when ``step`` is a new one: one page).
+        Names sort as numbers among steps below 10**7 (``00000100``); from there on a longer
+        name can sort lower, so the range starts at ``1`` and holds every such step.
+        """
+        if self.loc.local is not None:
+            return [s for s in self.steps() if s >= step]
+        name = step_name(step)
+        low = name if name.startswith("0") else "1"
+        found = _catalog.listing(self.loc, (low, ":")).items()  # ":" follows "9"
+        steps = (parse_step(n) for n, keys in found if MANIFEST in keys)
+        return sorted(s for s in steps if s is not None and s >= step)
 
     def make(self) -> None:
         """Create the (local) directory if it is missing."""
@@ -103,15 +119,17 @@ class Run:
         with _location.deadline(self.loc.io_timeout):
             return restore(str(self.path(step)), target, **kwargs), step
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, steps: list[int] | None = None) -> None:
         """Delete the committed ``step`` and its metrics; on object stores what other steps
-        reference stays.
+        reference stays. ``steps``: the committed steps, if the caller knows them (else
+        listed).
 
         Raises:
           CheckpointNotFoundError: ``step`` is not committed.
         """
         self.require(step, "Nothing was deleted.")
-        others = [step_name(s) for s in self.steps() if s != step]
+        known = self.steps() if steps is None else steps
+        others = [step_name(s) for s in known if s != step]
         keep = referenced(self.loc, others)
         metrics, committed = self.metrics.read_all()
         pinned = self.metrics.pinned()

@@ -292,7 +292,10 @@ def commit(
 def _clean_up_later(
     loc: Location, target: Target, keep_markers_of: dict[str, set[str]], name: str
 ) -> None:
-    clean_up(loc, target, keep_markers_of, name, _listed(loc), target.before)
+    # A prefix that was empty before the save holds nothing to delete: no listing (it would
+    # return every object this save wrote).
+    empty = target.before is not None and not target.before and not target.old_refs
+    clean_up(loc, target, keep_markers_of, name, [] if empty else _listed(loc), target.before)
 
 
 def _own_after_all(loc: Location, data: bytes) -> bool:
