@@ -10,6 +10,7 @@ is asserted beyond the Retry-After that each retry must respect.
 
 from __future__ import annotations
 
+import time
 import urllib.parse
 import uuid
 
@@ -80,3 +81,50 @@ def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_this_saves(g
     assert_tree_equal(jaxckpt.restore(url), jax_to_host(tree))
     settle()
     assert not any(k.endswith("writer.json") for k in gcs.keys(f"{prefix}/ck"))
+
+
+def _slow_down(method: str, path: str, headers, body: bytes) -> tuple:
+    return 429, {"Retry-After": "1"}, b'{"error": {"code": 429, "message": "slow down"}}'
+
+
+def test_a_commit_throttled_longer_than_the_deadline_still_commits(gcs, prefix, monkeypatch):
+    # 8 s of 429 to the commit alone, nothing else in flight: past the deadline (4 s, so
+    # 5 s without an answer fails) but answered all along, so the save waits and commits.
+    monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", "4")
+    first: list[float] = []
+    told: list[float] = []
+
+    def fault(method: str, path: str):
+        if method == "POST" and _name(path).endswith("/ck/manifest.json"):
+            now = time.monotonic()
+            first[:] = first or [now]
+            if now - first[0] < 8:
+                told.append(now)
+                return _slow_down
+        return None
+
+    tree = _tree(2)
+    url = f"gs://{BUCKET}/{prefix}/ck"
+    gcs.fault = fault
+    jaxckpt.save(url, tree)
+    gcs.fault = None
+    assert len(told) >= 3 and told[-1] - told[0] > 5, told
+    assert_tree_equal(jaxckpt.restore(url), jax_to_host(tree))
+
+
+def test_a_chunk_write_that_fails_once_is_retried(gcs, prefix):
+    failed: list[str] = []
+
+    def fault(method: str, path: str):
+        if method == "POST" and "/c/" in _name(path) and not failed:
+            failed.append(_name(path))
+            return 503
+        return None
+
+    tree = _tree(2)
+    url = f"gs://{BUCKET}/{prefix}/ck"
+    gcs.fault = fault
+    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
+    gcs.fault = None
+    assert failed
+    assert_tree_equal(jaxckpt.restore(url), jax_to_host(tree))
