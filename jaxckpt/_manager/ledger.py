@@ -22,7 +22,8 @@ processes agree some tier holds whole), raised by each save, and read again afte
 a delete or a rollback. So a step whose only copy was lost (a wiped local disk) still
 counts until the next of those: the loop that goes on from a ``restore()`` numbers from what
 the run holds. Everything else is listed afresh at each call, so steps another process
-commits (a plain ``jaxckpt.save`` into the run) show up; ``save`` lists the directory once.
+commits (a plain ``jaxckpt.save`` into the run) show up; ``save`` lists the directory once
+(on object stores, only from its own step on: see below).
 
 Cost, local directories: a listing of the run (O(steps) directory entries) per save, delete
 and ``all_steps``. Object stores, where a listing returns every object of what it lists

@@ -4,7 +4,9 @@ What a ``CheckpointManager`` knows about the directory it saves into, read-only 
 included: the steps are the sub-directories (or sub-prefixes) whose name is a step name
 (``jaxckpt._format.names.step_name``) and that hold a manifest; metrics live in
 ``metrics.json`` (``jaxckpt._manager.retention``). Every call lists afresh, so steps that
-another process commits show up at once.
+another process commits show up at once: :meth:`Run.steps` the whole directory, and
+:meth:`Run.steps_from` only the names from one step on (a save's check on object stores,
+where a listing of the run returns every object of every step).
 """
 
 from __future__ import annotations
