@@ -121,17 +121,15 @@ class Run:
         with _location.deadline(self.loc.io_timeout):
             return restore(str(self.path(step)), target, **kwargs), step
 
-    def delete(self, step: int, steps: list[int] | None = None) -> None:
+    def delete(self, step: int) -> None:
         """Delete the committed ``step`` and its metrics; on object stores what other steps
-        reference stays. ``steps``: the committed steps, if the caller knows them (else
-        listed).
+        reference stays.
 
         Raises:
           CheckpointNotFoundError: ``step`` is not committed.
         """
         self.require(step, "Nothing was deleted.")
-        known = self.steps() if steps is None else steps
-        others = [step_name(s) for s in known if s != step]
+        others = [step_name(s) for s in self.steps() if s != step]
         keep = referenced(self.loc, others)
         metrics, committed = self.metrics.read_all()
         pinned = self.metrics.pinned()
