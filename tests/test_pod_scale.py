@@ -90,3 +90,19 @@ def test_retention_is_off_the_next_saves_path(gcs, prefix):
     mgr.wait()
     assert mgr.all_steps() == [3]
     mgr.close()
+
+
+def test_an_incremental_step_whose_known_base_was_deleted_by_hand_saves(gcs, prefix):
+    # The ledger knows step 2; it is gone: the save lists the run and takes step 1 as its base.
+    from jaxckpt._storage import catalog
+    from jaxckpt._storage.location import Location
+
+    run = f"gs://{BUCKET}/{prefix}"
+    mgr = jaxckpt.CheckpointManager(run, incremental=True, async_save=False)
+    mgr.save(1, _tree(3, 1))
+    mgr.save(2, _tree(3, 2))
+    catalog.delete(Location(f"{run}/00000002"))
+    mgr.save(3, _tree(3, 3))
+    assert mgr.all_steps() == [1, 3]
+    assert_tree_equal(mgr.restore(3), {k: np.asarray(v) for k, v in _tree(3, 3).items()})
+    mgr.close()

@@ -263,6 +263,10 @@ class CheckpointManager(RunReader):
         preemption)."""
         loc = self._run.path(step)
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
+        if base is not None and not _location.exists(self._run.path(max(steps))):
+            # Object stores know older steps from the ledger: one deleted by hand is listed out.
+            steps = self._run.steps()
+            base = str(self._run.path(max(steps))) if steps else None
         began = self._schedule.clock()
         try:
             with _location.deadline(self._loc.io_timeout):
