@@ -91,7 +91,7 @@ class Counts:
     save_pages: int  # listing pages per process: process 0 (the others: 0)
     restore_pages: int  # per process
     step_pages: int  # per process, a CheckpointManager step besides its save
-    retention_pages: int  # process 0, in the background: the deleted step's objects
+    retention_pages: int  # process 0, in the background: the run, then the deleted step
     coordination_ops: tuple[int, int]  # per save: process 0's, each other process's
 
 
@@ -172,8 +172,10 @@ def model(
     per_process: int,
     layout: Layout | None = None,
     coordination: tuple[int, int] = COORDINATION_PER_SAVE,
+    kept: int = 2,
 ) -> Counts:
-    """The counts of one save and one restore (to the same sharding) of ``state``."""
+    """The counts of one save and one restore (to the same sharding) of ``state``; a manager
+    keeping ``kept`` steps for the retention's figure."""
     layout = layout or Layout()
     processes = devices // per_process
     parts = layout.objects(state, devices, processes)
@@ -205,7 +207,8 @@ def model(
         save_pages=1,
         restore_pages=0,
         step_pages=1,
-        retention_pages=math.ceil(objects / PAGE),
+        # The run listed whole (kept + 1 steps), then the deleted step's objects.
+        retention_pages=math.ceil((kept + 1) * objects / PAGE) + math.ceil(objects / PAGE),
         coordination_ops=coordination,
     )
 
@@ -222,7 +225,8 @@ def _row(c: Counts) -> str:
 HEADER = (
     "| devices | processes | objects per save | median object | save requests per process "
     "(process 0 / mean) | restore requests per process | listing pages per process (save, "
-    "process 0 / restore / manager step) | retention pages (process 0, background) | "
+    "process 0 / restore / manager step) | retention pages (max_to_keep=2; process 0, "
+    "background) | "
     "coordination ops per save (process 0 / others) |\n|" + " --- |" * 9
 )
 

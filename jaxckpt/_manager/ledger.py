@@ -31,7 +31,8 @@ and ``all_steps``. Object stores, where a listing returns every object of what i
 only the key range of its own step and the newer ones (:meth:`Run.steps_from`: nothing there
 when the step is new, so one page), and the older committed steps come from what the ledger
 knows (:meth:`Ledger.persistent`: the listing when it opened, plus each commit, minus each
-delete); ``all_steps``, delete and rollback list the run whole. With a local tier one
+delete); ``all_steps``, delete, rollback and retention (process 0, in the background) list
+the run whole. With a local tier one
 agreement of all processes (O(processes x local steps) through process 0) per ``all_steps``,
 delete and rollback; nothing per ``should_save``. Independent of bytes and leaves.
 """
@@ -69,7 +70,7 @@ class Ledger:
         self._before: int | None = None  # ``newest`` before the save in flight began
         self._warned = False  # logged once that an older step is not saved
         # Object stores: the committed persistent steps as this process knows them (see the
-        # module's docstring); a save's background retention reads it too.
+        # module's docstring).
         self._known: set[int] = set()
         self._lock = threading.Lock()
         self.refresh()

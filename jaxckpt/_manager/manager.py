@@ -338,7 +338,7 @@ class CheckpointManager(RunReader):
         if before is not None:
             before.result()  # never raises: see below
         try:
-            steps = self._ledger.persistent()
+            steps = self._run.steps()  # listed whole: steps saved or deleted by others too
             deleted = _retention.after_commit(
                 self._loc, self.policy, self._metrics, step, record, steps
             )
