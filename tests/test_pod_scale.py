@@ -5,6 +5,7 @@ the next save's path. (The multi-process counts against the model: test_pod_scal
 
 from __future__ import annotations
 
+import time
 import urllib.parse
 import uuid
 
@@ -82,7 +83,12 @@ def test_retention_is_off_the_next_saves_path(gcs, prefix):
         mgr.save(2, _tree(4, 2))  # its commit in the background, then retention of step 1
         mgr.save(3, _tree(4, 3))  # waits for step 2's commit, not for step 1's deletes
         mgr.last_save.wait()
+        for _ in range(600):  # retention lists the run before it deletes: let it get there
+            if any(a == "hold" for _, _, a in gcs.proxy.seen):
+                break
+            time.sleep(0.1)
         assert any(a == "hold" for _, _, a in gcs.proxy.seen), "no delete was held"
+        assert mgr.last_save.done()  # step 3 committed while step 1's deletes are held
         assert jaxckpt.metadata(f"{run}/00000003").entries  # committed behind held deletes
     finally:
         gcs.fault = None
