@@ -280,13 +280,7 @@ def _start_save(
         increment = sync.run(
             "base", lambda: Increment(base_loc, loc, global_plan.manifest, entries)
         )
-    writer = sync.run(
-        "open",
-        lambda: _storage.Writer(
-            loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
-        ),
-    )
-    writer.use_objects(global_plan.manifest.objects, entries, sync.process)  # v5, if planned
+    writer = _open_writer(loc, sync, overwrite, global_plan, entries)
     clock.mark("plan")
     order = local.items if increment is None else increment.order(local.items)
     bar = _progress.Progress("save", local.nbytes, progress)
@@ -311,6 +305,25 @@ def _start_save(
         handle.wait()  # its error
     _blocked(handle, clock.start)
     return handle
+
+
+def _open_writer(
+    loc: _location.Location,
+    sync: _distributed.SaveSync,
+    overwrite: bool,
+    plan: GlobalSavePlan,
+    entries: dict[str, ArrayEntry],
+) -> _storage.Writer:
+    """The save's ``Writer`` (its staging directory or generation, leased), writing format v5's
+    data objects where the plan has them."""
+    writer = sync.run(
+        "open",
+        lambda: _storage.Writer(
+            loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
+        ),
+    )
+    writer.use_objects(plan.manifest.objects, entries, sync.process)
+    return writer
 
 
 def _with_objects(plan: GlobalSavePlan, count: int, planner: Any, plain: bool) -> GlobalSavePlan:
