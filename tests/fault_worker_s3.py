@@ -4,7 +4,7 @@ Like tests/fault_worker.py (whose forkserver setup and progress log it shares), 
 directory is ``s3://BUCKET/PREFIX`` on a moto server, and the chosen moments are the object
 store's: the "tripwires" wrap tensorstore's own calls (``ts.open`` of a new array,
 ``TensorStore.write`` of a box, ``KvStore.write`` of ``manifest.json``/``metrics.json``,
-``KvStore.delete_range``) and jaxckpt's ``catalog.delete`` (to tell a retention delete of a
+``KvStore.delete_range`` and ``KvStore.write`` of ``None``, a delete) and jaxckpt's ``catalog.delete`` (to tell a retention delete of a
 step other steps reference from one of a step nobody references, and from the clean-up of
 arrays no longer referenced), in this process only; the library has no hooks.
 """
@@ -108,6 +108,9 @@ def arm(trap: str, progress: str) -> None:
 
     def trapped_kv_write(self, key, *args, **kwargs):
         raw = key.encode() if isinstance(key, str) else bytes(key)
+        if deleting and args and args[0] is None:  # a delete of one key (catalog.delete_keys)
+            fut = orig["kv_write"](self, key, *args, **kwargs)
+            return deleted(fut, manifest=raw == b"manifest.json", whole=False)
         if trap == "first_array_create" and raw.endswith(b"/zarr.json"):
             die()  # object stores create an array by writing its zarr.json (Writer.open_arrays)
         name = {b"manifest.json": "manifest", b"metrics.json": "metrics"}.get(raw)
@@ -137,10 +140,13 @@ def arm(trap: str, progress: str) -> None:
         fut = orig["delete_range"](self, key_range, *args, **kwargs)
         if not deleting:
             return fut
-        kind = deleting[-1]
-        seen["deletes"] += 1
         manifest = bytes(key_range.inclusive_min) == b"manifest.json"
         whole = bytes(key_range.inclusive_min) == b"" and bytes(key_range.exclusive_max) == b""
+        return deleted(fut, manifest=manifest, whole=whole)
+
+    def deleted(fut, *, manifest: bool, whole: bool):
+        kind = deleting[-1]
+        seen["deletes"] += 1
         if (
             (trap == f"after_{kind}_manifest_delete" and manifest)
             or (trap == f"mid_{kind}_delete" and seen["deletes"] == 3)

@@ -6,6 +6,8 @@ Each request is passed to ``rule(method, path_and_query)``, which answers one of
 * ``"pass"``: forward it and return the server's answer;
 * ``"hold"``: never forward it and never answer (a request lost on a stalled link);
 * ``"forward-then-hold"``: forward it (the server acts on it) but never answer (the answer lost);
+* ``"forward-then-drop"``: forward it, then close the connection unanswered (the answer lost
+  at once: the client sees a broken connection and retries);
 * an ``int`` status (e.g. 403): answer that at once without forwarding;
 * a callable ``(method, path, headers, body) -> (status, headers, body) | None``: answer for the
   server (``None``: forward as usual), e.g. to enforce a precondition an emulator ignores.
@@ -16,6 +18,9 @@ the whole link (shared by all the requests in flight), an optional cap on the re
 at once. Every request is logged in :attr:`Proxy.log` (a :class:`Request`:
 what, when it arrived and when it was answered, its bytes), from which
 :func:`sequential_round_trips` counts how many requests waited one on another.
+
+:class:`Throttle` is a rule that answers 429 with ``Retry-After`` above a request rate, as a
+store that throttles does, and records when each throttled request came back.
 
 Held requests are released (their connections closed) by :meth:`Proxy.release`, which lets
 the proxy go on serving (one proxy for a whole session, its ``rule`` set per test), or
@@ -28,6 +33,7 @@ import bisect
 import dataclasses
 import http.client
 import http.server
+import json
 import sys
 import threading
 import time
@@ -201,6 +207,9 @@ class Proxy:
             released.wait()
             h.close_connection = True
             return
+        if action == "forward-then-drop":
+            h.close_connection = True
+            return
         self._pass(shape, self._down_link, len(answer[2]))
         # Logged as the answer goes out, not after: a client that has its answer (with Nagle's
         # delay gone, at once) finds the request in the log, and its end is no later than that.
@@ -258,3 +267,43 @@ class Proxy:
         self._released.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+class Throttle:
+    """A ``rule`` answering 429 (with ``Retry-After: retry_after``) to every request beyond
+    ``rate`` per second (counted over the last second), as GCS and S3 throttle; ``passed``
+    (a rule, default: forward) decides the rest. :attr:`early` lists the requests that came
+    back sooner than the ``Retry-After`` they were given (by (method, path), the seconds)."""
+
+    def __init__(
+        self,
+        rate: float,
+        retry_after: float = 1.0,
+        passed: Callable[[str, str], Any] | None = None,
+    ) -> None:
+        self.rate, self.retry_after = rate, retry_after
+        self.passed = passed or (lambda method, path: "pass")
+        self.throttled = 0  # answers of 429 given
+        self.early: list[tuple[str, str, float]] = []
+        self._times: list[float] = []  # arrivals of the requests passed in the last second
+        self._told: dict[tuple[str, str], float] = {}  # when each throttled request was told
+        self._lock = threading.Lock()
+
+    def __call__(self, method: str, path: str) -> Any:
+        now = time.monotonic()
+        with self._lock:
+            told = self._told.pop((method, path), None)
+            if told is not None and now - told < self.retry_after:
+                self.early.append((method, path, now - told))
+            self._times = [t for t in self._times if t > now - 1.0]
+            if len(self._times) >= self.rate:
+                self.throttled += 1
+                self._told[(method, path)] = now
+                return self._answer
+            self._times.append(now)
+        return self.passed(method, path)
+
+    def _answer(self, method: str, path: str, headers: Any, body: bytes) -> tuple:
+        error = {"error": {"code": 429, "message": "rate limit exceeded (test throttle)"}}
+        hdrs = {"Retry-After": f"{self.retry_after:g}", "Content-Type": "application/json"}
+        return 429, hdrs, json.dumps(error).encode()

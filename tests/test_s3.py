@@ -204,9 +204,9 @@ def test_s3_options_come_from_the_aws_variables(monkeypatch):
     ):
         monkeypatch.delenv(k, raising=False)
     spec = _location.Location("s3://bkt/p/q/").kvstore
-    retries = spec.pop("context")  # bounded by the deadline (urls.retries)
+    retries = spec.pop("context")  # bounded, and throttling outlasted (urls.retries)
     assert spec == {"driver": "s3", "bucket": "bkt", "path": "p/q/"}
-    assert retries["s3_request_retries"]["max_retries"] <= 8
+    assert retries["s3_request_retries"]["max_retries"] == 12
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9/")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:10")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")

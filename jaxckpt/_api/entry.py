@@ -613,7 +613,7 @@ def metadata(path: PathLike) -> CheckpointMetadata:
       (4, 2)
     """
     start = time.perf_counter()
-    manifest, _, loc = _open(path, listing=False)
+    manifest, _, loc = _open(path)
     info = CheckpointMetadata.of(manifest)
     if _events.listening():
         store = _events.store_kind(loc)
@@ -622,10 +622,9 @@ def metadata(path: PathLike) -> CheckpointMetadata:
     return info
 
 
-def _open(path: PathLike, *, listing: bool = True) -> tuple[Manifest, Any, _location.Location]:
-    """The manifest (checked where it takes jax to check it) and the reader at ``path``
-    (``listing``: start an object store's listing for the reader beside the manifest)."""
+def _open(path: PathLike) -> tuple[Manifest, Any, _location.Location]:
+    """The manifest (checked where it takes jax to check it) and the reader at ``path``."""
     loc = _location.Location(path, one_operation=True)
-    manifest, reader = _sources.open_source(loc, listing=listing)  # jaxckpt, Orbax, safetensors
+    manifest, reader = _sources.open_source(loc)  # jaxckpt, Orbax, safetensors
     check_prng_keys(manifest, f"{loc}/manifest.json")
     return manifest, reader, loc

@@ -18,7 +18,7 @@ def metadata(path: str) -> Manifest:
     """What ``jaxckpt.metadata(path)`` holds, read without jax where the manifest has no PRNG
     key arrays (their implementations are checked by jax)."""
     loc = _location.Location(path, one_operation=True)
-    manifest, _ = _sources.open_source(loc, listing=False)
+    manifest, _ = _sources.open_source(loc)  # the manifest only: nothing is listed
     if any(isinstance(e, ArrayEntry) and e.prng_impl for e in manifest.entries.values()):
         from jaxckpt._planning.mismatch import check_prng_keys
 

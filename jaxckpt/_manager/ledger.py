@@ -22,17 +22,25 @@ processes agree some tier holds whole), raised by each save, and read again afte
 a delete or a rollback. So a step whose only copy was lost (a wiped local disk) still
 counts until the next of those: the loop that goes on from a ``restore()`` numbers from what
 the run holds. Everything else is listed afresh at each call, so steps another process
-commits (a plain ``jaxckpt.save`` into the run) show up; ``save`` lists the directory once.
+commits (a plain ``jaxckpt.save`` into the run) show up; ``save`` lists the directory once
+(on object stores, only from its own step on: see below).
 
-Cost: a listing of the run (O(steps)) per save, delete and ``all_steps``; with a local tier
-one agreement of all processes (O(processes x local steps) through process 0) per
-``all_steps``, delete and rollback; nothing per ``should_save``. Independent of bytes and
-leaves.
+Cost, local directories: a listing of the run (O(steps) directory entries) per save, delete
+and ``all_steps``. Object stores, where a listing returns every object of what it lists
+(O(objects of the run) keys, in pages of 1,000, on every process that sends it): a save lists
+only the key range of its own step and the newer ones (:meth:`Run.steps_from`: nothing there
+when the step is new, so one page), and the older committed steps come from what the ledger
+knows (:meth:`Ledger.persistent`: the listing when it opened, plus each commit, minus each
+delete); ``all_steps``, delete, rollback and retention (process 0, in the background) list
+the run whole. With a local tier one
+agreement of all processes (O(processes x local steps) through process 0) per ``all_steps``,
+delete and rollback; nothing per ``should_save``. Independent of bytes and leaves.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -61,6 +69,10 @@ class Ledger:
         self.newest: int | None = None
         self._before: int | None = None  # ``newest`` before the save in flight began
         self._warned = False  # logged once that an older step is not saved
+        # Object stores: the committed persistent steps as this process knows them (see the
+        # module's docstring).
+        self._known: set[int] = set()
+        self._lock = threading.Lock()
         self.refresh()
 
     # -- what the run holds ---------------------------------------------------------------------
@@ -71,6 +83,8 @@ class Ledger:
         if tier == "local":
             return [] if self.local is None else self.local.steps()
         persistent = self.run.steps()
+        with self._lock:
+            self._known = set(persistent)
         if tier == "persistent" or self.local is None:
             return persistent
         agreed = self.local.agree(None, persistent, None)["local_steps"]
@@ -82,7 +96,7 @@ class Ledger:
 
     def newer(self, step: int) -> list[int]:
         """The steps after ``step`` in any tier, as this process sees them (for messages)."""
-        found = set(self.run.steps())
+        found = set(self.persistent())
         if self.local is not None:
             found |= set(self.local.steps())
         if self.newest is not None:
@@ -147,7 +161,7 @@ class Ledger:
           CheckpointExistsError: ``step`` is saved already, or a newer step is (a rollback
             that forgot ``rollback()``): naming them and the call that rolls back.
         """
-        persistent = self.run.steps()
+        persistent = self._listed_for(step)
         if self.local is None:  # the listing is the whole truth (a step deleted by hand too)
             self.newest = max(persistent, default=None)
         saved = step in persistent or step == self.newest
@@ -158,6 +172,33 @@ class Ledger:
         back = restored if restored is not None and restored < step else step - 1
         doomed = sorted(set(self.newer(back)) | {s for s in persistent if s > back})
         raise CheckpointExistsError(_refusal(step, directory, saved, newer, back, doomed))
+
+    def _listed_for(self, step: int) -> list[int]:
+        """The committed persistent steps before a save of ``step``: listed afresh from
+        ``step`` on (there the listing is the truth), known below it (object stores)."""
+        if self.run.loc.local is not None:
+            return self.run.steps()
+        found = self.run.steps_from(step)
+        with self._lock:
+            self._known = {s for s in self._known if s < step} | set(found)
+            return sorted(self._known)
+
+    def persistent(self) -> list[int]:
+        """The committed persistent steps: listed (local), or as known (object stores)."""
+        if self.run.loc.local is not None:
+            return self.run.steps()
+        with self._lock:
+            return sorted(self._known)
+
+    def committed(self, step: int) -> None:
+        """The persistent save of ``step`` committed (every process)."""
+        with self._lock:
+            self._known.add(step)
+
+    def forget(self, steps: list[int]) -> None:
+        """``steps`` were deleted from the persistent directory."""
+        with self._lock:
+            self._known.difference_update(steps)
 
     def begin(self, step: int) -> None:
         """A save of ``step`` starts (in either tier) on every process."""
@@ -255,6 +296,7 @@ class Ledger:
                 self.run.delete(s)
             if gone:
                 clean_up()
+        self.forget(doomed)
 
 
 def _refusal(

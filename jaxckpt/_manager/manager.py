@@ -182,6 +182,7 @@ class CheckpointManager(RunReader):
         self._metrics = self._run.metrics
         self._primary = _distributed.process_index() == 0
         self._pending: Future[None] | None = None  # the commit of the save in flight
+        self._retiring: Future[None] | None = None  # the retention after the last commit
         self._error: BaseException | None = None
         self._closed = False
         self.read_only = read_only
@@ -275,6 +276,10 @@ class CheckpointManager(RunReader):
         preemption)."""
         loc = self._run.path(step)
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
+        if base is not None and not _location.exists(self._run.path(max(steps))):
+            # Object stores know older steps from the ledger: one deleted by hand is listed out.
+            steps = self._run.steps()
+            base = str(self._run.path(max(steps))) if steps else None
         began = self._schedule.clock()
         try:
             with _location.deadline(self._loc.io_timeout):
@@ -329,13 +334,31 @@ class CheckpointManager(RunReader):
             *(t.get(k, 0) for k in ("blocking", "total", "plan", "stage", "write", "commit")),
             t.get("wait", 0),
         )
+        self._ledger.committed(step)
         if not self._primary:
             return
+        # Off the next save's path: save() waits for the commit only; wait() and close()
+        # wait for this too. One retention at a time, in the order of the commits.
+        before, self._retiring = self._retiring, None
+        timings = step_timings(handle)
+        self._retiring = pools.in_background(self._retire, step, record, timings, before)
+
+    def _retire(
+        self,
+        step: int,
+        record: dict[str, Any] | None,
+        timings: dict[str, Any],
+        before: Future[None] | None,
+    ) -> None:
+        """(primary, in the background) Metrics and retention after ``step``'s commit."""
+        if before is not None:
+            before.result()  # never raises: see below
         try:
-            steps = self._run.steps()
+            steps = self._run.steps()  # listed whole: steps saved or deleted by others too
             deleted = _retention.after_commit(
-                self._loc, self.policy, self._metrics, step, record, steps, step_timings(handle)
+                self._loc, self.policy, self._metrics, step, record, steps, timings
             )
+            self._ledger.forget(deleted)
             if deleted and self._loc.local is None and self.incremental:
                 self._clean_up()  # arrays kept for a step deleted now may be referenced no more
         except Exception:  # the step is committed; a failed cleanup must not stop training
@@ -354,6 +377,7 @@ class CheckpointManager(RunReader):
         try:
             self._wait_persistent()
         finally:
+            self._wait_retiring()
             if self._local is not None:
                 self._local.wait()
             pools.settle()
@@ -376,6 +400,7 @@ class CheckpointManager(RunReader):
         self._check_open()
         step = step_arg(step, "delete(step)")
         self._wait_persistent()
+        self._wait_retiring()  # no two deletes of one step at once
         self._ledger.delete(step, primary=self._primary, clean_up=self._clean_up)
 
     def rollback(self, step: int) -> list[int]:
@@ -399,6 +424,7 @@ class CheckpointManager(RunReader):
         self._check_open()
         step = step_arg(step, "rollback(step)")
         self._wait_persistent()
+        self._wait_retiring()
         return self._ledger.rollback(step, primary=self._primary, clean_up=self._clean_up)
 
     def pin(self, step: int) -> None:
@@ -415,6 +441,7 @@ class CheckpointManager(RunReader):
         self._check_open()
         step = step_arg(step, "pin(step)")
         self._wait_persistent()
+        self._wait_retiring()  # it writes metrics.json too
         self._ledger.require_persistent(step, "pin")
         if self._primary:
             self._run.pin(step, True)
@@ -425,8 +452,15 @@ class CheckpointManager(RunReader):
         self._check_open()
         step = step_arg(step, "unpin(step)")
         self._wait_persistent()
+        self._wait_retiring()  # it writes metrics.json too
         if self._primary:
             self._run.pin(step, False)
+
+    def _wait_retiring(self) -> None:
+        """Wait for the retention after the last commit (it writes metrics.json, deletes)."""
+        retiring, self._retiring = self._retiring, None
+        if retiring is not None:
+            retiring.result()  # never raises: _retire logs its errors
 
     def _wait_persistent(self) -> None:
         pending, self._pending = self._pending, None

@@ -4,7 +4,9 @@ What a ``CheckpointManager`` knows about the directory it saves into, read-only 
 included: the steps are the sub-directories (or sub-prefixes) whose name is a step name
 (``jaxckpt._format.names.step_name``) and that hold a manifest; metrics live in
 ``metrics.json`` (``jaxckpt._manager.retention``). Every call lists afresh, so steps that
-another process commits show up at once.
+another process commits show up at once: :meth:`Run.steps` the whole directory, and
+:meth:`Run.steps_from` only the names from one step on (a save's check on object stores,
+where a listing of the run returns every object of every step).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from jaxckpt._errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
 )
-from jaxckpt._format.names import parse_step, step_name
+from jaxckpt._format.names import MANIFEST, parse_step, step_name
 from jaxckpt._manager.retention import MetricsFile, referenced
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
@@ -62,6 +64,22 @@ class Run:
             return []  # e.g. an evaluator started before the trainer made the directory
         found = (parse_step(n) for n, committed in _catalog.children(self.loc) if committed)
         return sorted(s for s in found if s is not None)
+
+    def steps_from(self, step: int) -> list[int]:
+        """The committed steps at or after ``step``, ascending.
+
+        Object stores: one listing of the key range of step names from ``step``'s on, which
+        holds only the objects of those steps (none, when ``step`` is a new one: one page).
+        Names sort as numbers among steps below 10**7 (``00000100``); from there on a longer
+        name can sort lower, so the range starts at ``1`` and holds every such step.
+        """
+        if self.loc.local is not None:
+            return [s for s in self.steps() if s >= step]
+        name = step_name(step)
+        low = name if name.startswith("0") else "1"
+        found = _catalog.listing(self.loc, (low, ":")).items()  # ":" follows "9"
+        steps = (parse_step(n) for n, keys in found if MANIFEST in keys)
+        return sorted(s for s in steps if s is not None and s >= step)
 
     def make(self) -> None:
         """Create the (local) directory if it is missing."""

@@ -25,13 +25,11 @@ from jaxckpt._storage import objects as _objects
 from jaxckpt._storage import reader as _reader
 
 
-def open_source(
-    loc: _location.Location, *, listing: bool = True
-) -> tuple[Manifest, _reader.Reader]:
+def open_source(loc: _location.Location) -> tuple[Manifest, _reader.Reader]:
     """The manifest and a reader (``read(entries, items)``) for whatever is at ``loc``.
 
-    ``listing``: on object stores, start the listing the reader checks chunks against beside
-    the manifest's read (``False`` where only the manifest is wanted).
+    On object stores this reads the manifest and nothing else: no listing (the reads' own
+    answers say what is missing).
 
     Raises:
       CheckpointNotFoundError: nothing jaxckpt reads is there.
@@ -42,9 +40,6 @@ def open_source(
 
     if loc.name == MANIFEST:  # CKPT/manifest.json: the checkpoint is the folder holding it
         loc = loc.parent()
-    # Object stores: the checkpoint's listing (its chunks, checked before a read) goes out
-    # beside the manifest's read, so a restore waits on one round trip before its data.
-    started = _catalog.Listing(loc) if listing and loc.local is None else None
     try:
         raw, stamp = _location.read_stamped(loc)
     except CheckpointNotFoundError:
@@ -67,7 +62,6 @@ def open_source(
         stamp,
         manifest.refs,
         marked=marked,
-        listing=started,
         records=records,
     )
     return manifest, reader

@@ -29,21 +29,24 @@ from jaxckpt._storage.urls import credentials_hint
 logger = logging.getLogger("jaxckpt")
 
 
-def list_keys(loc: Location) -> list[str]:
-    """Every key under an object-store location (relative to it)."""
-    return Listing(loc).keys()
+def list_keys(loc: Location, within: ts.KvStore.KeyRange | None = None) -> list[str]:
+    """Every key under an object-store location (relative to it); ``within``: only those in
+    that key range (a listing of the range alone: its cost grows with what is in it)."""
+    return Listing(loc, within).keys()
 
 
 class Listing:
-    """A listing of an object-store location, started at once and waited for by :meth:`keys`:
-    issued beside another request (a manifest read), it costs no round trip of its own."""
+    """A listing of an object-store location (``within``: of that key range only), started at
+    once and waited for by :meth:`keys`: issued beside another request (a manifest read), it
+    costs no round trip of its own."""
 
-    def __init__(self, loc: Location) -> None:
+    def __init__(self, loc: Location, within: ts.KvStore.KeyRange | None = None) -> None:
         self.loc = loc
         self._error: ValueError | None = None
         self._fut: Any = None
         try:
-            self._fut = kvstore(loc.kvstore, loc).list()
+            kv = kvstore(loc.kvstore, loc)
+            self._fut = kv.list() if within is None else kv.list(within)
         except ValueError as e:  # the store cannot be opened: said by keys()
             self._error = e
 
@@ -97,7 +100,7 @@ def delete(loc: Location, *, keep: Collection[str] = ()) -> bool:
     refs: dict[str, str] = {}
     if MANIFEST in keys:
         refs = _refs(kv, loc)
-        wait(kv.delete_range(exactly(MANIFEST)), loc, f"deleting {MANIFEST}")
+        wait(kv.write(MANIFEST, None), loc, f"deleting {MANIFEST}")  # one DELETE, no listing
     kept = holds.held(loc, keys)
     if kept is None:
         logger.warning("%s: a held-by marker cannot be read; keeping all its arrays", loc)
@@ -177,8 +180,10 @@ def delete_keys(kv: ts.KvStore, loc: Location, doomed: Iterable[str], listing: l
     assert all(is_own_key(k) for k in doomed)
     whole = {_generation_of(k) for k in doomed} - {None}
     whole -= {_generation_of(k) for k in listing if k not in doomed}
-    futures = [kv.delete_range(prefix_range(g)) for g in whole if g is not None]
-    futures += [kv.delete_range(exactly(k)) for k in doomed if _generation_of(k) not in whole]
+    futures: list[Any] = [kv.delete_range(prefix_range(g)) for g in whole if g is not None]
+    # One DELETE per key, all at once (a range delete of one key lists it first: a request
+    # more per key on GCS).
+    futures += [kv.write(k, None) for k in doomed if _generation_of(k) not in whole]
     for fut in futures:
         wait(fut, loc, "deleting objects")
 
@@ -209,11 +214,13 @@ def children(loc: Location) -> list[tuple[str, bool]]:
     return sorted(found, key=_name_order)
 
 
-def listing(loc: Location) -> dict[str, list[str]]:
+def listing(loc: Location, between: tuple[str, str] | None = None) -> dict[str, list[str]]:
     """Object stores: every key under ``loc`` in a sub-prefix, grouped by the sub-prefix (a
-    step's name) and relative to it; one listing of the whole directory."""
+    step's name) and relative to it; one listing of the whole directory (``between``: of the
+    keys from the first string, inclusive, to the second, exclusive, only)."""
     out: dict[str, list[str]] = {}
-    for key in list_keys(loc):
+    within = None if between is None else ts.KvStore.KeyRange(*between)
+    for key in list_keys(loc, within):
         top, sep, rest = key.partition("/")
         if sep:
             out.setdefault(top, []).append(rest)

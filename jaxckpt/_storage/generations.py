@@ -326,7 +326,7 @@ def commit(
         if not _committed_after_all(loc, data, e):
             raise
     else:
-        if not done.generation:
+        if not done.generation and not _own_after_all(loc, data):
             drop(loc, target)
             raise lost_error(loc, committed=True)
     # The clean-up lists in the background (no round trip after the commit is waited for) and
@@ -337,7 +337,26 @@ def commit(
 def _clean_up_later(
     loc: Location, target: Target, keep_markers_of: dict[str, set[str]], name: str
 ) -> None:
-    clean_up(loc, target, keep_markers_of, name, _listed(loc), target.before)
+    # A prefix that was empty before the save holds nothing to delete: no listing (it would
+    # return every object this save wrote).
+    empty = target.before is not None and not target.before and not target.old_refs
+    clean_up(loc, target, keep_markers_of, name, [] if empty else _listed(loc), target.before)
+
+
+def _own_after_all(loc: Location, data: bytes) -> bool:
+    """After the commit's compare-and-swap was refused: whether the manifest there is this
+    save's all the same. A write whose answer was lost is retried (tensorstore's retries), and
+    the retry is refused because the first one landed: the bytes read back are this save's
+    (they name its generation). Anything else is another save's commit."""
+    try:
+        mine = read_once(loc) == data
+    except (CheckpointError, ValueError):
+        return False  # unknown: taken for a competing save, as before
+    if mine:
+        logger.warning(
+            "%s: the commit's answer was lost and its retry refused; it is in place", loc
+        )
+    return mine
 
 
 def _committed_after_all(loc: Location, data: bytes, error: Exception) -> bool:

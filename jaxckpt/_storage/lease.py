@@ -12,7 +12,7 @@ process's live save (a second ``CheckpointManager`` opened on the run while the 
   writer touches the directory every :data:`BEAT_S` seconds instead, and a leftover counts as
   dead once it is :data:`STALE_S` seconds old.
 * **Object stores** (no locks): the coordinator writes ``writer.json`` beside the save's arrays
-  (``{"host", "pid", "beat"}``) and rewrites it every :data:`BEAT_S` seconds; it goes at the
+  (``{"host", "pid", "beat", "lease"}``) and rewrites it every :data:`BEAT_S` seconds; it goes at the
   commit. A save is dead if its ``writer.json`` is missing, names a process of this same host
   (hostname, boot and PID namespace) that no longer runs, or has not been rewritten (its
   generation unchanged) for :data:`STALE_S` seconds of the clean-up's own monotonic clock,
@@ -33,6 +33,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -60,6 +61,7 @@ class Lease:
     """Held by one save while it writes; :meth:`release` once it committed or gave up."""
 
     def __init__(self, plan: str | None = None) -> None:
+        self._id = uuid.uuid4().hex  # names this lease in its writer.json (see is_mine)
         self._fd: int | None = None
         self._beat: pools.Repeating | None = None
         self._object: tuple[Location, str] | None = None
@@ -154,7 +156,7 @@ class Lease:
         """
         assert self._object is not None
         loc, key = self._object
-        if not wait(fut, loc, f"writing {key}").generation:
+        if not wait(fut, loc, f"writing {key}").generation and not self.is_mine():
             self._object = None
             return None
         self._beat = pools.repeat(BEAT_S, self._write)
@@ -171,12 +173,30 @@ class Lease:
         assert self._object is not None
         loc, key = self._object
         record: dict[str, Any] = {"format": 1, "host": host_id(), "pid": os.getpid()}
+        record["lease"] = self._id
         if self._plan is not None:
             record["plan"] = self._plan
         data = json.dumps({**record, "beat": time.time() if beat is None else beat}).encode()
         return kvstore(loc.kvstore, loc, own_queue=True).write(
             key, data, if_equal=ABSENT if only_if_absent else if_equal
         )
+
+    def is_mine(self) -> bool:
+        """Whether the ``writer.json`` there now is this lease's (its ``lease`` field): after a
+        create-if-absent was refused, because its first write landed but the answer was lost
+        and tensorstore's retry found it there, or because another save holds it.
+
+        Raises:
+          CheckpointError: the read missed its deadline.
+        """
+        if self._object is None:
+            return False
+        loc, key = self._object
+        try:
+            got = wait(kvstore(loc.kvstore, loc, own_queue=True).read(key), loc, f"reading {key}")
+            return got.state == "value" and json.loads(got.value).get("lease") == self._id
+        except (ValueError, AttributeError):  # refused, or not a record of ours
+            return False
 
     def probe(self) -> ts.Future[ts.KvStore.TimestampedStorageGeneration]:
         """Start a create-only-if-absent of this lease's ``writer.json``, which exists: a store

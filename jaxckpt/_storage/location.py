@@ -24,6 +24,7 @@ import tensorstore as ts
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from jaxckpt._format.names import MANIFEST
+from jaxckpt._storage import throttle as _throttle
 from jaxckpt._storage import urls as _urls
 
 # One context for the process: memory:// stores live in it, and no chunk cache is kept.
@@ -164,12 +165,14 @@ class Location:
         # here), and the time.monotonic() one was last seen finished.
         self._watched: deque[weakref.ref[Any]] = deque()
         self._answered = 0.0
+        self._throttled = 0  # throttling answers seen by then (jaxckpt._storage.throttle)
         self._watch_lock = threading.Lock()
         if "://" in text:
             self.local: Path | None = None
             self.kvstore: dict[str, Any] = _urls.kvstore_spec(text)
             if self.kvstore["driver"] != "memory":
                 self.io_timeout = io_timeout()
+                self._throttled = _throttle.answers()
                 self.kvstore["context"] = _urls.retries(self.kvstore["driver"], self.io_timeout)
         else:
             self.local = _urls.local_path(self.url, text)
@@ -199,10 +202,12 @@ class Location:
     def answered(self) -> float:
         """The ``time.monotonic()`` a watched request was last seen finished (0: none yet),
         looking at every one watched now."""
+        throttled = _throttle.answers() if self.io_timeout is not None else 0
         with self._watch_lock:
             pending = deque(r for r in self._watched if not _finished(r))
-            if len(pending) < len(self._watched):
-                self._answered = time.monotonic()
+            if len(pending) < len(self._watched) or throttled != self._throttled:
+                self._answered = time.monotonic()  # a "slow down" is an answer too
+            self._throttled = throttled
             self._watched = pending
             return self._answered
 

@@ -2,9 +2,13 @@
 
 Storage's read side (``jaxckpt._storage`` writes and commits). The :class:`CheckpointReader` is given
 manifest entries and read items by the load planner's protocol and yields each box as numpy,
-reading ahead within a byte bound. Before an array is opened its chunk files are listed (one
-directory walk, or one object-store listing of the checkpoint) so that links out of the
-checkpoint are refused and a manifest cannot declare more data than the checkpoint holds.
+reading ahead within a byte bound. Local: before an array is opened its chunk files are
+listed (one directory walk) so that links out of the checkpoint are refused and a manifest
+cannot declare more data than the checkpoint holds. Object stores: nothing is listed (a
+listing grows with the checkpoint, and every process would send it); the manifest drives the
+reads and their own answers say what is missing (a missing chunk is an error, never fill
+values), and a box too big to allocate is checked against a listing of its array only then
+(:meth:`CheckpointReader.start`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from jaxckpt._format.plan import ReadItem
 from jaxckpt._storage import chunkfile as _chunkfile
 from jaxckpt._storage import holds
 from jaxckpt._storage import packs as _pack
-from jaxckpt._storage.catalog import Listing, list_keys
+from jaxckpt._storage.catalog import list_keys
 from jaxckpt._storage.location import (
     Location,
     Pending,
@@ -126,11 +130,9 @@ class CheckpointReader(Reader):
         refs: dict[str, str] | None = None,
         *,
         marked: bool = False,
-        listing: Listing | None = None,
         records: RecordReader | None = None,
     ) -> None:
-        """``listing``: of ``loc`` (object stores), started beside the manifest's read;
-        ``records``: a v5 checkpoint's, whose boxes are byte ranges of its data objects."""
+        """``records``: a v5 checkpoint's, whose boxes are byte ranges of its data objects."""
         self.loc = loc
         self._records = records
         self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
@@ -149,24 +151,25 @@ class CheckpointReader(Reader):
         self._open: dict[str, ts.TensorStore] = {}
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
-        self._listing: dict[str, dict[str, set[str]]] = {}  # by step's URL
-        # Object stores: listings (and markers) started before they are needed, by step's URL:
-        # this checkpoint's beside its manifest, those of the steps it references now.
-        self._started: dict[str, Listing] = {str(loc): listing} if listing is not None else {}
+        # Object stores: chunk keys by array path, by step's URL, listed only where asked
+        # (``jaxckpt verify``, or a box too big to allocate: see _allocate).
+        self._listing: dict[str, dict[str, set[str]]] = {}
+        # The held-by markers of the steps it references, read beside the first reads.
         self._markers: dict[str, Callable[[], set[str]]] = {}
-        if self.refs and listing is not None:  # a reader that will read: its holders' too
+        if self.refs and marked and loc.local is None:
             for name in holds.by_holder(self.refs):
                 holder = loc.sibling(name)
-                self._started[str(holder)] = Listing(holder)
-                if marked:
-                    self._markers[str(holder)] = holds.start_held_for(holder, loc.name)
+                self._markers[str(holder)] = holds.start_held_for(holder, loc.name)
         self._inplace = _chunkfile.InPlace(loc.local, str(loc)) if loc.local is not None else None
 
     def _store(self, entry: ArrayEntry) -> ts.TensorStore:
         store = self._open.get(entry.path)
         if store is None:
             self._check_inside(entry)
-            self.check_chunks(entry)
+            if self.loc.local is not None:
+                self.check_chunks(entry)
+            else:  # the reads' answers say what is missing (fill_missing_data_reads below)
+                self._check_held(entry)
             loc, path = self.holder(entry.path)
             spec = array_spec(loc.child(path), entry)
             spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
@@ -331,16 +334,13 @@ class CheckpointReader(Reader):
 
     def _object_chunks(self, loc: Location) -> dict[str, set[str]]:
         """Object stores: chunk keys by array path, from one listing of the checkpoint (or of
-        a step it references), cached.
-
-        One paginated list for the whole checkpoint costs far less than a request per array.
+        a step it references), cached. Only ``jaxckpt verify`` and a box too big to allocate
+        ask: a restore otherwise lists nothing.
         """
         listing = self._listing.get(str(loc))
         if listing is None:
             listing = collections.defaultdict(set)
-            started = self._started.pop(str(loc), None)
-            keys = started.keys() if started is not None else list_keys(loc)
-            for k in keys:
+            for k in list_keys(loc):
                 for m in re.finditer(r"/c(?=/|\Z)", k):  # every ``/c`` segment: an array's chunks?
                     listing[k[: m.start()]].add(k[m.start() + 1 :])
             self._listing[str(loc)] = listing
@@ -406,7 +406,7 @@ class CheckpointReader(Reader):
         dtype = dtype_from_name(entry.storage_dtype)
         if math.prod(item.sizes) * dtype.itemsize >= _ALIGNED_MIN_BYTES:
             # into an aligned buffer: CPU devices alias it, no copy
-            out = aligned_empty(item.sizes, dtype)
+            out = self._allocate(entry, item.sizes)
             into = ts.array(out, copy=False, write=True)
             fut: ts.Future[Any] | ts.WriteFutures = into.write(store)
         else:
@@ -414,6 +414,22 @@ class CheckpointReader(Reader):
         self.loc.watch(fut)
         nbytes = math.prod(item.sizes) * dtype.itemsize
         return lambda: self._result(entry, fut, out, nbytes)
+
+    def _allocate(self, entry: ArrayEntry, sizes: tuple[int, ...]) -> npt.NDArray[Any]:
+        """An aligned buffer for a box of ``entry`` (its pages are touched only as chunks
+        arrive, so a manifest declaring more than is stored costs no memory beyond the chunks
+        read). Where the box cannot even be reserved, the array's chunks are listed then, and
+        only then, so that a missing chunk is reported as such, not as memory.
+
+        Raises:
+          CorruptChunkError: a declared chunk is missing (names the key and the chunk).
+          MemoryError: the chunks are all there; the box does not fit this host's memory.
+        """
+        try:
+            return aligned_empty(sizes, dtype_from_name(entry.storage_dtype))
+        except MemoryError:
+            self.check_chunks(entry)  # raises if one is missing
+            raise
 
     def _result(
         self, entry: ArrayEntry, fut: Pending[Any], out: npt.NDArray[Any] | None, nbytes: int = 0

@@ -123,20 +123,34 @@ def kvstore_spec(url: str) -> dict[str, Any]:
 
 
 def retries(driver: str, seconds: float) -> dict[str, Any]:
-    """The store's retry policy, bounded by the deadline: tensorstore's default (32 retries,
-    up to 32 s apart) would go on retrying an operation against a dead server for a quarter of
-    an hour after jaxckpt gave it up, holding one of the process's request slots all along.
+    """The store's retry policy: throttling (429, 503, S3's SlowDown) is slowness, not failure.
+
+    Exponential backoff with jitter (tensorstore's: each retry waits ``initial_delay * 2**n``,
+    at most ``max_delay``, plus up to a second of jitter). The first retry waits at least
+    ``initial_delay`` = 1 s: the ``Retry-After`` GCS and S3 send when they throttle (tensorstore
+    does not read the header; a longer one is covered by the backoff, which reaches the
+    deadline's quarter after 3 retries). 12 retries span about 74 s at the default 30 s
+    deadline: a store throttling that long still completes the request, and the deadline is
+    counted from its last "slow down" (``jaxckpt._storage.throttle``). Bounded all the same:
+    tensorstore's default (32 retries, up to 32 s apart) would go on retrying an operation
+    against a dead server for a quarter of an hour after jaxckpt gave it up, holding one of
+    the process's request slots all along. A failed chunk write or read is retried so before
+    its save or restore fails.
 
     Example:
       >>> retries("s3", 30.0)["s3_request_retries"]
-      {'max_retries': 8, 'initial_delay': '0.25s', 'max_delay': '7.5s'}
+      {'max_retries': 12, 'initial_delay': '1s', 'max_delay': '7.5s'}
     """
     policy = {
-        "max_retries": 8,
-        "initial_delay": "0.25s",
-        "max_delay": f"{max(0.5, seconds / 4):g}s",
+        "max_retries": RETRIES,
+        "initial_delay": f"{INITIAL_DELAY:g}s",
+        "max_delay": f"{max(2 * INITIAL_DELAY, seconds / 4):g}s",
     }
     return {f"{driver}_request_retries": policy}
+
+
+RETRIES = 12  # tensorstore's retries of one request (docs/object_storage.md, "Throttling")
+INITIAL_DELAY = 1.0  # seconds before the first: the Retry-After of a throttling store
 
 
 def s3_options() -> dict[str, Any]:

@@ -123,7 +123,8 @@ class Writer:
         self.is_coordinator = is_coordinator
         self.arrays: dict[str, Any] = {}  # by key, once opened
         self._opening: dict[str, tuple[ArrayEntry, Any]] = {}  # by key, still being opened
-        self._metadata: dict[str, Any] = {}  # by key: zarr.json writes (object stores)
+        # By key: each entry and its zarr.json's write (object stores).
+        self._metadata: dict[str, tuple[ArrayEntry, Any]] = {}
         self._kv: ts.KvStore | None = None
         self._create = False
         self._linkers: dict[str, Linker] = {}  # by base folder (link())
@@ -196,7 +197,7 @@ class Writer:
                         if_equal=ABSENT if self.resumed is None else None,
                     )
                     self.loc.watch(fut)
-                    self._metadata[e.key] = fut
+                    self._metadata[e.key] = (e, fut)
                 continue
             self._opening[e.key] = (  # adopted leftovers: an array may exist already
                 e,
@@ -225,12 +226,28 @@ class Writer:
         every array is opened from the manifest's metadata)."""
         for key in list(self._metadata):
             what = f"creating the zarr.json of key {key!r}"
+            e, fut = self._metadata.pop(key)
             try:
-                done = wait(self._metadata.pop(key), self.loc, what)
+                done = wait(fut, self.loc, what)
             except ValueError as err:
                 raise write_error(self.loc, what, err) from err
-            if not done.generation:  # another save to the same prefix created it first
+            if not done.generation and not self._own_metadata(e):
                 raise lost_error(self.loc, committed=False, writing=True)
+
+    def _own_metadata(self, e: ArrayEntry) -> bool:
+        """Whether the ``zarr.json`` whose create-if-absent was refused holds this save's
+        bytes: its first write landed but the answer was lost, and tensorstore's retry was
+        refused. One save writes into a generation: the one whose lease (created only if
+        absent, naming its holder) is there; so the same bytes, with this save's lease there,
+        are this save's own. Anything else is another save's."""
+        lease = self._target.lease if self._target is not None else None
+        what = f"reading back the zarr.json of key {e.key!r}"
+        try:
+            got = wait(self._root_kv().read(f"{e.path}/zarr.json"), self.loc, what)
+        except ValueError:
+            return False
+        same = got.state == "value" and got.value == zarr_json(e)
+        return same and lease is not None and lease.is_mine()
 
     def _array(self, key: str) -> Any:
         store = self.arrays.get(key)
@@ -430,7 +447,7 @@ class Writer:
                 self._array(key)
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes
                 pass
-        for fut in self._metadata.values():
+        for _, fut in self._metadata.values():
             try:
                 wait(fut, self.loc, "creating a zarr.json")
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes

@@ -1,0 +1,55 @@
+"""Issue 63, item 5: the counts behind benchmarks/pod_scale.py's table, measured with real
+groups of 2 and 4 processes (4 CPU devices each) against fake-gcs-server through its proxy:
+objects per save, requests per process for a save and a restore, listing pages, and
+coordination-service operations, each checked against the model. Counts, never times.
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.parse
+import uuid
+from pathlib import Path
+
+import pytest
+from gcs_server import BUCKET
+from groups import run_group
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import pod_scale  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "pod_worker.py"
+
+
+def _listings(seen: list, prefix: str) -> list[str]:
+    out = []
+    for method, path, _ in seen:
+        parts = urllib.parse.urlsplit(path)
+        if method == "GET" and parts.path == f"/storage/v1/b/{BUCKET}/o" and prefix in path:
+            out.append(path)
+    return out
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_a_groups_counts_match_the_model(gcs, tmp_path, monkeypatch, processes):
+    prefix = f"pod-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("POD_URL", f"gs://{BUCKET}/{prefix}")
+    before = len(gcs.proxy.seen)
+    records = run_group(WORKER, "pod", processes, tmp_path, timeout_s=600)
+    assert all(r["exact"] for r in records), records
+    state = list(pod_scale.toy_transformer().values())
+    want = pod_scale.model(state, devices=4 * processes, per_process=4)
+    assert len(gcs.keys(f"{prefix}/ck")) == want.objects
+    saves = [r["save_requests"] for r in records]
+    assert saves[0] == want.save_requests_max, (saves, want)
+    assert sum(saves) == round(want.save_requests_mean * processes), (saves, want)
+    restores = [r["restore_requests"] for r in records]
+    assert max(restores) == want.restore_requests_max, (restores, want)
+    ck = urllib.parse.quote(f"{prefix}/ck", safe="")
+    listings = _listings(gcs.proxy.seen[before:], ck)
+    assert len(listings) == want.save_pages, listings  # process 0's, of the empty prefix
+    # Typical counts; a process that waits longer at a sync point polls again.
+    coordination = [r["save_coordination"] for r in records]
+    assert coordination[0] <= 2 * want.coordination_ops[0], records
+    assert max(coordination[1:]) <= 2 * want.coordination_ops[1], records
+    assert [r["restore_coordination"] for r in records] == [0] * processes, records
