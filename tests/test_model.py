@@ -93,6 +93,20 @@ class Trip(jaxckpt.DefaultSavePlanner):
         raise RuntimeError("tripwire: the planner failed")
 
 
+class Throttled(jaxckpt.DefaultSavePlanner):
+    """Storage failing a save partway: the items before the ``n + 1``-th are written."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def resolve_data(self, item):
+        self.n -= 1
+        if self.n < 0:
+            raise jaxckpt.CheckpointError("throttled: injected by the model")
+        return super().resolve_data(item)
+
+
 class Pause(jaxckpt.DefaultSavePlanner):
     """Holds a save in the middle of its writes until ``go`` is set."""
 
@@ -317,6 +331,31 @@ class CheckpointModel(RuleBasedStateMachine):
             return
         assert overwrite or name not in self.plain
         self.plain[name] = v
+        self.plain_broken.discard(name)
+
+    @rule(
+        name=st.sampled_from(["a", "b", "c"]),
+        v=st.integers(0, 7),
+        w=st.integers(0, 7),
+        written=st.integers(0, 1),
+    )
+    def resumed_save(self, name, v, w, written):
+        """A save that storage fails after ``written`` items, then its retry with the data of
+        ``w`` (the same or changed): the failure changes nothing committed; the retry commits
+        ``w`` whole, keeping what the failed save wrote where it is the same."""
+        STATS["resumed_save"] += 1
+        path = f"{self.base}/plain/{name}"
+        overwrite = name in self.plain
+        with pytest.raises(jaxckpt.CheckpointError, match="throttled"):
+            jaxckpt.save(path, state(v), overwrite=overwrite, planner=Throttled(written))
+        if name in self.plain:
+            want = state(self.plain[name])
+            _restores(lambda: jaxckpt.restore(path), want, name in self.plain_broken)
+        handle = jaxckpt.save_async(path, state(w), overwrite=overwrite)
+        handle.wait()
+        if written and v == w:
+            assert handle.resumed_bytes > 0
+        self.plain[name] = w
         self.plain_broken.discard(name)
 
     @precondition(lambda self: self.plain)

@@ -37,6 +37,7 @@ from jaxckpt._runtime import progress as _progress
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
+from jaxckpt._storage import resume as _resume
 from jaxckpt._storage import writer as _storage
 from jaxckpt._storage.messages import typed_os_error
 
@@ -204,6 +205,7 @@ class SaveHandle:
         self.timings: dict[str, float] = {}
         self.nbytes = 0
         self.reused_bytes = 0  # bytes an incremental save took from its base instead
+        self.resumed_bytes = 0  # bytes a failed save of the same plan had written, kept
         self.processes: dict[int, dict[str, float]] = {}  # the coordinator's: every process's
         self.slowest: dict[str, list[Any]] = {}
         self._attrs = attrs  # the events' store and call attributes
@@ -280,7 +282,7 @@ def _start_save(
         increment = sync.run(
             "base", lambda: Increment(base_loc, loc, global_plan.manifest, entries)
         )
-    writer = _open_writer(loc, sync, overwrite, global_plan, entries)
+    writer = _open_writer(loc, sync, overwrite, global_plan, entries, compression, increment)
     clock.mark("plan")
     order = local.items if increment is None else increment.order(local.items)
     bar = _progress.Progress("save", local.nbytes, progress)
@@ -313,13 +315,24 @@ def _open_writer(
     overwrite: bool,
     plan: GlobalSavePlan,
     entries: dict[str, ArrayEntry],
+    compression: str | None = None,
+    increment: Increment | None = None,
 ) -> _storage.Writer:
     """The save's ``Writer`` (its staging directory or generation, leased), writing format v5's
-    data objects where the plan has them."""
+    data objects where the plan has them. A failed save of this same plan is resumed
+    (``_storage.resume``), unless this one is incremental (its boxes are linked or referenced,
+    never compared with leftovers) or writes data objects."""
+    resume = None
+    if increment is None and not plan.manifest.objects:
+        resume = _resume.plan_id(f"{plan.digest}:{compression}", entries.values())
     writer = sync.run(
         "open",
         lambda: _storage.Writer(
-            loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
+            loc,
+            overwrite=overwrite,
+            is_coordinator=sync.is_coordinator,
+            broadcast=sync.broadcast,
+            plan=resume,
         ),
     )
     writer.use_objects(plan.manifest.objects, entries, sync.process)
@@ -425,6 +438,7 @@ def _write_and_commit(
         sync.barrier("committed", wait_for_all=False)
         clock.mark("commit")
         handle.reused_bytes = increment.reused_bytes if increment is not None else 0
+        handle.resumed_bytes = writer.resumed.kept if writer.resumed is not None else 0
         bar.finish()
         handle.timings.update(wait=sync.waited(), total=time.perf_counter() - start)
         t, nbytes, reused = handle.timings, handle.nbytes, handle.reused_bytes
@@ -432,7 +446,7 @@ def _write_and_commit(
     except BaseException as e:  # re-raised by wait()
         # failed() first: it returns once the others stopped
         handle._error = sync.failed(typed_os_error(e, loc))
-        writer.abort()
+        writer.abort(handle._error)
     finally:
         bar.close()
         handle._finished.set()

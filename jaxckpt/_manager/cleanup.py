@@ -25,6 +25,7 @@ from jaxckpt._storage import holds as _holds
 from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import local_commit as _local_commit
 from jaxckpt._storage import location as _location
+from jaxckpt._storage import resume as _resume
 
 logger = logging.getLogger("jaxckpt")
 METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
@@ -38,9 +39,13 @@ def clean_up(run: _location.Location, referenced: Referenced) -> None:
     if run.local is None:
         _clean_up_objects(run, referenced)
         return
+    names = [p.name for p in run.local.iterdir()]
+    newest = _newest(n for n in names if (run.local / n / MANIFEST).is_file())
     for p in run.local.iterdir():
         staging = parse_staging(p.name)
         if staging is not None and parse_step(staging[0]) is not None:
+            if _for_retry(staging[0], newest) and not staging[2] and _resume.plan_of(p):
+                continue  # a failed save of the next step: its retry resumes it
             if not _local_commit.clean_leftover(p, *staging):
                 continue
         elif METRICS_TMP.fullmatch(p.name) and not _lease.local_is_live(p):
@@ -59,6 +64,14 @@ def _clean_up_objects(run: _location.Location, referenced: Referenced) -> None:
     steps = [n for n in listing if parse_step(n) is not None]
     keep = referenced(n for n in steps if n in committed)
     live = {n for n in steps if _writing(run.join(n), listing[n])}
+    newest = _newest(committed)
+    live |= {  # a failed save of the next step, kept: its retry resumes it
+        n
+        for n in steps
+        if n not in committed
+        and _for_retry(n, newest)
+        and _resume.resumable(run.join(n), listing[n])
+    }
     for name in steps:
         loc = run.join(name)
         for referrer in _holds.referrers(listing[name]):
@@ -75,6 +88,20 @@ def _clean_up_objects(run: _location.Location, referenced: Referenced) -> None:
                 logger.info("cleaned up %s (left by an interrupted save or delete)", loc)
         except CheckpointError as e:  # holds objects jaxckpt did not write: keep
             logger.warning("not cleaning up %s: %s", loc, e)
+
+
+def _newest(names: Iterable[str]) -> int | None:
+    """The newest step among ``names`` (``None``: none is a step)."""
+    steps = [s for s in map(parse_step, names) if s is not None]
+    return max(steps) if steps else None
+
+
+def _for_retry(name: str, newest: int | None) -> bool:
+    """Whether the uncommitted step ``name`` is newer than every committed one: a failed save
+    of it that recorded its plan stays for a retry to resume (``jaxckpt._storage.resume``);
+    the next commit, of it or of a later step, removes it."""
+    step = parse_step(name)
+    return step is not None and (newest is None or step > newest)
 
 
 def _tidy(loc: _location.Location) -> None:

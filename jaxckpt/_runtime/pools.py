@@ -179,7 +179,7 @@ class Repeating:
         beat = threading.Thread(
             target=self._run, args=(seconds, fn), name="jaxckpt-beat", daemon=True
         )
-        _start(beat)
+        self._thread = beat if _start(beat) else None
 
     def _run(self, seconds: float, fn: Callable[[], object]) -> None:
         while not self._stopped.wait(seconds):
@@ -188,8 +188,12 @@ class Repeating:
             except Exception:  # noqa: BLE001 - the next beat tries again
                 pass
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = False) -> None:
+        """No more beats; with ``wait``, return once a beat running now has ended too (what
+        is written after must not be overwritten by it)."""
         self._stopped.set()
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 def after(seconds: float, fn: Callable[[], object]) -> threading.Timer:

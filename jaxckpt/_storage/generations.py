@@ -41,7 +41,7 @@ from jaxckpt._errors import CheckpointError, ManifestError
 from jaxckpt._format.manifest import Manifest, storage_entries
 from jaxckpt._format.names import DATA, HELD_BY, MANIFEST, WRITER, is_own_key
 from jaxckpt._runtime import pools
-from jaxckpt._storage import holds
+from jaxckpt._storage import holds, resume
 from jaxckpt._storage.catalog import (
     Listing,
     array_of,
@@ -51,7 +51,7 @@ from jaxckpt._storage.catalog import (
     list_keys,
     prefix_range,
 )
-from jaxckpt._storage.lease import Lease
+from jaxckpt._storage.lease import Lease, dead_plan, is_lease
 from jaxckpt._storage.location import ABSENT, DeadlineError, Location, kvstore, wait
 from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
 from jaxckpt._storage.urls import endpoint
@@ -73,6 +73,7 @@ class Target:
     lease: Lease | None = None  # the coordinator's
     probe: Any = None  # the future of :func:`_probe`'s write, if this save checks the store
     before: set[str] | None = None  # the prefix's keys step 1 listed (coordinator)
+    resumed: bool = False  # a failed save's generation of the same plan, adopted
 
 
 def prepare(
@@ -80,18 +81,24 @@ def prepare(
     overwrite: bool,
     is_coordinator: bool,
     broadcast: Callable[[str, str], str] | None,
+    plan: str | None = None,
 ) -> Target:
-    """Step 1: check the prefix and choose the generation (see the module's docstring)."""
+    """Step 1: check the prefix and choose the generation (see the module's docstring).
+
+    ``plan``: this save's plan, recorded in its ``writer.json``; a dead save's generation
+    that records the same one is adopted instead of a fresh one (``jaxckpt._storage.resume``).
+    """
     if not is_coordinator:
         if broadcast is None:
             raise ValueError("a non-coordinator Writer needs broadcast= to find the generation")
-        return Target(broadcast("generation", ""))
+        generation, resumed = resume.told(broadcast("generation", ""))
+        return Target(generation, resumed=resumed)
     kv = kvstore(loc.kvstore, loc)
     # The listing, the manifest's read and the plain prefix's lease (created only if absent)
     # go out together: a save to an empty prefix waits on one round trip here.
     listing = Listing(loc)
     reading = kv.read(MANIFEST)
-    plain, taking = Lease.start_object_store(loc, "", only_if_absent=True)
+    plain, taking = Lease.start_object_store(loc, "", only_if_absent=True, plan=plan)
     try:
         old = wait(reading, loc, f"reading {MANIFEST}")
         keys = listing.keys()
@@ -101,7 +108,7 @@ def prepare(
         raise
     held = plain.taken(taking)
     try:
-        target = _choose(loc, old, keys, held)
+        target = _choose(loc, old, keys, held, plan)
     except BaseException:
         if held is not None:
             held.release()
@@ -109,7 +116,7 @@ def prepare(
     target.probe = _probe(loc, target.lease)
     if broadcast is not None:
         try:
-            broadcast("generation", target.generation)
+            broadcast("generation", resume.tell(target.generation, target.resumed))
         except BaseException:
             if target.lease is not None:
                 target.lease.release()
@@ -193,10 +200,13 @@ def _refuse(loc: Location, overwrite: bool, committed: bool, keys: list[str]) ->
         raise not_ours_to_replace(loc, foreign[0], committed=committed)
 
 
-def _choose(loc: Location, old: Any, keys: list[str], held: Lease | None) -> Target:
+def _choose(
+    loc: Location, old: Any, keys: list[str], held: Lease | None, plan: str | None = None
+) -> Target:
     """Step 1's decision from the manifest read (``old``), the listing (``keys``) and the
     plain prefix's lease if this save took it (``held``): the plain prefix if it was empty,
-    else a fresh generation (``held`` is released then)."""
+    else a dead save's generation of the same ``plan``, else a fresh generation (``held`` is
+    released then)."""
     committed = old.state == "value"
     target = Target("", old.stamp.generation if committed else ABSENT, _refs(old.value))
     mine = {WRITER} if held is not None else set()  # the listing may have seen it
@@ -204,12 +214,47 @@ def _choose(loc: Location, old: Any, keys: list[str], held: Lease | None) -> Tar
     if held is not None and not target.before:  # empty, and no other save took it first
         target.lease = held
         return target
+    adopted = _adopt(loc, old, sorted(target.before), plan) if plan is not None else None
+    if adopted is not None:
+        if held is not None:
+            held.release()
+        target.generation, target.lease = adopted
+        target.resumed = True
+        return target
     target.generation = _fresh_generation(keys)
-    lease, taking = Lease.start_object_store(loc, target.generation)
+    lease, taking = Lease.start_object_store(loc, target.generation, plan=plan)
     if held is not None:
         held.release()  # beside the generation's lease
     target.lease = lease.taken(taking)
     return target
+
+
+def _adopt(loc: Location, old: Any, keys: list[str], plan: str) -> tuple[str, Lease] | None:
+    """A generation (or the plain prefix) a dead save of ``plan`` left, its lease taken over
+    by compare-and-swap on its ``writer.json``; never the committed checkpoint's own."""
+    committed = None
+    if old.state == "value":
+        try:
+            committed = generation_of(Manifest.from_json(old.value))
+        except ManifestError:
+            return None  # which generation it uses is unknown: none is adopted
+    kv = kvstore(loc.kvstore, loc)
+    for top in sorted({k[: -len(WRITER)] for k in keys if is_lease(k)} - {committed}):
+        got = wait(kv.read(top + WRITER), loc, f"reading {top}{WRITER}")
+        if dead_plan(loc, top + WRITER, got) != plan:
+            continue
+        lease, taking = Lease.start_object_store(loc, top, plan=plan, if_equal=got.stamp.generation)
+        held = lease.taken(taking)
+        if held is not None:
+            return top, held
+    return None
+
+
+def generation_of(manifest: Manifest) -> str:
+    """The generation (``""``: the plain prefix) a committed manifest's arrays are in."""
+    entries = storage_entries(manifest).values()
+    top = next(iter(entries)).path.split("/", 1)[0] if entries else ""
+    return top + "/" if is_generation(top) else ""
 
 
 def _fresh_generation(keys: Iterable[str]) -> str:
@@ -395,9 +440,7 @@ def clean_up(
 def tidy(loc: Location, manifest: Manifest) -> None:
     """Step 4 for a committed checkpoint whose save died after its commit (a clean-up found its
     ``writer.json`` dead): delete what that save's step 4 would have; never raises."""
-    entries = storage_entries(manifest).values()
-    top = next(iter(entries)).path.split("/", 1)[0] if entries else ""
-    generation = top + "/" if is_generation(top) else ""
+    generation = generation_of(manifest)
     try:
         kv = kvstore(loc.kvstore, loc)
         wait(kv.delete_range(exactly(generation + WRITER)), loc, f"deleting {WRITER}")

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import tensorstore as ts
 
@@ -60,11 +60,12 @@ class LeaseLost(OSError):
 class Lease:
     """Held by one save while it writes; :meth:`release` once it committed or gave up."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: str | None = None) -> None:
         self._id = uuid.uuid4().hex  # names this lease in its writer.json (see is_mine)
         self._fd: int | None = None
         self._beat: pools.Repeating | None = None
         self._object: tuple[Location, str] | None = None
+        self._plan = plan  # recorded in writer.json: a retry of the same plan may adopt it
 
     @classmethod
     def local(cls, staging: Path) -> Lease:
@@ -95,6 +96,30 @@ class Lease:
         return lease
 
     @classmethod
+    def adopt_local(cls, staging: Path) -> Lease | None:
+        """Take the lease of a dead save's staging directory ``staging`` without waiting
+        (``jaxckpt._storage.resume``); ``None`` while a live save holds it, or once gone."""
+        try:
+            fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        lease = cls()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            stale = e.errno in _NO_LOCKS and time.time() - os.fstat(fd).st_mtime >= STALE_S
+            os.close(fd)
+            if not stale:
+                return None
+            lease._beat = pools.repeat(BEAT_S, lambda: os.utime(staging))
+            return lease
+        if os.fstat(fd).st_nlink == 0:  # removed by a clean-up before the lock
+            os.close(fd)
+            return None
+        lease._fd = fd
+        return lease
+
+    @classmethod
     def object_store(
         cls, loc: Location, generation: str, *, only_if_absent: bool = False
     ) -> Lease | None:
@@ -105,13 +130,21 @@ class Lease:
 
     @classmethod
     def start_object_store(
-        cls, loc: Location, generation: str, *, only_if_absent: bool = False
+        cls,
+        loc: Location,
+        generation: str,
+        *,
+        only_if_absent: bool = False,
+        plan: str | None = None,
+        if_equal: Any = None,
     ) -> tuple[Lease, ts.Future[ts.KvStore.TimestampedStorageGeneration]]:
         """:meth:`object_store` in two steps: the write of ``writer.json`` starts now (beside
-        other requests), :meth:`taken` waits for it."""
-        lease = cls()
+        other requests), :meth:`taken` waits for it. ``plan``: the save's plan, recorded;
+        ``if_equal``: the stamp of a dead save's ``writer.json`` this one takes over (only if
+        it is still that one: two retries never adopt the same leftover)."""
+        lease = cls(plan)
         lease._object = (loc, generation + WRITER)
-        return lease, lease._start(only_if_absent)
+        return lease, lease._start(only_if_absent, if_equal)
 
     def taken(self, fut: ts.Future[ts.KvStore.TimestampedStorageGeneration]) -> Lease | None:
         """This lease once the write :meth:`start_object_store` started made it (it is kept
@@ -134,13 +167,18 @@ class Lease:
         loc, key = self._object
         return bool(wait(self._start(only_if_absent), loc, f"writing {key}").generation)
 
-    def _start(self, only_if_absent: bool) -> ts.Future[ts.KvStore.TimestampedStorageGeneration]:
+    def _start(
+        self, only_if_absent: bool, if_equal: Any = None, beat: float | None = None
+    ) -> ts.Future[ts.KvStore.TimestampedStorageGeneration]:
         assert self._object is not None
         loc, key = self._object
-        record = {"format": 1, "host": host_id(), "pid": os.getpid(), "lease": self._id}
-        data = json.dumps({**record, "beat": time.time()}).encode()
+        record: dict[str, Any] = {"format": 1, "host": host_id(), "pid": os.getpid()}
+        record["lease"] = self._id
+        if self._plan is not None:
+            record["plan"] = self._plan
+        data = json.dumps({**record, "beat": time.time() if beat is None else beat}).encode()
         return kvstore(loc.kvstore, loc, own_queue=True).write(
-            key, data, if_equal=ABSENT if only_if_absent else None
+            key, data, if_equal=ABSENT if only_if_absent else if_equal
         )
 
     def is_mine(self) -> bool:
@@ -166,13 +204,22 @@ class Lease:
         them writes it (the same record; ``jaxckpt._storage.generations`` warns)."""
         return self._start(only_if_absent=True)
 
-    def release(self, *, delete: bool = True) -> None:
-        """Stop holding the lease (``delete``: remove ``writer.json`` too; never raises)."""
-        if self._beat is not None:
-            self._beat.stop()
+    def release(self, *, delete: bool = True, resumable: bool = False) -> None:
+        """Stop holding the lease (``delete``: remove ``writer.json`` too; ``resumable``:
+        rewrite it as dead at once instead, its plan kept, so that a retry adopts the data;
+        never raises)."""
+        if self._beat is not None:  # a beat after the dead record would revive it
+            self._beat.stop(wait=resumable)
         if self._fd is not None:
             os.close(self._fd)  # drops the lock
             self._fd = None
+        if self._object is not None and resumable and self._plan is not None:
+            loc, key = self._object
+            try:  # beat 0: dead by any clock (older than STALE_S + SKEW_S)
+                wait(self._start(False, beat=0.0), loc, f"writing {key}")
+            except Exception:  # noqa: BLE001 - a live-looking writer.json only waits STALE_S
+                pass
+            self._object = None
         if self._object is not None and delete:
             loc, key = self._object
             try:
@@ -245,6 +292,26 @@ def object_is_live(
     A lease seen for the first time is alive unless the record, its process or its beat says
     otherwise: clean-ups look again later (each manager's start and save)."""
     got = wait(kvstore(loc.kvstore, loc).read(key), loc, f"reading {key}")
+    return read_is_live(loc, key, got, now, clock)
+
+
+def dead_plan(loc: Location, key: str, got: Any) -> str | None:
+    """The plan a dead save's ``writer.json`` (``got``: its read, at ``key`` of ``loc``)
+    records; ``None`` if the save is live (:func:`read_is_live`), or recorded none (or the
+    record is not ours to trust)."""
+    if got.state != "value" or read_is_live(loc, key, got):
+        return None
+    try:
+        plan = json.loads(got.value).get("plan")
+    except (ValueError, AttributeError):
+        return None
+    return plan if isinstance(plan, str) else None
+
+
+def read_is_live(
+    loc: Location, key: str, got: Any, now: float | None = None, clock: float | None = None
+) -> bool:
+    """:func:`object_is_live` of the read ``got`` of ``writer.json`` at ``key`` of ``loc``."""
     seen = (str(loc), key)
     if got.state != "value":
         _seen.pop(seen, None)

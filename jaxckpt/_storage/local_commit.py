@@ -29,30 +29,49 @@ import uuid
 from pathlib import Path
 
 from jaxckpt._errors import CheckpointError, CheckpointExistsError
-from jaxckpt._format.names import ARRAYS, MANIFEST, parse_staging, staging_name
+from jaxckpt._format.names import ARRAYS, MANIFEST, WRITER, parse_staging, staging_name
 from jaxckpt._runtime import pools
 from jaxckpt._runtime.libc import libc
+from jaxckpt._storage import resume
 from jaxckpt._storage.catalog import fsync_dir
 from jaxckpt._storage.lease import Lease, LeaseLost, holding
 from jaxckpt._storage.location import Location
 from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
 
 
-def make_staging(loc: Location, overwrite: bool) -> tuple[Path, Lease]:
-    """Check the target (see :func:`check_target_dir`), then make and lease the staging dir."""
+def make_staging(
+    loc: Location, overwrite: bool, plan: str | None = None
+) -> tuple[Path, Lease, bool]:
+    """Check the target (see :func:`check_target_dir`), then make and lease the staging dir:
+    ``(staging, lease, resumed)``. With ``plan``, a dead save's staging directory of the same
+    plan is adopted (``resumed``, see ``jaxckpt._storage.resume``), or the new one records it."""
     assert loc.local is not None
-    clean_leftovers(loc.local)
-    check_target_dir(loc.local, overwrite)
+    adopted = resume.adopt_local(loc.local, plan) if plan is not None else None
+    try:
+        clean_leftovers(loc.local)  # the adopted one stays: this save holds its lease
+        check_target_dir(loc.local, overwrite)
+    except BaseException:
+        if adopted is not None:
+            adopted[1].release()
+        raise
+    if adopted is not None:
+        return adopted[0], adopted[1], True
     for _ in range(3):
         staging = loc.local.parent / staging_name(loc.local.name, uuid.uuid4().hex[:8])
         try:
             staging.mkdir(parents=True)
-            return staging, Lease.local(staging)
+            lease = Lease.local(staging)
         except LeaseLost:
             continue  # a clean-up removed it before it was locked: another one
         except OSError as e:  # a parent that is a file, a read-only file system, ...
             shutil.rmtree(staging, ignore_errors=True)
             raise write_error(loc, f"creating {staging}", e) from e
+        if plan is not None:
+            try:
+                resume.mark_local(staging, plan)
+            except OSError:
+                pass  # only a retry's resume is lost; the data's own writes will say why
+        return staging, lease, False
     raise write_error(loc, "creating its staging directory", OSError("removed 3 times"))
 
 
@@ -67,6 +86,7 @@ def commit(loc: Location, staging: Path, manifest: bytes, overwrite: bool) -> No
     target = loc.local
     assert target is not None
     try:
+        (staging / WRITER).unlink(missing_ok=True)  # the plan a retry would have adopted
         with open(staging / MANIFEST, "wb") as f:
             f.write(manifest)
     except OSError as e:

@@ -29,7 +29,7 @@ from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
 from jaxckpt._format.objects import DataObjects
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
-from jaxckpt._storage import directwrite, generations, local_commit, writeback
+from jaxckpt._storage import directwrite, generations, local_commit, resume, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
 from jaxckpt._storage.location import ABSENT, Location, Pending, context, kvstore, wait
@@ -85,7 +85,8 @@ class Writer:
     1. ``Writer(loc, overwrite=..., is_coordinator=..., broadcast=...)`` (all processes): the
        coordinator checks the target (``CheckpointExistsError``, or foreign files) and makes
        and leases the hidden staging directory (local) or chooses the generation (object
-       stores); the others learn its name through ``broadcast``.
+       stores), or, with ``plan=``, adopts a dead save's of the same plan
+       (``jaxckpt._storage.resume``); the others learn its name through ``broadcast``.
     2. ``open_arrays(entries, create=True)`` (coordinator), then, after a barrier,
        ``open_arrays(own entries, create=False)`` (the others): one zarr array per entry.
     3. ``write(entries, items)`` (all processes): each item's box into its array, as whole
@@ -97,9 +98,10 @@ class Writer:
        then made visible at once (``syncfs`` and a rename, or the manifest is the commit on
        object stores).
 
-    On any failure, ``abort()`` (every process that made one): this save's own data goes; the
-    last committed checkpoint at ``loc`` is never touched (nor, where the outcome of an
-    object-store commit is unknown, this save's data).
+    On any failure, ``abort(error)`` (every process that made one): this save's own data goes,
+    or stays for a retry of the same plan where ``resume.worth_keeping`` says so; the last committed
+    checkpoint at ``loc`` is never touched (nor, where the outcome of an object-store commit is
+    unknown, this save's data).
     """
 
     def __init__(
@@ -109,8 +111,13 @@ class Writer:
         overwrite: bool,
         is_coordinator: bool = True,
         broadcast: Callable[[str, str], str] | None = None,
+        plan: str | None = None,
     ) -> None:
-        """``broadcast(name, value)``: the coordinator's value on every process (multi-process)."""
+        """``broadcast(name, value)``: the coordinator's value on every process (multi-process).
+
+        ``plan``: what identifies the save's plan (its agreed digest): a failed save's
+        leftovers of the same plan are adopted, and the chunks they hold already are not
+        written again (``jaxckpt._storage.resume``); ``None``: always start afresh."""
         self.loc = loc
         self.overwrite = overwrite
         self.is_coordinator = is_coordinator
@@ -127,11 +134,13 @@ class Writer:
         self._ahead: tuple[Manifest, Future[tuple[Manifest, bytes]]] | None = None
         self._keep = False  # an object-store commit of unknown outcome: abort deletes nothing
         self._records: RecordWriter | None = None  # format v5 (use_objects)
+        self._plan = plan
+        resumed = False
         if loc.local is not None:
             name = ""
             if is_coordinator:  # the others write into the same dir (shared storage)
-                self.staging, self._lease = local_commit.make_staging(loc, overwrite)
-                name = self.staging.name
+                self.staging, self._lease, resumed = local_commit.make_staging(loc, overwrite, plan)
+                name = resume.tell(self.staging.name, resumed)
             elif broadcast is None:
                 raise ValueError("a non-coordinator Writer needs broadcast= to find the staging")
             if broadcast is not None:
@@ -140,13 +149,17 @@ class Writer:
                 except BaseException:
                     self.abort()
                     raise
+            name, resumed = resume.told(name)
             self.root = {"driver": "file", "path": str(loc.local.parent / name) + "/"}
         else:  # object store: no rename, the manifest written last is the commit
             try:
-                self._target = generations.prepare(loc, overwrite, is_coordinator, broadcast)
+                self._target = generations.prepare(loc, overwrite, is_coordinator, broadcast, plan)
             except ValueError as e:  # the store refused a read, a listing or the lease
                 raise write_error(loc, "preparing its target", e) from e
             self.root = {**loc.kvstore, "path": loc.kvstore["path"] + self._target.generation}
+            resumed = self._target.resumed
+        # A failed save's leftovers adopted: each chunk is checked before it is written.
+        self.resumed = resume.Present(self.root, loc) if resumed else None
 
     def use_objects(
         self, objects: DataObjects | None, entries: dict[str, ArrayEntry], process: int
@@ -177,16 +190,23 @@ class Writer:
             spec = {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True}
             if self.loc.local is None:  # object stores: no round trip before the data
                 self._opening[e.key] = (e, ts.open(spec, assume_metadata=True, context=context()))
-                if create:
+                if create:  # an adopted generation's are this plan's: written again
                     fut = self._root_kv().write(
-                        f"{e.path}/zarr.json", zarr_json(e), if_equal=ABSENT
+                        f"{e.path}/zarr.json",
+                        zarr_json(e),
+                        if_equal=ABSENT if self.resumed is None else None,
                     )
                     self.loc.watch(fut)
                     self._metadata[e.key] = (e, fut)
                 continue
-            self._opening[e.key] = (
+            self._opening[e.key] = (  # adopted leftovers: an array may exist already
                 e,
-                ts.open(spec, create=create, open=not create, context=context()),
+                ts.open(
+                    spec,
+                    create=create,
+                    open=not create or self.resumed is not None,
+                    context=context(),
+                ),
             )
 
     def _root_kv(self) -> ts.KvStore:
@@ -278,15 +298,23 @@ class Writer:
         if self._reference and not release_each:
             direct = directwrite.ChunkWriter(self.root["path"])
         try:
-            for item, data in items:
-                entry = entries[item.key]
-                fut = self._start(entry, item, data, hints, direct)
-                pending.append((fut, data.nbytes, entry))
-                inflight += data.nbytes
-                total += data.nbytes
-                if holder is not None:
-                    holder.add(fut, data)
-                del data  # not held here while the next item is made (see release_each)
+            # Adopted leftovers: each item's chunks are checked first, a few items ahead (one
+            # at a time in a budgeted save, whose ring holds only what it bounds).
+            todo = (
+                resume.whole(entries, items)
+                if self.resumed is None
+                else self.resumed.ahead(entries, items, 0 if release_each else 4)
+            )
+            for entry, boxes in todo:  # none held here while the next is made (release_each)
+                while boxes:  # popped: the list is shared with where it was made
+                    part, box = boxes.pop(0)
+                    fut = self._start(entry, part, box, hints, direct)
+                    pending.append((fut, box.nbytes, entry))
+                    inflight += box.nbytes
+                    total += box.nbytes
+                    if holder is not None:
+                        holder.add(fut, box)
+                    del part, box
                 while inflight > max_inflight_bytes and pending:
                     fut, n, e = pending.popleft()
                     self._finish(fut, e, n)
@@ -409,8 +437,11 @@ class Writer:
             linker = self._linkers[root] = Linker(root, self.root["path"])
         return linker.link(base_path, entry.path, entry.chunks, offsets, sizes)
 
-    def abort(self) -> None:
-        """After a failure: remove this save's own data (never raises)."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """After a failure (``error``): remove this save's own data, or, where a retry of the
+        same plan may resume it (see ``resume.worth_keeping``), leave it for that retry, its lease
+        released (never raises)."""
+        keep = self._plan is not None and error is not None and resume.worth_keeping(error)
         for key in list(self._opening):  # none may create a file after the removal
             try:
                 self._array(key)
@@ -422,17 +453,17 @@ class Writer:
             except Exception:  # noqa: BLE001 - the save failed already; only its data goes
                 pass
         self._metadata.clear()
-        if self.staging is not None:
+        if self.staging is not None and not keep:
             shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging = None
-        if self._target is not None and self.is_coordinator and not self._keep:
+        self.staging = None
+        if self._target is not None and self.is_coordinator and not (self._keep or keep):
             generations.drop(self.loc, self._target)
-        self._release(delete=not self._keep)
+        self._release(delete=not self._keep, resumable=keep and not self._keep)
 
-    def _release(self, *, delete: bool = True) -> None:
+    def _release(self, *, delete: bool = True, resumable: bool = False) -> None:
         lease = self._lease or (self._target.lease if self._target is not None else None)
         if lease is not None:
-            lease.release(delete=delete)
+            lease.release(delete=delete, resumable=resumable)
 
 
 class Holder:
