@@ -1,0 +1,122 @@
+"""A restore onto arrays that span processes fails on every process, or on none.
+
+A restore whose target puts arrays on devices of several processes returns pieces of the same
+global arrays on every process: if one process could not read its share (a corrupt or missing
+chunk, an I/O deadline, a target it refuses), the others must not return theirs, or their
+first computation on them (or the restore's own gather of shared reads) waits forever in a
+collective for the process that gave up. So after reading, and before any array is assembled,
+the processes agree on success: one :func:`jaxckpt._runtime.agreement.decide` (each process
+posts ``""`` or its error; process 0 answers every process with the failures), under a key
+every process derives from the path (``agreement.scope_of``), never a count of restores.
+
+A restore whose target is all on this process's devices (or on the host) needs nobody else:
+it meets no one, so one process may call it alone (an evaluator reading a checkpoint).
+
+Cost: one agreement per restore across processes: O(1) key-value operations per process, O(N)
+on process 0, after the slowest process has read its share; nothing for a local restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from jaxckpt._errors import DistributedError
+from jaxckpt._runtime import agreement as _agreement
+from jaxckpt._runtime import distributed as _distributed
+
+
+def spans_processes(target: Any) -> bool:
+    """Whether some leaf of ``target`` puts an array on devices of another process (a
+    ``jax.Array``, ``ShapeDtypeStruct`` or bare ``Sharding`` not fully addressable here).
+
+    Example:
+      >>> import jax
+      >>> spans_processes({"w": jax.sharding.SingleDeviceSharding(jax.devices()[0]), "b": None})
+      False
+    """
+    for leaf in jax.tree_util.tree_leaves(target):
+        where = leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
+        if isinstance(where, jax.sharding.Sharding) and not where.is_fully_addressable:
+            return True
+    return False
+
+
+class RestoreMeeting:
+    """The agreement of one restore (see the module's docstring); a no-op where the restore
+    is this process's alone.
+
+    Args:
+      path: the checkpoint as the user gave it (the same on every process).
+      target: the restore's target.
+    """
+
+    def __init__(self, path: str, target: Any) -> None:
+        self.path = path
+        self.process = _distributed.process_index()
+        self.alone = _distributed.process_count() == 1 or not spans_processes(target)
+        self._settled = False
+
+    @contextlib.contextmanager
+    def sharing(self) -> Iterator[None]:
+        """Any error raised inside is shared with the other processes, then raised here."""
+        try:
+            yield
+        except BaseException as e:
+            if self.alone or self._settled:
+                raise
+            self._settle(e)
+            raise
+
+    def agree(self) -> None:
+        """Return once every process has read its share; raise if any process failed.
+
+        Raises:
+          DistributedError: naming the processes that failed and why (their errors name the
+            key and chunk), or a process that did not reach the restore in time.
+        """
+        if not self.alone and not self._settled:
+            self._settle(None)
+
+    def _settle(self, error: BaseException | None) -> None:
+        self._settled = True
+        mine = "" if error is None else _describe(error)
+        try:
+            verdict = _agreement.decide(
+                "restore", mine, _failures, scope=_agreement.scope_of(self.path)
+            )
+        except DistributedError as e:
+            if error is not None:  # this process's own error says more
+                return
+            raise DistributedError(
+                f"Restore of {self.path}: {e}. The restored arrays span every process, so "
+                f"restore must be called on every process with the same target; this process "
+                f"({self.process}) returns nothing."
+            ) from e
+        failed = {int(p): why.rstrip(".") for p, why in json.loads(verdict or "{}").items()}
+        failed.pop(self.process, None)
+        if error is not None or not failed:
+            return  # the caller raises its own error
+        first = min(failed)
+        also = "".join(f"; also on process {p}: {failed[p]}" for p in sorted(failed)[1:3])
+        raise DistributedError(
+            f"Restore of {self.path} failed on process {first}: {failed[first]}{also}. This "
+            f"process ({self.process}) read its share but returns nothing, as the arrays span "
+            f"every process. Fix the cause on process {first} (see its log) and restore again "
+            f"on every process."
+        )
+
+
+def _failures(posted: dict[int, str]) -> str:
+    """Process 0's verdict: the processes that failed and why, as JSON ("" if none)."""
+    failed = {str(p): why for p, why in sorted(posted.items()) if why}
+    return json.dumps(failed) if failed else ""
+
+
+def _describe(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return text if len(text) <= 2000 else text[:2000] + " ..."

@@ -1,0 +1,90 @@
+"""Issue 60, items 2 and 3, in real 2-process ``jax.distributed`` groups on 127.0.0.1
+(``tests/shared_worker.py``).
+
+2. A restore that fails on one process (a corrupt chunk only it reads, a target only it
+   refuses) fails on every process, naming the process and the key, within seconds; nobody
+   returns arrays whose first collective would wait forever. A restore onto the host on one
+   process meets nobody. Restores made together afterwards work (no count out of step).
+3. ``latest_step``, ``all_steps``, ``metadata``, ``should_save`` and ``run_table`` on one
+   process, with a local tier, return without the other; saves and restores made together
+   afterwards work. Steps a ``save_interval_secs`` schedule does not save make no key-value
+   operation and leave no key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from groups import run_group
+
+WORKER = Path(__file__).with_name("shared_worker.py")
+GROUP_TIMEOUT_S = 240
+PROMPT_S = 20  # far below JAXCKPT_SYNC_TIMEOUT (60 s in groups) and gloo's 30 s deadline
+
+
+def _ok(records: list[dict], check: str) -> None:
+    for p, r in enumerate(records):
+        got = r["checks"].get(check, "not run")
+        assert got == "ok", f"check {check!r} on process {p}:\n{got}"
+
+
+@pytest.fixture(scope="module")
+def restores(tmp_path_factory) -> list[dict]:
+    return run_group(WORKER, "restore", 2, tmp_path_factory.mktemp("shared"), GROUP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory) -> list[dict]:
+    return run_group(WORKER, "calls", 2, tmp_path_factory.mktemp("calls"), GROUP_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("case", ["corrupt", "corrupt_shared"])
+def test_a_chunk_only_process_1_reads_fails_the_restore_on_both(restores, case):
+    p0, p1 = (r["data"][case] for r in restores)
+    assert p1["type"] == "CorruptChunkError", p1
+    assert "Key 'w'" in p1["msg"], p1
+    assert p0["type"] == "DistributedError", p0
+    assert "failed on process 1: CorruptChunkError" in p0["msg"], p0
+    assert "Key 'w'" in p0["msg"] and "restore again on every process" in p0["msg"], p0
+    assert p0["secs"] < PROMPT_S and p1["secs"] < PROMPT_S, (p0, p1)
+
+
+def test_a_target_refused_on_process_1_fails_the_restore_on_both(restores):
+    p0, p1 = (r["data"]["refused"] for r in restores)
+    assert p1["type"] == "ShapeMismatchError", p1
+    assert p0["type"] == "DistributedError", p0
+    assert "failed on process 1: ShapeMismatchError" in p0["msg"] and "'w'" in p0["msg"], p0
+
+
+def test_restores_together_work_after_failed_ones(restores):
+    for check in ("after_corrupt", "after_shared", "after_alone"):
+        _ok(restores, check)
+
+
+def test_a_restore_onto_the_host_on_one_process_meets_nobody(restores):
+    assert restores[0]["data"]["alone_secs"] < PROMPT_S
+
+
+def test_calls_on_one_process_do_not_wait_for_the_others(calls):
+    alone = calls[0]["data"]["alone"]
+    assert calls[0]["data"]["alone_secs"] < PROMPT_S
+    assert alone["latest"] == 2 and alone["all"] == [0, 1, 2], alone
+    assert alone["meta"] == ["w"] and alone["table"] == 1, alone
+    assert calls[0]["data"]["together"] == calls[1]["data"]["together"] == [2, [0, 1, 2]]
+
+
+def test_local_save_and_restore_together_work_after_calls_alone(calls):
+    _ok(calls, "after_alone")
+    for r in calls:
+        assert r["data"]["restored_from"] == ["local", 3], r["data"]
+
+
+def test_steps_a_timed_schedule_does_not_save_cost_no_store_operation(calls):
+    _ok(calls, "schedule")
+    for r in calls:
+        assert r["data"]["warmup_ops"] > 0, r["data"]  # the first steps agree; they count
+        assert r["data"]["schedule_ops"] == [], r["data"]["schedule_ops"][:10]
+    data = calls[0]["data"]
+    assert data["schedule_keys"] == data["keys_before"], data  # no key per step
+    assert not [k for k in data["schedule_keys"] if k.startswith("jaxckpt/decide/")], data
