@@ -9,9 +9,11 @@ where ``scope`` is what every process derives alike (:func:`scope_of` a path), n
 kept by each process, so a process that skipped a decision (it failed before it, or only it
 called) does not put every later one out of step:
 
+The lowest process taking part (process 0, unless ``members`` leaves it out) is the leader:
+
 1. (every other process) deletes its own answer of an earlier round (one it never read), then
    posts its value under ``<key>/at/<process>``;
-2. (process 0) waits for all of them, deletes ``<key>/at`` (only then: a process posts the next
+2. (the leader) waits for all of them, deletes ``<key>/at`` (only then: a process posts the next
    round's value only after reading this round's answer), applies the decision function once
    and posts each process its answer under ``<key>/go/<process>`` (with :func:`decide_each`
    its own value first, in pieces of at most ``PIECE`` characters under
@@ -20,7 +22,8 @@ called) does not put every later one out of step:
    an error, raised on every process. A process that gives up waiting withdraws its value, so
    that a later round of the same decision does not count it.
 
-So each process other than 0 makes O(1) operations per decision and process 0 O(processes);
+So each process other than the leader makes O(1) operations per decision and the leader
+O(processes);
 the store keeps no key of a finished decision.
 
 With ``survivors``, process 0 does not wait for a process whose heartbeat says it died
@@ -36,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
@@ -70,6 +73,7 @@ def decide(
     survivors: bool = False,
     scope: str = "",
     timeout: float | None = None,
+    members: Sequence[int] | None = None,
 ) -> str:
     """``fn`` of every process's ``value``, computed on process 0, returned on every process.
 
@@ -78,7 +82,8 @@ def decide(
     failing the decision, so the others still agree (``fn`` must then treat a missing process
     as one that failed). ``scope``: what the decision is about (:func:`scope_of`), so that
     decisions of one name about different things do not meet. ``timeout``: the seconds to
-    wait for the others (default ``JAXCKPT_SYNC_TIMEOUT``).
+    wait for the others (default ``JAXCKPT_SYNC_TIMEOUT``). ``members``: the processes that
+    take part, this one among them (default: all); the lowest of them decides.
 
     Raises:
       DistributedError: a process did not post its value in time (not ``survivors``), or
@@ -94,6 +99,7 @@ def decide(
         lambda posted: (fn(posted), {}),
         survivors,
         timeout,
+        members,
     )
     return verdict
 
@@ -110,45 +116,58 @@ def decide_each(
       >>> decide_each("example", "x", lambda posted: ("all", {0: posted[0] * 2}))
       ('all', 'xx')
     """
-    return _agree(f"{scope}/{name}" if scope else name, value, fn, survivors, None)
+    return _agree(f"{scope}/{name}" if scope else name, value, fn, survivors, None, None)
 
 
 def _agree(
-    name: str, value: str, fn: _Decision, survivors: bool, timeout: float | None
+    name: str,
+    value: str,
+    fn: _Decision,
+    survivors: bool,
+    timeout: float | None,
+    members: Sequence[int] | None,
 ) -> tuple[str, str]:
-    process, count = _distributed.process_index(), _distributed.process_count()
-    if count == 1:
-        verdict, owns = fn({0: value})
-        return verdict, owns.get(0, "")
+    process = _distributed.process_index()
+    group = sorted(set(range(_distributed.process_count()) if members is None else members))
+    if group == [process]:
+        verdict, owns = fn({process: value})
+        return verdict, owns.get(process, "")
     kv = _distributed.kv_client()
     timeout = _distributed.sync_timeout() if timeout is None else timeout
     key = f"{PREFIX}/{name}"
-    if process != 0:
-        return _ask(kv, key, name, process, value, (3 if survivors else 1) * timeout + 5)
-    posted = _collect(kv, key, name, count, timeout, survivors)
-    posted[0] = value
+    if process != group[0]:
+        wait = (3 if survivors else 1) * timeout + 5
+        return _ask(kv, key, name, process, group[0], value, wait)
+    posted = _collect(kv, key, name, set(group[1:]), timeout, survivors)
+    posted[process] = value
     kv.key_value_delete(f"{key}/at")  # before any answer: see the module's docstring
     try:
         verdict, owns = fn(posted)
     except Exception as e:
-        _answer(kv, key, posted, f"!agreeing on {name} failed on process 0: {e}", {})
+        _answer(kv, key, posted, f"!agreeing on {name} failed on process {process}: {e}", {})
         raise
     _answer(kv, key, posted, verdict, owns)
-    return verdict, owns.get(0, "")
+    return verdict, owns.get(process, "")
 
 
 def _ask(
-    kv: _distributed.KeyValueClient, key: str, name: str, process: int, value: str, wait: float
+    kv: _distributed.KeyValueClient,
+    key: str,
+    name: str,
+    process: int,
+    leader: int,
+    value: str,
+    wait: float,
 ) -> tuple[str, str]:
-    """Post ``value`` and return process 0's answer to this process (another than 0): the
-    verdict and this process's own value. ``wait``: process 0 may itself have waited a
+    """Post ``value`` and return the ``leader``'s answer to this process (another one): the
+    verdict and this process's own value. ``wait``: the leader may itself have waited a
     timeout (for a dead peer) before it got here."""
     kv.key_value_delete(f"{key}/go/{process}")  # an earlier round's answer, never read
     kv.key_value_delete(f"{key}/own/{process}")
     kv.key_value_delete(f"{key}/at/{process}")  # posted by a round process 0 never joined
     kv.key_value_set(f"{key}/at/{process}", value)
     try:
-        got = json.loads(_get(kv, f"{key}/go/{process}", wait, name))
+        got = json.loads(_get(kv, f"{key}/go/{process}", wait, name, leader))
         kv.key_value_delete(f"{key}/go/{process}")
     except DistributedError:
         kv.key_value_delete(f"{key}/at/{process}")  # withdrawn: a later round won't count it
@@ -156,7 +175,7 @@ def _ask(
     verdict, pieces = str(got[0]), int(got[1])
     if verdict.startswith("!"):
         raise DistributedError(verdict[1:])
-    own = "".join(_get(kv, f"{key}/own/{process}/{i}", 5, name) for i in range(pieces))
+    own = "".join(_get(kv, f"{key}/own/{process}/{i}", 5, name, leader) for i in range(pieces))
     if pieces:
         kv.key_value_delete(f"{key}/own/{process}")
     return verdict, own
@@ -169,11 +188,12 @@ def _answer(
     verdict: str,
     owns: dict[int, str],
 ) -> None:
-    """(process 0) Each process that posted gets its own value (in pieces of at most
+    """(the leader) Each other process that posted gets its own value (in pieces of at most
     ``PIECE`` characters: a share of a plan may exceed the store's message limit), then the
     verdict with their number, which it reads first."""
+    leader = _distributed.process_index()
     for p in sorted(posted):
-        if p == 0:
+        if p == leader:
             continue
         own = owns.get(p, "")
         pieces = [own[i : i + PIECE] for i in range(0, len(own), PIECE)]
@@ -186,16 +206,17 @@ def _collect(
     kv: _distributed.KeyValueClient,
     key: str,
     name: str,
-    count: int,
+    others: set[int],
     timeout: float,
     survivors: bool,
 ) -> dict[int, str]:
-    """Every other process's value (process 0); where ``survivors``, those that posted in
-    time, and not waiting for those whose heartbeat says they died (``heartbeat.dead``)."""
+    """The value of each of the ``others`` (on the leader); where ``survivors``, those that
+    posted in time, and not waiting for those whose heartbeat says they died
+    (``heartbeat.dead``)."""
     deadline, delay, looked = time.monotonic() + timeout, 0.002, time.monotonic()
-    others = set(range(1, count))
     while True:
-        posted = {int(k.rsplit("/", 1)[1]): v for k, v in kv.key_value_dir_get(f"{key}/at/")}
+        got = kv.key_value_dir_get(f"{key}/at/")
+        posted = {p: v for p, v in ((int(k.rsplit("/", 1)[1]), v) for k, v in got) if p in others}
         if set(posted) >= others:
             return posted
         if survivors and time.monotonic() - looked >= 1:
@@ -218,13 +239,13 @@ def _collect(
         delay = min(delay * 1.5, _POLL_S)
 
 
-def _get(kv: _distributed.KeyValueClient, key: str, timeout: float, name: str) -> str:
+def _get(kv: _distributed.KeyValueClient, key: str, timeout: float, name: str, leader: int) -> str:
     try:
         return kv.blocking_key_value_get(key, max(1, int(timeout * 1000)))
     except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
         raise DistributedError(
-            f"agreeing on {name}: no answer from process 0 within {timeout:g} s ({key}: "
+            f"agreeing on {name}: no answer from process {leader} within {timeout:g} s ({key}: "
             f"{str(e).splitlines()[0][:200]}). Every process must make this call (it is "
-            f"collective); process 0 crashed, hangs, did not call it, or is slow: raise "
+            f"collective); process {leader} crashed, hangs, did not call it, or is slow: raise "
             f"JAXCKPT_SYNC_TIMEOUT=SECONDS if it is just slow."
         ) from e

@@ -10,10 +10,12 @@ posts ``""`` or its error; process 0 answers every process with the failures), u
 every process derives from the path (``agreement.scope_of``), never a count of restores.
 
 A restore whose target is all on this process's devices (or on the host) needs nobody else:
-it meets no one, so one process may call it alone (an evaluator reading a checkpoint).
+it meets no one, so one process may call it alone (an evaluator reading a checkpoint). Only
+the processes whose devices the target uses take part (survivors restoring onto their own
+devices do not wait for a dead process), the lowest of them leading.
 
 Cost: one agreement per restore across processes: O(1) key-value operations per process, O(N)
-on process 0, after the slowest process has read its share; nothing for a local restore.
+on the leader, after the slowest process has read its share; nothing for a local restore.
 """
 
 from __future__ import annotations
@@ -30,20 +32,27 @@ from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
 
 
-def spans_processes(target: Any) -> bool:
-    """Whether some leaf of ``target`` puts an array on devices of another process (a
-    ``jax.Array``, ``ShapeDtypeStruct`` or bare ``Sharding`` not fully addressable here).
+def spanned(target: Any) -> set[int]:
+    """The processes whose devices hold the arrays of ``target`` that span several processes
+    (its ``jax.Array``, ``ShapeDtypeStruct`` or bare ``Sharding`` leaves not fully addressable
+    here); empty where there are none.
 
     Example:
       >>> import jax
-      >>> spans_processes({"w": jax.sharding.SingleDeviceSharding(jax.devices()[0]), "b": None})
-      False
+      >>> spanned({"w": jax.sharding.SingleDeviceSharding(jax.devices()[0]), "b": None})
+      set()
     """
+    found: set[int] = set()
+    seen: set[Any] = set()  # many leaves share a few shardings
     for leaf in jax.tree_util.tree_leaves(target):
         where = leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
-        if isinstance(where, jax.sharding.Sharding) and not where.is_fully_addressable:
-            return True
-    return False
+        if not isinstance(where, jax.sharding.Sharding) or where in seen:
+            continue
+        seen.add(where)
+        if not where.is_fully_addressable:
+            devices: Any = where.device_set  # jax's Device stubs lack process_index
+            found |= {int(d.process_index) for d in devices}
+    return found
 
 
 class RestoreMeeting:
@@ -58,7 +67,9 @@ class RestoreMeeting:
     def __init__(self, path: str, target: Any) -> None:
         self.path = path
         self.process = _distributed.process_index()
-        self.alone = _distributed.process_count() == 1 or not spans_processes(target)
+        # only the processes the arrays span take part (a dead one outside them is no matter)
+        self.members = spanned(target) if _distributed.process_count() > 1 else set()
+        self.alone = self.process not in self.members
         self._settled = False
 
     @contextlib.contextmanager
@@ -87,7 +98,11 @@ class RestoreMeeting:
         mine = "" if error is None else _describe(error)
         try:
             verdict = _agreement.decide(
-                "restore", mine, _failures, scope=_agreement.scope_of(self.path)
+                "restore",
+                mine,
+                _failures,
+                scope=_agreement.scope_of(self.path),
+                members=sorted(self.members),
             )
         except DistributedError as e:
             if error is not None:  # this process's own error says more
