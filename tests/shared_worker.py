@@ -106,6 +106,10 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
     # a replicated target: each process reads half of the array, a collective gathers them
     rec.failure("corrupt_shared", lambda: jaxckpt.restore(bad, target(())))
     rec.run("after_shared", lambda: check(jaxckpt.restore(good, target(()))))
+    # process 0 reads slowly (a box a second): it stops reading once process 1 has failed
+    slow = Slow(3.0 if pid == 0 else 0.0)
+    rec.failure("corrupt_slow", lambda: jaxckpt.restore(bad, target(), planner=slow))
+    rec.data["slow_boxes"] = slow.boxes
     wrong = target(shape=(ROWS, 4)) if pid == 1 else target()
     rec.failure("refused", lambda: jaxckpt.restore(good, wrong))
     if pid == 0:  # onto the host, alone: it meets nobody (process 1 does not call it)
@@ -113,6 +117,19 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
         assert np.array_equal(jaxckpt.restore(good)["w"], v)
         rec.data["alone_secs"] = time.monotonic() - t0
     rec.run("after_alone", lambda: check(jaxckpt.restore(good, target())))
+
+
+class Slow(jaxckpt.DefaultLoadPlanner):
+    """Takes ``secs`` over each box it is given, one box at a time; counts them."""
+
+    def __init__(self, secs: float) -> None:
+        super().__init__(share_reads=False, max_host_bytes=1)
+        self.secs, self.boxes = secs, 0
+
+    def commit_tensor(self, item, array) -> None:
+        self.boxes += 1
+        time.sleep(self.secs)
+        super().commit_tensor(item, array)
 
 
 def stage_calls(rec: Record, work: Path, pid: int, n: int) -> None:

@@ -50,6 +50,14 @@ def test_a_chunk_only_process_1_reads_fails_the_restore_on_both(restores, case):
     assert p0["secs"] < PROMPT_S and p1["secs"] < PROMPT_S, (p0, p1)
 
 
+def test_a_process_still_reading_stops_once_another_has_failed(restores):
+    p0, p1 = (r["data"]["corrupt_slow"] for r in restores)
+    assert p1["type"] == "CorruptChunkError", p1
+    assert p0["type"] == "DistributedError" and "process 1" in p0["msg"], p0
+    # 4 boxes on process 0 (a device each), 3 s each: it stopped after the first ones
+    assert restores[0]["data"]["slow_boxes"] < 4, restores[0]["data"]
+
+
 def test_a_target_refused_on_process_1_fails_the_restore_on_both(restores):
     p0, p1 = (r["data"]["refused"] for r in restores)
     assert p1["type"] == "ShapeMismatchError", p1

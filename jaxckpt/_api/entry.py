@@ -494,6 +494,7 @@ def _read_into(
     with _progress.Progress("restore", total, progress) as bar:
         with meeting.sharing():
             for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
+                meeting.watch()  # another process failed: stop reading, fail together
                 bar.add(data.nbytes)
                 planner.commit_tensor(item, planner.transform_tensor(item, data))
                 del data  # the planner owns the box now: dropping it frees it once placed

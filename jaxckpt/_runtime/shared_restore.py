@@ -14,14 +14,19 @@ it meets no one, so one process may call it alone (an evaluator reading a checkp
 the processes whose devices the target uses take part (survivors restoring onto their own
 devices do not wait for a dead process), the lowest of them leading.
 
+A process that fails posts its error at once; the others, still reading, look for one at
+most once a second (between boxes) and stop: so every process raises within about a second of
+the failure (plus the box it is reading), not after reading all of its share.
+
 Cost: one agreement per restore across processes: O(1) key-value operations per process, O(N)
-on the leader, after the slowest process has read its share; nothing for a local restore.
+on the leader, plus one listing per second of reading on each process, after the slowest process has read its share; nothing for a local restore.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +35,8 @@ import jax
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
+
+WATCH_S = 1.0  # how often a process still reading looks for another's failure
 
 
 def spanned(target: Any) -> set[int]:
@@ -71,6 +78,31 @@ class RestoreMeeting:
         self.members = spanned(target) if _distributed.process_count() > 1 else set()
         self.alone = self.process not in self.members
         self._settled = False
+        self._scope = _agreement.scope_of(self.path)
+        self._failed = f"{_agreement.PREFIX}/{self._scope}/restore-failed"
+        self._looked = time.monotonic()
+        self._echo: BaseException | None = None  # raised here for another process's failure
+
+    def watch(self) -> None:
+        """Raise at once if another process has failed its share (looked for at most once
+        every ``WATCH_S`` seconds, one key-value listing), so that nobody reads on for a
+        restore that cannot succeed.
+
+        Raises:
+          DistributedError: naming the process that failed and why.
+        """
+        if self.alone or time.monotonic() - self._looked < WATCH_S:
+            return
+        self._looked = time.monotonic()
+        try:
+            got = _distributed.kv_client().key_value_dir_get(self._failed + "/")
+        except Exception:  # noqa: BLE001 - the agreement that follows reports a lost service
+            return
+        failed = {int(k.rsplit("/", 1)[1]): v for k, v in got}
+        failed.pop(self.process, None)
+        if failed:
+            self._echo = DistributedError(self._message(failed))
+            raise self._echo
 
     @contextlib.contextmanager
     def sharing(self) -> Iterator[None]:
@@ -95,14 +127,20 @@ class RestoreMeeting:
 
     def _settle(self, error: BaseException | None) -> None:
         self._settled = True
-        mine = "" if error is None else _describe(error)
+        own = error is not None and error is not self._echo  # not another's, echoed
+        mine = _describe(error) if own and error is not None else ""
+        kv = _distributed.kv_client()
+        if mine:  # those still reading stop at once (watch), then agree
+            with contextlib.suppress(Exception):
+                kv.key_value_set(f"{self._failed}/{self.process}", mine)
+
+        def verdict_of(posted: dict[int, str]) -> str:  # on the leader, before any answer
+            kv.key_value_delete(self._failed)  # read by now: the next restore starts clean
+            return _failures(posted)
+
         try:
             verdict = _agreement.decide(
-                "restore",
-                mine,
-                _failures,
-                scope=_agreement.scope_of(self.path),
-                members=sorted(self.members),
+                "restore", mine, verdict_of, scope=self._scope, members=sorted(self.members)
             )
         except DistributedError as e:
             if error is not None:  # this process's own error says more
@@ -112,17 +150,20 @@ class RestoreMeeting:
                 f"restore must be called on every process with the same target; this process "
                 f"({self.process}) returns nothing."
             ) from e
-        failed = {int(p): why.rstrip(".") for p, why in json.loads(verdict or "{}").items()}
+        failed = {int(p): why for p, why in json.loads(verdict or "{}").items()}
         failed.pop(self.process, None)
         if error is not None or not failed:
             return  # the caller raises its own error
+        raise DistributedError(self._message(failed))
+
+    def _message(self, failed: dict[int, str]) -> str:
+        failed = {p: why.rstrip(".") for p, why in failed.items()}
         first = min(failed)
         also = "".join(f"; also on process {p}: {failed[p]}" for p in sorted(failed)[1:3])
-        raise DistributedError(
+        return (
             f"Restore of {self.path} failed on process {first}: {failed[first]}{also}. This "
-            f"process ({self.process}) read its share but returns nothing, as the arrays span "
-            f"every process. Fix the cause on process {first} (see its log) and restore again "
-            f"on every process."
+            f"process ({self.process}) returns nothing, as the arrays span every process. Fix "
+            f"the cause on process {first} (see its log) and restore again on every process."
         )
 
 
