@@ -149,6 +149,18 @@ def test_nan_equals_nan_and_a_number_against_nan_is_infinitely_far(tmp_path):
     assert d.differing == 1 and d.max_abs == np.inf
 
 
+def test_python_values_holding_nan_are_equal_as_array_elements_are(tmp_path, capsys):
+    nan = float("nan")
+    values = {"f": nan, "c": complex(nan, 1.0), "d": complex(2.0, nan), "i": float("inf")}
+    jaxckpt.save(tmp_path / "a", values)
+    jaxckpt.save(tmp_path / "b", values | {"c": complex(nan, 2.0), "i": 1e308})
+    assert jaxckpt.diff(str(tmp_path / "a"), str(tmp_path / "a")).equal
+    code, out, _ = run(capsys, "diff", tmp_path / "a", tmp_path / "a")
+    assert code == 0 and out.startswith("EQUAL:"), out
+    r = jaxckpt.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert sorted(r.values) == ["c", "i"]  # another part, a number against infinity
+
+
 def test_infinities_and_big_integers(tmp_path):
     big = 2**60
     jaxckpt.save(tmp_path / "a", {"f": np.array([np.inf, -np.inf, 1.0]), "i": np.array([big, 1])})

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,3 +128,55 @@ def test_a_zarr_json_that_cannot_be_written_is_a_checkpoint_error(tmp_path):
     assert "intact" in r.stdout and "cause: ValueError" in r.stdout
     _only(tmp_path, "c")
     np.testing.assert_array_equal(jaxckpt.restore(d)["w"], np.arange(4.0))
+
+
+# issue 62.7: a bucket's FUSE mount renames no directory; a save there says to use the URL --
+
+
+@pytest.fixture
+def no_dir_rename(tmp_path):
+    """A FUSE mount (tests/fuse_mount.py) of ``tmp_path/src`` that refuses directory renames,
+    as gcsfuse, Mountpoint for S3 and s3fs do: ``(source, mountpoint)``."""
+    try:
+        import fuse  # noqa: F401  (fusepy; it raises OSError where libfuse 2 is missing)
+    except (ImportError, OSError) as e:
+        pytest.skip(f"no fusepy with libfuse 2 here: {e}")
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount") is None:
+        pytest.skip("no FUSE here (/dev/fuse, fusermount)")
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    server = Path(__file__).parent / "fuse_mount.py"
+    log = tmp_path / "fuse.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(server), str(src), str(mnt)], stdout=out, stderr=out
+        )
+    for _ in range(100):
+        if os.path.ismount(mnt) or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    if not os.path.ismount(mnt):
+        proc.kill()
+        proc.wait()
+        pytest.skip(f"cannot mount FUSE here: {log.read_text()[-300:]}")
+    try:
+        yield src, mnt
+    finally:
+        settle()
+        subprocess.run(["fusermount", "-u", str(mnt)], check=False)
+        proc.wait(timeout=30)
+
+
+def test_a_save_onto_a_mount_that_renames_no_directory_names_the_url_to_use(no_dir_rename):
+    src, mnt = no_dir_rename
+    state = {"w": np.arange(4096.0).reshape(64, 64), "step": 3}
+    with pytest.raises(jaxckpt.CheckpointError, match=r"does not rename directories.*gs://"):
+        jaxckpt.save(mnt / "ckpt", state)
+    settle()
+    assert os.listdir(src) == []  # no target, no staging directory left
+    # Reading through such a mount is fine: a checkpoint saved elsewhere and copied in
+    jaxckpt.save(src.parent / "elsewhere", state)
+    shutil.copytree(src.parent / "elsewhere", src / "ckpt")
+    got = jaxckpt.restore(mnt / "ckpt")
+    assert got["step"] == 3 and got["w"].tobytes() == state["w"].tobytes()

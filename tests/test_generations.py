@@ -128,3 +128,38 @@ def test_stamp_survives_a_same_size_rewrite(tmp_path):
     jaxckpt.save(path, state(0), overwrite=True, planner=UNPACKED)
     assert _location.read_stamped(loc)[0] == raw  # the same bytes ...
     assert _location.manifest_changed(loc, stamp)  # ... of another save
+
+
+def test_a_lease_is_judged_by_this_process_clock_not_the_writers():
+    """writer.json's liveness needs no agreement of clocks (docs/object_storage.md, *Limits*):
+    a lease whose writer's clock runs far ahead stays alive only while it is rewritten, and a
+    live lease from a writer whose clock is behind by up to an hour is never taken for dead."""
+    import json as _json
+    import uuid
+
+    from jaxckpt._storage import lease as _lease
+    from jaxckpt._storage.location import Location, kvstore
+
+    loc = Location(f"memory://lease-{uuid.uuid4().hex[:8]}/step")
+    kv = kvstore(loc.kvstore)
+
+    def beat(at: float) -> None:
+        record = {"host": "another-host", "pid": 1, "beat": at}
+        kv.write("writer.json", _json.dumps(record).encode()).result()
+
+    live = _lease.object_is_live
+    t = 1000.0  # this process's monotonic clock, as the tests give it
+    beat(time.time() + 10_000)  # the writer's clock is hours ahead: its beat is "in the future"
+    assert live(loc, "writer.json", clock=t)
+    assert live(loc, "writer.json", clock=t + _lease.STALE_S - 1)  # not rewritten, not yet stale
+    assert not live(loc, "writer.json", clock=t + _lease.STALE_S)  # silent for STALE_S: dead
+    beat(time.time() + 10_000)  # rewritten (a new generation): alive again, timed afresh
+    assert live(loc, "writer.json", clock=t + 2 * _lease.STALE_S)
+    beat(time.time() + _lease.STALE_S + 10)  # beating every BEAT_S, seen across 10 looks
+    for i in range(10):
+        beat(time.time() - _lease.SKEW_S + 60)  # the writer's clock is ~1 h behind ours
+        assert live(loc, "writer.json", clock=t + 3 * _lease.STALE_S + i * _lease.BEAT_S)
+    beat(time.time() - _lease.STALE_S - _lease.SKEW_S - 1)  # older than any clock skew: dead
+    assert not live(loc, "writer.json", clock=t + 4 * _lease.STALE_S)
+    kv.write("writer.json", None).result()  # deleted
+    assert not live(loc, "writer.json", clock=t + 4 * _lease.STALE_S)

@@ -190,3 +190,77 @@ def test_strict_false_logs_target_leaves_missing_from_the_checkpoint(tmp_path, c
         r"1 of them are abstract.*\['new'\]; initialise them",
         record.getMessage(),
     )
+
+
+# What zarr-python (3.x) makes of each dtype jaxckpt saves (docs/format.md, "Other readers").
+ZARR_PYTHON_READS = set(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 "
+    "complex128".split()
+)
+# zarr v3 data types of tensorstore's own names: zarr-python refuses the array, tensorstore reads it.
+TENSORSTORE_NAMES = set(
+    "bfloat16 int4 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2fnuz".split()
+)
+# Stored as uint8: zarr-python reads the carrier; .view(ml_dtypes.<name>) gives the values.
+CARRIED = set("uint4 uint2 int2 float4_e2m1fn float8_e8m0fnu float8_e3m4 float8_e4m3".split())
+
+
+def _saved_dtypes() -> set[str]:
+    """Every dtype name jaxckpt saves, from numpy's and ml_dtypes' dtypes."""
+    import ml_dtypes
+
+    from jaxckpt._format.dtypes import is_supported_dtype
+
+    names = {np.dtype(t).name for t in np.sctypeDict.values()}  # noqa: NPY201
+    for n in dir(ml_dtypes):
+        try:
+            names.add(np.dtype(getattr(ml_dtypes, n)).name)
+        except (TypeError, ValueError):  # not a dtype
+            pass
+    return {n for n in names if is_supported_dtype(n)}
+
+
+def test_the_documented_dtype_lists_cover_every_dtype_jaxckpt_saves():
+    assert ZARR_PYTHON_READS | TENSORSTORE_NAMES | CARRIED == _saved_dtypes()
+    assert not (
+        ZARR_PYTHON_READS & TENSORSTORE_NAMES or CARRIED & (ZARR_PYTHON_READS | TENSORSTORE_NAMES)
+    )
+    doc = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
+    section = doc.split("### Other readers", 1)[1].split("\n#", 1)[0]
+    for names, line in [
+        (ZARR_PYTHON_READS, "zarr-python reads"),
+        (TENSORSTORE_NAMES, "zarr-python refuses"),
+        (CARRIED, "carrier"),
+    ]:
+        row = next(r for r in section.splitlines() if r.startswith("| ") and line in r)
+        assert set(re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])) == names, line
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_zarr_python_reads_exactly_the_documented_dtypes(tmp_path, compression):
+    import ml_dtypes
+    import tensorstore as ts
+
+    tree = {}
+    for name in sorted(_saved_dtypes()):
+        dt = np.dtype(getattr(ml_dtypes, name, None) or name)
+        values = np.arange(1, 7) % (2 if name in ("bool", "uint2", "int2") else 7)
+        tree[name] = values.astype(np.float32).astype(dt).reshape(2, 3)
+    path = tmp_path / "ckpt"
+    jaxckpt.save(
+        path, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0), compression=compression
+    )
+    entries = jaxckpt.metadata(path).entries
+    for name, want in tree.items():
+        where = str(path / entries[name].path)
+        if name in TENSORSTORE_NAMES:
+            with pytest.raises(ValueError, match=name):
+                zarr.open_array(where, mode="r")
+            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": where}}
+            got = ts.open(spec, open=True).result().read().result()
+        else:
+            got = zarr.open_array(where, mode="r")[...]
+            if name in CARRIED:
+                assert got.dtype == np.uint8 and entries[name].storage_dtype == "uint8", name
+                got = got.view(want.dtype)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name

@@ -132,6 +132,28 @@ def test_a_forgotten_rollback_is_refused_and_the_new_branch_survives_a_restart(t
         assert _value(mgr.restore()) == 107
 
 
+@pytest.mark.parametrize("local", [False, True])
+def test_a_refused_save_after_a_restore_names_every_newer_step_and_the_rollback(tmp_path, local):
+    """docs/manager.md: after restore(8) with steps 9 and 10 saved, save(9) names both and
+    rollback(8), not rollback(9) (which would leave step 9 of the abandoned branch)."""
+    kw = {"local_directory": tmp_path / "local"} if local else {}
+    with jaxckpt.CheckpointManager(tmp_path / "run", max_to_keep=3, **kw) as mgr:
+        for step in range(1, 11):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        mgr.restore(8, _target())
+        for step, head in [(9, "Step 9 is already saved"), (10, "Step 10 is already saved")]:
+            with pytest.raises(
+                jaxckpt.CheckpointExistsError,
+                match=rf"{head} in .*Nothing was saved\. To go on from step 8, call "
+                r"CheckpointManager\.rollback\(8\) first: it deletes steps \[9, 10\] from "
+                r"every tier",
+            ):
+                mgr.save(step, _state(100 + step))
+        assert mgr.rollback(8) == [9, 10]
+        mgr.save(9, _state(109))
+
+
 def test_a_failed_save_can_be_saved_again(tmp_path):
     class Fails(jaxckpt.DefaultSavePlanner):
         def resolve_data(self, item):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import math
 import os
 import shutil
 import tempfile
@@ -48,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
-from jaxckpt._manager.retention import steps_to_delete
+from jaxckpt._manager.retention import first_at_or_after_multiples, steps_to_delete
 from jaxckpt._runtime import agreement
 from jaxckpt._storage import local_commit
 from jaxckpt._storage.location import Location, kvstore
@@ -76,7 +77,14 @@ def state(v: int) -> dict:
 
 
 def loss(v: int) -> float:
-    return float((v * 7) % 11)
+    """The loss saved with value ``v``: a number, or NaN or an infinity (a diverged run)."""
+    r = (v * 7) % 11
+    return {3: float("nan"), 5: float("inf"), 9: -float("inf")}.get(r, float(r))
+
+
+def rank(v: int) -> float:
+    """How best-N ranks the loss of ``v`` (higher is better): NaN and infinities worst."""
+    return -loss(v) if math.isfinite(loss(v)) else -math.inf
 
 
 class Trip(jaxckpt.DefaultSavePlanner):
@@ -139,7 +147,7 @@ class CheckpointModel(RuleBasedStateMachine):
 
     def _doomed(self, steps: list[int], values: dict[int, int], scored: set[int]) -> list[int]:
         def score(s: int) -> float | None:
-            return -loss(values[s]) if s in scored else None
+            return rank(values[s]) if s in scored else None
 
         return steps_to_delete(
             sorted(steps), **self.policy, score=score if self.best else None, keep_unscored=True
@@ -347,7 +355,7 @@ TARGET = {
 class RunModel(RuleBasedStateMachine):
     """A training run through one ``CheckpointManager`` and its restarts: both tiers,
     data iterators, step/time/continuous schedules under a fake clock, best-N with and without
-    metrics, deletes, rollbacks (and forgotten ones), a wiped local disk, read-only readers.
+    metrics (NaN and infinite losses among them), deletes, rollbacks (and forgotten ones), a wiped local disk, read-only readers.
 
     The model: the persistent steps and the local steps (each with its value and the order it
     was saved in), and the iterator position saved with each step. After every rule: every
@@ -411,6 +419,7 @@ class RunModel(RuleBasedStateMachine):
         )
         self.codecs: dict[int, str | None] = {}  # step -> the compression it was saved with
         self.pinned: set[int] = set()
+        self.released: set[int] = set()  # unpinned since the last retention (kept until it)
         if local:
             self.cfg.update(
                 local_directory=self.local_dir,
@@ -459,11 +468,12 @@ class RunModel(RuleBasedStateMachine):
 
     def _persistent_saved(self, step: int, v: int, scored: bool) -> None:
         self.persistent[step] = v
+        self.released.clear()
         self.codecs[step] = self.cfg["compression"]
         if scored:
             self.scored.add(step)
         score = (
-            (lambda s: -loss(self.persistent[s]) if s in self.scored else None)
+            (lambda s: rank(self.persistent[s]) if s in self.scored else None)
             if self.best
             else None
         )
@@ -529,6 +539,8 @@ class RunModel(RuleBasedStateMachine):
             self.pinned.add(step)
         else:
             self.mgr.unpin(step)
+            if step in self.pinned:
+                self.released.add(step)
             self.pinned.discard(step)
 
     @precondition(lambda self: self.local_on)
@@ -595,6 +607,26 @@ class RunModel(RuleBasedStateMachine):
 
     def _value(self, step: int) -> int:
         return self.local[step][0] if step in self.local else self.persistent[step]
+
+    @invariant()
+    def best_n_stays_bounded_and_ranks_nan_and_infinities_worst(self):
+        """Steps saved with NaN or infinite losses are not kept as steps without metrics: the
+        steps retention may delete number at most ``max_to_keep`` and the newest; and one of
+        them kept with a NaN or an infinite loss (but the newest) means that fewer than
+        ``max_to_keep`` steps with a finite loss are left to keep."""
+        n = self.cfg["max_to_keep"]
+        if self.mgr is None or not self.best or n is None or not self.persistent:
+            return
+        steps = set(self.persistent)
+        forever = first_at_or_after_multiples(steps, self.cfg["keep_every_n_steps"])
+        candidates = steps - forever - self.pinned - self.released
+        if self.cfg["keep_checkpoints_without_metrics"]:
+            candidates &= self.scored
+        assert len(candidates) <= n + 1, (sorted(candidates), n)
+        others = candidates & self.scored - {max(steps)}
+        finite = {s for s in others if math.isfinite(loss(self.persistent[s]))}
+        if others - finite:
+            assert len(finite) < n, (sorted(finite), sorted(others - finite), n)
 
     @invariant()
     def nothing_leaks(self):

@@ -48,10 +48,31 @@ def test_metadata_renders_as_a_table_and_a_short_repr(tmp_path):
     assert len(text.splitlines()) <= 10 and "float32[512,512]" in text
 
 
-def test_a_long_tree_repr_stays_a_few_lines(tmp_path):
-    jaxckpt.save(tmp_path / "c", {f"layer{i}": {"w": np.zeros(2)} for i in range(50)})
-    lines = repr(jaxckpt.metadata(tmp_path / "c")).splitlines()
-    assert len(lines) == 10 and lines[-1].strip().startswith("... 92 more lines (.entries")
+def test_a_long_tree_repr_keeps_its_largest_arrays_and_counts_the_others(tmp_path):
+    tree = {f"layer{i}": {"w": np.zeros(2 + i), "n": i} for i in range(50)}
+    jaxckpt.save(tmp_path / "c", tree | {"emb": np.zeros((64, 64))})
+    info = jaxckpt.metadata(tmp_path / "c")
+    lines = repr(info).splitlines()
+    assert len(lines) <= 22 and lines[1].split()[:2] == ["emb", "float64[64,64]"]  # the largest
+    shown = [line.split()[1] for line in lines[1:] if " w " in f" {line.strip()} "]
+    assert shown == [f"float64[{2 + i}]" for i in range(41, 50)]  # then the next largest
+    assert lines[-1] == (
+        "  ... and 41 other arrays (7.0 KiB) and 50 values not shown (str() shows every entry; "
+        ".entries has them all)"
+    )
+    assert len(str(info).splitlines()) == 1 + 50 * 3 + 1  # str(): every entry, as inspect
+
+
+def test_a_short_tree_repr_shows_every_entry_however_large(tmp_path):
+    """Four arrays and four values: all shown, the largest array (w) too (it was cut)."""
+    params = {"a": np.zeros(3), "b": np.zeros((4, 4)), "w": np.zeros((512, 512), np.float32)}
+    tree = {"c": np.zeros(5), "params": params, "v": None, "x": 1, "y": 2.0, "z": ""}
+    jaxckpt.save(tmp_path / "c", tree)
+    info = jaxckpt.metadata(tmp_path / "c")
+    keys = [line.split()[0] for line in repr(info).splitlines()[1:]]
+    assert keys == ["c", "params/", "a", "b", "w", "v", "x", "y", "z"], keys
+    assert "more" not in repr(info) and "not shown" not in repr(info)
+    assert str(info) == repr(info)
 
 
 def test_quickstart_notebook_runs_on_cpu(tmp_path):

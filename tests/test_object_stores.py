@@ -190,8 +190,10 @@ def test_a_commit_past_its_deadline_says_what_is_committed(store, monkeypatch, l
             jaxckpt.CheckpointError,
             match="outcome of its commit is unknown.*"
             "previous checkpoint is committed.*Nothing was deleted",
-        ):
+        ) as e:
             jaxckpt.save(url, {"w": np.ones(4)}, overwrite=True)
+        assert "has not committed" not in str(e.value)  # the deadline's own advice is not
+        assert "did not finish within" in str(e.value)  # quoted: the outcome is unknown
         want = np.zeros(4)
     heal()
     np.testing.assert_array_equal(jaxckpt.restore(url)["w"], want)

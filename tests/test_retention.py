@@ -147,9 +147,80 @@ def test_a_pinned_step_survives_retention_until_unpinned(tmp_path):
         assert mgr.all_steps() == [4] and mgr.pinned_steps() == []
 
 
+def test_pinning_a_step_only_the_local_tier_holds_says_why_with_every_listed_step(tmp_path):
+    kw = dict(local_directory=tmp_path / "local", save_interval_steps=10, async_save=False)
+    with jaxckpt.CheckpointManager(tmp_path / "run", **kw) as mgr:
+        for step in (10, 11, 12):
+            mgr.save(step, {"x": np.full(2, step)})
+        mgr.wait()
+        assert mgr.all_steps() == [10, 11, 12] and mgr.all_steps("persistent") == [10]
+        with pytest.raises(
+            jaxckpt.CheckpointNotFoundError,
+            match=r"Step 12 is held only by the local tier .*local_max_to_keep=2.*"
+            r"all_steps\(\) lists \[10, 11, 12\], of which .*run holds \[10\]: pin one of "
+            r"those\. To keep step 12's state for good, restore\(12\) and save it",
+        ):
+            mgr.pin(12)
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"Step 13 .*\[10, 11, 12\]"):
+            mgr.pin(13)
+        mgr.pin(10)
+        assert mgr.pinned_steps() == [10]
+
+
 def test_a_deleted_pinned_step_is_unpinned(tmp_path):
     with jaxckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
         mgr.save(1, {"x": np.zeros(2)})
         mgr.pin(1)
         mgr.delete(1)
         assert mgr.pinned_steps() == []
+
+
+# NaN and infinite metrics rank worst; metrics best_fn cannot score are refused (issue 62) ------
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_diverged_run_keeps_a_bounded_number_of_steps(tmp_path, mode):
+    """A loss that became NaN (or infinite) ranks worst: those steps are not kept as steps
+    without metrics, and the disk holds max_to_keep + the newest, however long the run goes."""
+    bad = [float("nan"), float("inf"), -float("inf")]
+    with jaxckpt.CheckpointManager(
+        tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode=mode, async_save=False
+    ) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, {"w": np.full(2, step)}, metrics={"loss": float(step)})
+        for step in range(4, 16):
+            mgr.save(step, {"w": np.full(2, step)}, metrics={"loss": bad[step % 3]})
+            assert len(mgr.all_steps()) <= 3
+        best = [1, 2] if mode == "min" else [2, 3]  # the finite ones, then the newest
+        assert mgr.all_steps() == best + [15]
+        assert mgr.best_step() == (1 if mode == "min" else 3)
+
+
+def test_nan_and_infinities_rank_below_every_finite_score_and_above_no_metrics():
+    p = Policy(best_fn=lambda m: m["loss"])
+    scores = [p.score({"loss": v}) for v in (float("nan"), float("inf"), -float("inf"), 1e308)]
+    assert scores[:3] == [-float("inf")] * 3 and scores[3] == -1e308
+    assert p.score(None) is None  # only a step without metrics has no score
+    metrics = {"1": {"loss": 0.5}, "2": {"loss": float("nan")}, "3": {"loss": 0.7}}
+    # Step 2 (NaN) goes first; with keep_without_metrics it is not kept as unscored.
+    assert Policy(max_to_keep=1, best_fn=p.best_fn).doomed([1, 2, 3, 4], metrics, {}) == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "metrics, why",
+    [
+        ({"loss": None}, r"\{'loss': None\}: it returned None, not a number"),
+        ({"loss": "low"}, r"\{'loss': 'low'\}: it returned 'low', not a number"),
+        ({"acc": 0.5}, r"\{'acc': 0.5\}: it raised KeyError: 'loss'"),
+    ],
+)
+def test_metrics_best_fn_cannot_score_are_refused_naming_it_the_step_and_metric(
+    tmp_path, metrics, why
+):
+    with jaxckpt.CheckpointManager(tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"]) as mgr:
+        with pytest.raises(
+            jaxckpt.InvalidArgumentError, match=f"best_fn cannot score the metrics of step 3, {why}"
+        ) as e:
+            mgr.save(3, {"w": np.zeros(2)}, metrics=metrics)
+        assert "Nothing was saved" in str(e.value)
+        assert mgr.all_steps() == [] and mgr.save(3, {"w": np.zeros(2)}, metrics={"loss": 1.0})

@@ -82,9 +82,26 @@ def test_best_and_pinned_marks(tmp_path):
     ]
     assert jaxckpt.run_table(d, best="acc", best_mode="max").row(3).best
     assert jaxckpt.run_table(d, best=lambda m: -m["acc"]).row(3).best  # min of -acc
-    assert not any(r.best for r in jaxckpt.run_table(d, best="nosuchmetric").rows)
+    with pytest.raises(
+        jaxckpt.InvalidArgumentError,
+        match="best='nosuchmetric': no committed step of the run has a metric 'nosuchmetric' "
+        "to rank by; their metrics are 'acc', 'loss': name one of those",
+    ):
+        jaxckpt.run_table(d, best="nosuchmetric")
     with pytest.raises(ValueError, match="best_mode must be 'min' or 'max', got 'median'"):
         jaxckpt.run_table(d, best="loss", best_mode="median")
+
+
+def test_ls_best_with_a_metric_no_step_has_says_so(tmp_path, capsys):
+    d = _run(tmp_path / "run")
+    code, out, err = run(capsys, "ls", d, "--best", "los")
+    assert code == 2 and not out
+    assert "error: --best los: no committed step of the run has a metric 'los'" in err
+    assert "their metrics are 'acc', 'loss'" in err
+    with jaxckpt.CheckpointManager(tmp_path / "bare") as mgr:
+        mgr.save(1, {"w": np.zeros(2)})
+    code, _, err = run(capsys, "ls", tmp_path / "bare", "--best", "loss")
+    assert code == 2 and "none was saved with metrics" in err
 
 
 def test_ls_prints_the_table_and_a_total_line(tmp_path, capsys):

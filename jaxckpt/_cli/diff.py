@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from jaxckpt._cli.text import plural, progress_arg
+from jaxckpt._cli.text import json_text, plural, progress_arg
 from jaxckpt._sources.diff import CheckpointDiff, diff
 
 
 def run_diff(args: argparse.Namespace) -> int:
     result = diff(args.a, args.b, progress=progress_arg(args.progress))
     if args.json:
-        print(json.dumps(result.to_json(), indent=1))
+        print(json_text(result.to_json()))
     else:
         for line in diff_lines(result):
             print(line)

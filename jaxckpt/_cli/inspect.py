@@ -3,21 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
-from jaxckpt._api.entry import metadata
-from jaxckpt._cli.text import UsageError
-from jaxckpt._format.manifest import ArrayEntry, ValueEntry
+from jaxckpt._cli.text import UsageError, json_text
+from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._manager.table import run_table
 from jaxckpt._planning import display as _display
+from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
+
+
+def metadata(path: str) -> Manifest:
+    """What ``jaxckpt.metadata(path)`` holds, read without jax where the manifest has no PRNG
+    key arrays (their implementations are checked by jax)."""
+    loc = _location.Location(path, one_operation=True)
+    manifest, _ = _sources.open_source(loc, listing=False)
+    if any(isinstance(e, ArrayEntry) and e.prng_impl for e in manifest.entries.values()):
+        from jaxckpt._planning.mismatch import check_prng_keys
+
+        check_prng_keys(manifest, f"{loc}/manifest.json")
+    return manifest
 
 
 def _entry_json(e: ArrayEntry | ValueEntry) -> dict[str, Any]:
     if isinstance(e, ValueEntry):
-        return {"key": e.key, "kind": "value", "value": e.value}
+        v = e.value  # a complex number as [real, imag], as the manifest holds it
+        return {
+            "key": e.key,
+            "kind": "value",
+            "value": [v.real, v.imag] if type(v) is complex else v,
+        }
     return {
         "key": e.key,
         "kind": "array",
@@ -52,7 +68,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         }
         if m.iterators:  # the saved positions of data iterators, as in the manifest
             doc["iterators"] = {n: it.to_json() for n, it in m.iterators.items()}
-        print(json.dumps(doc, indent=1))
+        print(json_text(doc))
         return 0
     print(f"{args.path}: {_display.summary(m)}")
     for line in _display.text(m, verbose=args.verbose):
@@ -83,7 +99,7 @@ def run_ls(args: argparse.Namespace) -> int:
         hidden=args.all,
     )
     if args.json:
-        print(json.dumps(table.to_json(), indent=1))
+        print(json_text(table.to_json()))
         return 0
     if not table.rows:
         print(f"{args.path}: no checkpoints (no sub-directories)", file=sys.stderr)

@@ -5,7 +5,7 @@ Exit status: 0 success, 1 damage found (``verify``, or a bad chunk met while exp
 for ``diff``, checkpoints that differ, 2 a usage error or a path that holds no checkpoint (one line on stderr, no traceback)::
 
     jaxckpt inspect PATH [--json] [-v]     keys, shapes, dtypes, chunk grids, bytes
-    jaxckpt verify PATH                    read every chunk, check every checksum
+    jaxckpt verify PATH [--json]           read every chunk, check every checksum
     jaxckpt ls DIR [--all] [--json]        a run's steps: status, tiers, sizes, metrics
     jaxckpt export PATH OUT.safetensors    host-side copy (or OUT.npz); --keys to pick
     jaxckpt convert SRC DST                Orbax / safetensors / jaxckpt -> a jaxckpt checkpoint
@@ -26,11 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt._cli.diff import run_diff
-from jaxckpt._cli.export import run_convert, run_export
-from jaxckpt._cli.inspect import run_inspect, run_ls
-from jaxckpt._cli.text import UsageError, for_cli, one_line
-from jaxckpt._cli.verify import run_verify
 from jaxckpt._errors import CheckpointError, CorruptChunkError, ManifestError
 from jaxckpt._version import __version__
 
@@ -52,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or argparse's own usage error (already printed)
         return int(e.code or 0)
+    from jaxckpt._cli.text import UsageError, for_cli, one_line  # numpy: not for --version
+
     try:
         status: int = args.run(args)  # the subcommand's run_* function
         return status
@@ -87,11 +84,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also show where each packed array lies in its pack",
     )
-    c.set_defaults(run=run_inspect)
+    c.set_defaults(run=_run_inspect)
     c = sub.add_parser("verify", help="read every chunk and check its checksum")
     c.add_argument("path", metavar="PATH")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
-    c.set_defaults(run=run_verify)
+    c.set_defaults(run=_run_verify)
     _add_ls(sub)
     c = sub.add_parser("export", help="copy arrays to OUT.safetensors or OUT.npz on this host")
     c.add_argument("path", metavar="PATH")
@@ -99,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--keys", nargs="+", metavar="KEY", help="only these keys or key prefixes")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
-    c.set_defaults(run=run_export)
+    c.set_defaults(run=_run_export)
     c = sub.add_parser("convert", help="write an Orbax / safetensors / jaxckpt source as jaxckpt")
     c.add_argument("src", metavar="SRC")
     c.add_argument("dst", metavar="DST")
@@ -111,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="largest chunk written (default 64 MiB; smaller for restores on many hosts)",
     )
-    c.set_defaults(run=run_convert)
+    c.set_defaults(run=_run_convert)
     _add_diff(sub)
     return p
 
@@ -129,7 +127,7 @@ def _add_ls(sub: Any) -> None:
     c.add_argument(
         "--local", metavar="LOCAL_DIR", help="the manager's local_directory: show local tiers"
     )
-    c.set_defaults(run=run_ls)
+    c.set_defaults(run=_run_ls)
 
 
 def _add_diff(sub: Any) -> None:
@@ -138,7 +136,45 @@ def _add_diff(sub: Any) -> None:
     c.add_argument("b", metavar="B")
     c.add_argument("--json", action="store_true", help="print the differences as JSON")
     c.add_argument("--progress", action="store_true", help="show progress on stderr")
-    c.set_defaults(run=run_diff)
+    c.set_defaults(run=_run_diff)
+
+
+# Each command's module is imported when it runs, not with the parser: `--version`, `inspect`
+# and `ls` never import jax (tests/test_import.py), the others import what they use.
+def _run_inspect(args: argparse.Namespace) -> int:
+    from jaxckpt._cli.inspect import run_inspect
+
+    return run_inspect(args)
+
+
+def _run_ls(args: argparse.Namespace) -> int:
+    from jaxckpt._cli.inspect import run_ls
+
+    return run_ls(args)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from jaxckpt._cli.verify import run_verify
+
+    return run_verify(args)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from jaxckpt._cli.export import run_export
+
+    return run_export(args)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from jaxckpt._cli.export import run_convert
+
+    return run_convert(args)
+
+
+def _run_diff(args: argparse.Namespace) -> int:
+    from jaxckpt._cli.diff import run_diff
+
+    return run_diff(args)
 
 
 def _positive_bytes(text: str) -> int:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import tensorstore as ts
 
-from jaxckpt._cli.text import human_bytes, one_line, plural, progress_arg
+from jaxckpt._cli.text import human_bytes, json_text, one_line, plural, progress_arg
 from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import chunk_key, grid_indices
@@ -68,10 +68,12 @@ def run_verify(args: argparse.Namespace) -> int:
             return next((w for w in ("fails its checksum", "is missing") if w in msg), msg)
         return None
 
+    problems: list[str] | None = [] if getattr(args, "json", False) else None
+    say = print if problems is None else problems.append  # --json: one document at the end
     damaged: dict[str, list[str]] = {}
     bad_chunks = 0
     for key, msg in missing.items():
-        print(f"DAMAGED {_who(stored[key], members)}: {msg}")
+        say(f"DAMAGED {_who(stored[key], members)}: {msg}")
         for k in members.get(key, [key]):
             damaged[k] = ["missing chunks"]
         bad_chunks += 1
@@ -83,7 +85,7 @@ def run_verify(args: argparse.Namespace) -> int:
         ):
             if problem is not None:
                 where = _where(reader, e.path)
-                print(f"DAMAGED {_who(e, members)} metadata at {where}/zarr.json: {problem}")
+                say(f"DAMAGED {_who(e, members)} metadata at {where}/zarr.json: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append("zarr.json")
         for (e, idx, job_item), problem in _bounded_map(pool, check, jobs):
@@ -91,12 +93,12 @@ def run_verify(args: argparse.Namespace) -> int:
             if problem is not None:
                 chunk = ",".join(map(str, idx))
                 where = e.path if foreign else f"{_where(reader, e.path)}/{chunk_key(idx)}"
-                print(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
+                say(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
                 bad_chunks += 1
     progress.close()
-    return _summary(args.path, reader.kind, arrays, n_jobs, damaged, bad_chunks)
+    return _summary(args.path, reader.kind, arrays, n_jobs, damaged, bad_chunks, problems)
 
 
 def _summary(
@@ -106,27 +108,35 @@ def _summary(
     n_jobs: int,
     damaged: dict[str, list[str]],
     bad_chunks: int,
+    problems: list[str] | None,
 ) -> int:
-    """Print the last line of ``jaxckpt verify``; the exit code (0: undamaged)."""
+    """Print the last line of ``jaxckpt verify`` (with ``problems``, the lines found: the
+    ``--json`` document instead); the exit code (0: undamaged)."""
     nbytes = sum(e.nbytes for e in arrays)
     if not damaged:
         what = f"every chunk readable ({kind} stores no checksums)"
-        print(
+        line = (
             f"OK: {path}: {plural(len(arrays), 'array')}, {plural(n_jobs, 'chunk')}, "
             f"{human_bytes(nbytes)} read, "
             + (what if kind != "jaxckpt" else "every checksum matches")
         )
-        return 0
-    bad = "; ".join(
-        f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})" for k, v in damaged.items()
-    )
-    print(
-        f"DAMAGED: {path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
-        f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
-        f"earlier checkpoint, or restore the undamaged keys with "
-        f"jaxckpt.restore(..., keys=[...])."
-    )
-    return 1
+    else:
+        bad = "; ".join(
+            f"{k} ({' '.join(v[:20])}{' ...' if len(v) > 20 else ''})" for k, v in damaged.items()
+        )
+        line = (
+            f"DAMAGED: {path}: {bad_chunks} of {plural(n_jobs, 'chunk')} bad, "
+            f"{len(damaged)} of {plural(len(arrays), 'array')} affected: {bad}. Restore an "
+            f"earlier checkpoint, or restore the undamaged keys with "
+            f"jaxckpt.restore(..., keys=[...])."
+        )
+    if problems is None:
+        print(line)
+    else:
+        doc = {"path": path, "format": kind, "ok": not damaged, "arrays": len(arrays)}
+        doc |= {"chunks": n_jobs, "bad_chunks": bad_chunks, "nbytes": nbytes}
+        print(json_text(doc | {"damaged": damaged, "problems": problems, "summary": line}))
+    return 1 if damaged else 0
 
 
 def _listed_missing(reader: Reader, stored: dict[str, ArrayEntry]) -> dict[str, str]:
@@ -183,7 +193,9 @@ def _zarr_json_problem(loc: _location.Location, path: str, e: ArrayEntry) -> str
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
         _location.wait(
-            ts.open(_storage.array_spec(loc.child(path), e), open=True, context=_location.CONTEXT),
+            ts.open(
+                _storage.array_spec(loc.child(path), e), open=True, context=_location.context()
+            ),
             loc,
             f"opening {path}/zarr.json",
         )

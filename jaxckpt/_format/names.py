@@ -165,6 +165,25 @@ def parse_step(name: str) -> int | None:
     return step if step_name(step) == name else None
 
 
+def part_name(process: int, count: int) -> str:
+    """The folder of process ``process``'s part (of ``count``) in a local step."""
+    return f"part-{process}-of-{count}"
+
+
+_PART_RE = re.compile(r"part-([0-9]+)-of-([0-9]+)")
+
+
+def parse_part(name: str) -> tuple[int, int] | None:
+    """``(process, count)`` of a part's folder ``name``; ``None`` for any other name.
+
+    Example:
+      >>> parse_part("part-1-of-4"), parse_part(".part-1-of-4.tmp-0a1b2c3d")
+      ((1, 4), None)
+    """
+    m = _PART_RE.fullmatch(name)
+    return None if m is None else (int(m[1]), int(m[2]))
+
+
 def parse_staging(name: str) -> tuple[str, str, str] | None:
     """``(NAME, TAG, suffix)`` of a hidden sibling ``.NAME.tmp-TAG`` (``suffix``: ``""``,
     ``"-old"`` for a checkpoint an overwrite moved aside, ``"-deleted"`` for one being

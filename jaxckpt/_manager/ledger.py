@@ -99,6 +99,34 @@ class Ledger:
             found.add(self.newest)
         return sorted(s for s in found if s > step)
 
+    def require_persistent(self, step: int, call: str) -> None:
+        """Refuse ``call`` (``pin``) of a ``step`` the persistent directory lacks, saying why:
+        held only by the local tier, or not saved at all.
+
+        Raises:
+          CheckpointNotFoundError: names the steps of both tiers, as this process sees them.
+        """
+        persistent = self.run.steps()
+        if step in persistent:
+            return
+        local = [] if self.local is None else self.local.steps()
+        listed = sorted(set(persistent) | set(local))
+        if step not in local:
+            raise CheckpointNotFoundError(
+                f"Step {step} is not in {self.run.directory}; committed steps: {listed}. "
+                f"{call.capitalize()} one of those."
+            )
+        assert self.local is not None
+        raise CheckpointNotFoundError(
+            f"Step {step} is held only by the local tier ({self.local.mine}, on the processes' "
+            f"own disks, which keep their newest local_max_to_keep={self.local.max_to_keep} "
+            f"steps and nothing else), not by {self.run.directory}: {call}() keeps steps of "
+            f"the persistent directory from its retention. all_steps() lists {listed}, of "
+            f"which {self.run.directory} holds {persistent}: {call} one of those. To keep step "
+            f"{step}'s state for good, restore({step}) and save it to the directory as a later "
+            f"step with force=True, then {call} that step."
+        )
+
     # -- saving ---------------------------------------------------------------------------------
 
     def may_save(self, step: int) -> bool:
@@ -132,25 +160,14 @@ class Ledger:
         persistent = self.run.steps()
         if self.local is None:  # the listing is the whole truth (a step deleted by hand too)
             self.newest = max(persistent, default=None)
-        if step in persistent or step == self.newest:
-            raise CheckpointExistsError(
-                f"Step {step} is already saved in {directory}. A saved step is never replaced, "
-                f"force=True included (force only skips save_interval_steps). Save a later step, "
-                f"or restore it (CheckpointManager.restore({step})) and go on from there; to "
-                f"save it anew, call CheckpointManager.rollback({step}) and .delete({step}) first "
-                f"(docs/manager.md, *Going back to an older step*)."
-            )
+        saved = step in persistent or step == self.newest
         newer = sorted(set(self.newer(step)) | {s for s in persistent if s > step})
-        if newer:
-            back = restored if restored is not None and restored < step else max(step - 1, 0)
-            raise CheckpointExistsError(
-                f"Step {step} is older than steps already saved in {directory} ({newer}, in "
-                f"either tier): saving it would leave a newer step of another branch that a "
-                f"restart restores. Nothing was saved. To go on from an older step, call "
-                f"CheckpointManager.rollback({back}) first: it deletes every step after {back} "
-                f"from every tier. Or save a step after {newer[-1]}."
-            )
-        return persistent
+        if not (saved or newer):
+            return persistent
+        # Where the run goes on from: the step restore() returned, else the one before.
+        back = restored if restored is not None and restored < step else step - 1
+        doomed = sorted(set(self.newer(back)) | {s for s in persistent if s > back})
+        raise CheckpointExistsError(_refusal(step, directory, saved, newer, back, doomed))
 
     def begin(self, step: int) -> None:
         """A save of ``step`` starts (in either tier) on every process."""
@@ -248,3 +265,32 @@ class Ledger:
                 self.run.delete(s)
             if gone:
                 clean_up()
+
+
+def _refusal(
+    step: int, directory: str, saved: bool, newer: list[int], back: int, doomed: list[int]
+) -> str:
+    """Why ``save(step)`` is refused, and the ``rollback(back)`` that deletes ``doomed``."""
+    if saved:
+        head = (
+            f"Step {step} is already saved in {directory}. A saved step is never replaced, "
+            f"force=True included (force only skips save_interval_steps)"
+        )
+    else:
+        head = (
+            f"Step {step} is older than steps already saved in {directory} ({newer}, in either "
+            f"tier): saving it would leave a newer step of another branch that a restart restores"
+        )
+    where = "(docs/manager.md, *Going back to an older step*)"
+    if back < 0:  # step 0 itself: no step before it to roll back to
+        fix = f"call CheckpointManager.rollback(0) and .delete(0) first {where}"
+    else:
+        fix = (
+            f"call CheckpointManager.rollback({back}) first: it deletes steps {doomed} from "
+            f"every tier {where}"
+        )
+    after = max(doomed, default=step)
+    return (
+        f"{head}. Nothing was saved. To go on from step {max(back, 0)}, {fix}. Or save a later "
+        f"step (after {after}), or restore step {after} and go on from there."
+    )

@@ -74,7 +74,9 @@ class CheckpointManager(RunReader):
       async_save: write in the background (default); ``False`` makes ``save()`` block until
         the step is committed.
       best_fn: ``metrics -> float``; with it, ``max_to_keep`` keeps the best steps instead of
-        the newest. Steps saved without metrics are kept (see the next argument).
+        the newest. Steps saved without metrics are kept (see the next argument); NaN and
+        infinities rank worst, so the steps of a diverged run go like others. A ``save``
+        whose metrics ``best_fn`` cannot score (it raises or gives no number) is refused.
       best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
       save_on_preemption: on SIGTERM (or JAX's multi-host preemption notice), the next
         ``save()`` saves its step whatever the interval and waits for the commit;
@@ -225,6 +227,8 @@ class CheckpointManager(RunReader):
           CheckpointExistsError: ``step`` is already saved in the directory (also with
             ``force=True``).
           UnsupportedLeafError: a metric is not a JSON-able number or string.
+          InvalidArgumentError: ``best_fn`` cannot score ``metrics`` (it raises, or gives no
+            number); nothing is saved.
           CheckpointError: the previous save failed (its error, raised once), or the manager
             is closed.
         """
@@ -236,8 +240,8 @@ class CheckpointManager(RunReader):
         if not (due or tier is not None):
             return False
         record = json_metrics(step, metrics)
-        if self.policy.best_fn is not None and record is not None:
-            float(self.policy.best_fn(record))  # fail here, not in the background
+        if record is not None:
+            self.policy.check(step, record)  # fail here, not in the background
         self._wait_persistent()
         restored = None if self.restored_from is None else self.restored_from.step
         steps = self._ledger.check_new(step, self.directory, restored)
@@ -395,12 +399,14 @@ class CheckpointManager(RunReader):
         ``jaxckpt ls``. ``delete`` and ``rollback`` still delete a pinned step.
 
         Raises:
-          CheckpointNotFoundError: ``step`` is not a committed step of the directory.
+          CheckpointNotFoundError: ``step`` is not a committed step of the directory (a step
+            only the local tier holds: its message says why it cannot be pinned).
           CheckpointError: the manager is read-only or closed.
         """
         self._check_open()
         step = step_arg(step, "pin(step)")
         self._wait_persistent()
+        self._ledger.require_persistent(step, "pin")
         if self._primary:
             self._run.pin(step, True)
 

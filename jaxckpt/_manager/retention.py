@@ -19,7 +19,8 @@ clock (windows start at multiples of T seconds since the Unix epoch; a step with
 time is in none); the pinned steps; and with ``best_fn``, unless
 ``keep_checkpoints_without_metrics=False``, the steps saved without metrics. They do not count
 toward ``max_to_keep``, which keeps that many of the other steps: the newest, or the best by
-``best_fn``. The newest step is always kept.
+``best_fn``, where NaN and infinities rank worst (a step saved with metrics is never one
+without them, so a diverged run's steps go like any others). The newest step is always kept.
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ def steps_to_delete(
         for each multiple of ``keep_every_n_steps``, the first step at or after it; the first
         step committed in each ``keep_every_n_secs`` window; the ``pinned`` steps; and with
         ``keep_unscored``, the steps ``score`` has no value for.
-      score: ``step -> float | None``, higher is better; ``None`` ranks last (or, with
-        ``keep_unscored``, is kept). Without it the newest steps are kept. The newest step
-        is kept whatever its score.
+      score: ``step -> float | None``, higher is better; ``None`` (a step without metrics)
+        ranks last (or, with ``keep_unscored``, is kept); ``-inf`` (NaN and infinite metrics,
+        see :meth:`Policy.score`) ranks worst of the scored steps, newest first, and is never
+        kept as unscored. Without it the newest steps are kept. The newest step is kept
+        whatever its score.
       committed: each step's commit time, in seconds since the Unix epoch; steps missing
         from it are in no ``keep_every_n_secs`` window.
       pinned: steps no retention deletes (``CheckpointManager.pin``).
@@ -105,6 +108,16 @@ def steps_to_delete(
         candidates.sort(key=lambda s: (scores[s] is not None, scores[s] or 0.0, s))
     keep = set(candidates[-max_to_keep:]) | {max(steps)}
     return sorted(s for s in candidates if s not in keep)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float if it is a number (a bool, str or ``None`` is not)."""
+    if value is None or isinstance(value, (str, bytes, bool)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def first_at_or_after_multiples(steps: Iterable[int], n: int | None) -> set[int]:
@@ -173,14 +186,46 @@ class Policy:
             )
 
     def score(self, record: Mapping[str, Any] | None) -> float | None:
-        """Higher is better; ``None`` (ranked last) without metrics or a usable value."""
+        """Higher is better; ``None`` (ranked last, or kept with ``keep_without_metrics``)
+        only for a step saved without metrics. A step saved with metrics always has a score:
+        ``-inf``, the worst, where ``best_fn`` gives NaN or an infinity (a diverged run) or
+        cannot score them (metrics stored before ``best_fn`` changed; :meth:`check` refuses
+        such metrics at the save)."""
         if record is None or self.best_fn is None:
             return None
         try:
-            value = float(self.best_fn(record))
-        except Exception:
-            return None
-        return None if math.isnan(value) else (-value if self.best_mode == "min" else value)
+            value = _number(self.best_fn(record))
+        except Exception:  # noqa: BLE001 - the user's function: any failure is "unscorable"
+            value = None
+        if value is None or not math.isfinite(value):
+            return -math.inf
+        return -value if self.best_mode == "min" else value
+
+    def check(self, step: int, record: Mapping[str, Any]) -> None:
+        """Refuse metrics ``best_fn`` cannot score, when ``step`` is saved with them.
+
+        Raises:
+          InvalidArgumentError: ``best_fn`` raised, or gave no number; names ``best_fn``, the
+            step, its metrics and why.
+        """
+        if self.best_fn is None:
+            return
+        cause: Exception | None = None
+        try:
+            got = self.best_fn(record)
+        except Exception as e:  # noqa: BLE001 - the user's function: named in the message
+            why, cause = f"it raised {type(e).__name__}: {e}", e
+        else:
+            if _number(got) is not None:
+                return
+            why, cause = f"it returned {got!r}, not a number", None
+        raise InvalidArgumentError(
+            f"best_fn cannot score the metrics of step {step}, {dict(record)!r}: {why}. "
+            f"best_fn must give a number for every step saved with metrics (NaN and infinities "
+            f"are numbers: they rank worst). Pass the metric it reads as a number (e.g. "
+            f"metrics={{'loss': float(loss)}}), or save the step without metrics. Nothing "
+            f"was saved."
+        ) from cause
 
     def doomed(
         self,

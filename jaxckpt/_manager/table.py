@@ -24,16 +24,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError
 from jaxckpt._format.manifest import Manifest, storage_entries
-from jaxckpt._format.names import MANIFEST, parse_step, step_name
+from jaxckpt._format.names import MANIFEST, parse_part, parse_step, step_name
 from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run_view import RunTable, StepRow
 from jaxckpt._sources import orbax_step as _orbax_step
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import holds as _holds
 from jaxckpt._storage import location as _location
-from jaxckpt._tiers import local_part as _part
 from jaxckpt._tiers import local_run as _local_run
 
 
@@ -65,6 +64,7 @@ def run_table(
     Raises:
       CheckpointNotFoundError: ``directory`` or ``local_directory`` is not a directory.
       CheckpointError: ``directory`` is itself a checkpoint.
+      InvalidArgumentError: ``best`` names a metric no committed step has (names theirs).
 
     Example:
       >>> import numpy as np, jaxckpt, tempfile
@@ -248,7 +248,7 @@ def _local_steps(loc: _location.Location, local_directory: str | Path | None) ->
     for step_dir in root.glob("p*/*"):
         step = parse_step(step_dir.name)
         for pd in step_dir.iterdir() if step is not None and step_dir.is_dir() else ():
-            got = _part.parse_part(pd.name)
+            got = parse_part(pd.name)
             if step is not None and got is not None and (pd / MANIFEST).is_file():
                 have, _ = parts.get(step, (set(), got[1]))
                 parts[step] = (have | {got[0]}, got[1])
@@ -256,6 +256,21 @@ def _local_steps(loc: _location.Location, local_directory: str | Path | None) ->
         s: "local" if len(have) >= n else f"local ({len(have)} of {n} parts)"
         for s, (have, n) in parts.items()
     }
+
+
+def _check_metric(rows: list[StepRow], name: str) -> None:
+    """Refuse to rank by a metric no committed step has (a misspelt ``--best``)."""
+    committed = [r for r in rows if r.status == "committed"]
+    if not committed or any(name in (r.metrics or {}) for r in committed):
+        return
+    have = sorted({k for r in committed for k in r.metrics or {}})
+    if have:
+        there = f"their metrics are {', '.join(map(repr, have))}: name one of those"
+    else:
+        there = "none was saved with metrics (CheckpointManager.save(..., metrics=...))"
+    raise InvalidArgumentError(
+        f"best={name!r}: no committed step of the run has a metric {name!r} to rank by; {there}."
+    )
 
 
 def _mark_best(
@@ -267,7 +282,9 @@ def _mark_best(
         return rows
     if mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {mode!r}")
-    fn = (lambda m: float(m[best])) if isinstance(best, str) else best
+    if isinstance(best, str):
+        _check_metric(rows, best)
+    fn = (lambda m: m[best]) if isinstance(best, str) else best
     policy = Policy(best_fn=fn, best_mode=mode)  # its score: higher is better, None last
     scored = [
         (score, i)

@@ -20,12 +20,14 @@ from jaxckpt._planning import display as _display
 from jaxckpt._planning import tree as _tree
 from jaxckpt._planning.structs import leaf_struct
 
+REPR_LINES = 20  # the tree's lines in a repr, at most (and one that counts the rest)
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class CheckpointMetadata(Manifest):
     """A checkpoint's ``Manifest`` as :func:`jaxckpt.metadata` returns it, with
-    :meth:`abstract`; its ``repr`` is a short summary of the tree, and a notebook shows it as
-    an HTML table.
+    :meth:`abstract`; its ``repr`` is the tree (its largest arrays where it is long), its
+    ``str`` the whole tree, and a notebook shows it as an HTML table.
 
     Example:
       >>> import jax.numpy as jnp, jaxckpt, tempfile
@@ -38,9 +40,17 @@ class CheckpointMetadata(Manifest):
     """
 
     def __repr__(self) -> str:
-        """A few lines: the counts, then the first keys of the tree (``.entries`` has all)."""
+        """The counts, then the tree: whole up to :data:`REPR_LINES` lines, else its largest
+        arrays and how many others (``str()`` shows every entry)."""
+        return self._show(REPR_LINES)
+
+    def __str__(self) -> str:
+        """The counts, then every entry of the tree, as ``jaxckpt inspect`` prints it."""
+        return self._show(None)
+
+    def _show(self, limit: int | None) -> str:
         lines = [f"CheckpointMetadata: {_display.summary(self)}"]
-        lines += ["  " + line for line in _display.text(self, limit=8)]
+        lines += ["  " + line for line in _display.text(self, limit=limit)]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from jaxckpt._format.entries import ArrayEntry, ValueEntry
 from jaxckpt._format.manifest import Manifest
 from jaxckpt._format.names import SEP
-from jaxckpt._planning.structs import leaf_struct
 from jaxckpt._runtime.progress import human_bytes
 
 
@@ -46,6 +45,8 @@ def what(e: ArrayEntry) -> str:
     """``float32[8,8]``; a PRNG key array: ``key<threefry2x32>[] (key data uint32[2])``."""
     text = f"{e.dtype}[{','.join(map(str, e.shape))}]"
     if e.prng_impl:  # as restore returns it: keys of the key array's shape
+        from jaxckpt._planning.structs import leaf_struct  # jax: for key arrays only
+
         keys = ",".join(map(str, leaf_struct(e).shape))
         text = f"key<{e.prng_impl}>[{keys}] (key data {text})"
     return text
@@ -76,10 +77,13 @@ def describe(e: ArrayEntry | ValueEntry, verbose: bool = False) -> str:
     return "  ".join(c for c in cols if c)
 
 
-def tree_rows(m: Manifest) -> Iterator[tuple[int, str, ArrayEntry | ValueEntry | None]]:
+Entries = Mapping[str, ArrayEntry | ValueEntry]
+
+
+def tree_rows(entries: Entries) -> Iterator[tuple[int, str, ArrayEntry | ValueEntry | None]]:
     """``(depth, name, entry)`` for each directory (entry ``None``) and entry, in saved order."""
     shown: tuple[str, ...] = ()
-    for key, e in m.entries.items():
+    for key, e in entries.items():
         parts = key.split(SEP) if key else ["<root>"]
         parents = tuple(parts[:-1])
         common = 0
@@ -92,22 +96,61 @@ def tree_rows(m: Manifest) -> Iterator[tuple[int, str, ArrayEntry | ValueEntry |
 
 
 def text(m: Manifest, *, verbose: bool = False, limit: int | None = None) -> list[str]:
-    """The tree as ``jaxckpt inspect`` prints it (at most ``limit`` lines, then a count)."""
+    """The tree as ``jaxckpt inspect`` prints it: every entry; with ``limit``, at most that
+    many lines and one more: the largest arrays (then values), in saved order, and a line
+    counting the others (:func:`largest`)."""
+    lines = _lines(m.entries, verbose)
+    if limit is None or len(lines) <= limit:
+        return lines
+    kept = largest(m.entries, limit - 1)
+    rest = [e for k, e in m.entries.items() if k not in kept]
+    arrays = [e for e in rest if isinstance(e, ArrayEntry)]
+    counts = [plural(len(arrays), "other array"), plural(len(rest) - len(arrays), "value")]
+    counts[0] += f" ({human_bytes(sum(e.nbytes for e in arrays))})" if arrays else ""
+    return [
+        *_lines(kept, verbose),
+        f"... and {' and '.join(c for c in counts if not c.startswith('0 '))} not shown "
+        f"(str() shows every entry; .entries has them all)",
+    ]
+
+
+def largest(entries: Entries, lines: int) -> dict[str, ArrayEntry | ValueEntry]:
+    """The largest arrays (then the values), in saved order, whose tree fits in ``lines``
+    lines, their directories' lines included.
+
+    Example:
+      >>> from jaxckpt._format.entries import ValueEntry
+      >>> es = {"a/x": ValueEntry("a/x", 1), "b": ValueEntry("b", 2), "c": ValueEntry("c", 3)}
+      >>> list(largest(es, 2))  # a/x takes 2 lines (a/ and x)
+      ['a/x']
+    """
+    size = {k: e.nbytes if isinstance(e, ArrayEntry) else -1 for k, e in entries.items()}
+    chosen: set[str] = set()
+    dirs: set[tuple[str, ...]] = set()
+    for key in sorted(entries, key=lambda k: -size[k]):  # stable: saved order among equals
+        parts = key.split(SEP)
+        parents = {tuple(parts[:i]) for i in range(1, len(parts))}
+        if len(chosen) + len(dirs | parents) > lines - 1:
+            break
+        chosen.add(key)
+        dirs |= parents
+    return {k: e for k, e in entries.items() if k in chosen}
+
+
+def _lines(entries: Entries, verbose: bool) -> list[str]:
     rows = [
-        ("  " * d + name, "" if e is None else describe(e, verbose)) for d, name, e in tree_rows(m)
+        ("  " * d + name, "" if e is None else describe(e, verbose))
+        for d, name, e in tree_rows(entries)
     ]
     width = max((len(r[0]) for r in rows), default=0)
-    lines = [f"{name:<{width}}  {cols}".rstrip() if cols else name for name, cols in rows]
-    if limit is not None and len(lines) > limit:
-        lines = [*lines[:limit], f"... {len(lines) - limit} more lines (.entries has them all)"]
-    return lines
+    return [f"{name:<{width}}  {cols}".rstrip() if cols else name for name, cols in rows]
 
 
 def html_table(m: Manifest) -> str:
     """The tree as a compact HTML table: key, type, storage, bytes, sharding."""
     head = "".join(f"<th>{h}</th>" for h in ("key", "type", "stored", "bytes", "sharding"))
     body = []
-    for depth, name, e in tree_rows(m):
+    for depth, name, e in tree_rows(m.entries):
         pad = f' style="padding-left:{1.2 * depth:.1f}em"'
         key = f"<td{pad}>{html.escape(name)}</td>"
         if e is None:

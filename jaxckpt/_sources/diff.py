@@ -150,6 +150,22 @@ def _json_safe(v: Any) -> Any:
     return v
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two saved Python values are equal: of one type and equal, NaN equal to NaN (in
+    either part of a complex number), as arrays' elements are compared.
+
+    Example:
+      >>> nan = float("nan")
+      >>> same_value(nan, nan), same_value(complex(nan, 1), complex(nan, 1)), same_value(1, 1.0)
+      (True, True, False)
+    """
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, complex):
+        return same_value(a.real, b.real) and same_value(a.imag, b.imag)
+    return bool(a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)))
+
+
 def describe(e: ArrayEntry | ValueEntry) -> str:
     """``float32[8,8]``, ``key<threefry2x32> (key data uint32[2])`` or ``value int``: what a
     key holds (as ``jaxckpt inspect`` says it, less the keys' shape, which takes jax)."""
@@ -203,7 +219,7 @@ def diff(a: str, b: str, *, progress: _progress.ProgressArg = None) -> Checkpoin
     for key in (k for k in ka if k in kb):
         ea, eb = ka[key], kb[key]
         if isinstance(ea, ValueEntry) and isinstance(eb, ValueEntry):
-            if ea.value != eb.value or type(ea.value) is not type(eb.value):
+            if not same_value(ea.value, eb.value):
                 out.values[key] = (ea.value, eb.value)
         elif describe(ea) != describe(eb):
             out.changed[key] = (describe(ea), describe(eb))

@@ -159,11 +159,11 @@ def _start_opening(
                     kvstore=database / (name + "/"),
                     open=True,
                     read=True,
-                    context=_location.CONTEXT,
+                    context=_location.context(),
                 )
             else:
                 spec["kvstore"] = _kvstore(loc, name)
-                fut = ts.open(spec, open=True, read=True, context=_location.CONTEXT)
+                fut = ts.open(spec, open=True, read=True, context=_location.context())
             opening[key] = (name, vtype, fut)
         else:
             raise ManifestError(

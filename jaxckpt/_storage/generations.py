@@ -52,7 +52,7 @@ from jaxckpt._storage.catalog import (
     prefix_range,
 )
 from jaxckpt._storage.lease import Lease
-from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
+from jaxckpt._storage.location import ABSENT, DeadlineError, Location, kvstore, wait
 from jaxckpt._storage.messages import exists_error, lost_error, not_ours_to_replace, write_error
 from jaxckpt._storage.urls import endpoint
 
@@ -315,9 +315,10 @@ def _committed_after_all(loc: Location, data: bytes, error: Exception) -> bool:
             if now
             else "Read back now, no checkpoint is committed there"
         ) + " (the write may still land later)"
+    cause = error.cause if isinstance(error, DeadlineError) else error  # no "not committed"
     raise OutcomeUnknown(
         f"Save to {loc}: the outcome of its commit is unknown: writing {MANIFEST} failed "
-        f"({error}). {state}. Nothing was deleted, so both checkpoints' data is kept. Check "
+        f"({cause}). {state}. Nothing was deleted, so both checkpoints' data is kept. Check "
         f"with `jaxckpt inspect {loc}` once the store answers, then save again if needed."
     ) from error
 

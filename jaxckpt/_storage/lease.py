@@ -14,8 +14,13 @@ process's live save (a second ``CheckpointManager`` opened on the run while the 
 * **Object stores** (no locks): the coordinator writes ``writer.json`` beside the save's arrays
   (``{"host", "pid", "beat"}``) and rewrites it every :data:`BEAT_S` seconds; it goes at the
   commit. A save is dead if its ``writer.json`` is missing, names a process of this same host
-  (hostname, boot and PID namespace) that no longer runs, or is older than :data:`STALE_S`
-  seconds by the clean-up's clock (hosts' clocks must agree to within a minute or so).
+  (hostname, boot and PID namespace) that no longer runs, or has not been rewritten (its
+  generation unchanged) for :data:`STALE_S` seconds of the clean-up's own monotonic clock,
+  between two looks of the same process: no host's clock is compared with another's. The
+  ``beat`` time it holds (the writer's wall clock) decides alone only past :data:`STALE_S` +
+  :data:`SKEW_S`, so a clean-up host whose clock runs ahead of the writer's by less than
+  :data:`SKEW_S` never takes a live save for a dead one; a clock behind only delays the
+  clean-up of a dead save's leftovers.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
 
 BEAT_S = 10.0  # how often a live save says so where it cannot hold a lock
 STALE_S = 300.0  # a save silent for this long is dead
+SKEW_S = 3600.0  # clocks of two hosts never disagree by more: see object_is_live
+# writer.json leases looked at by this process: (location, key) -> (generation, first seen at
+# time.monotonic()); an entry goes once its lease is judged dead or gone.
+_seen: dict[tuple[str, str], tuple[bytes, float]] = {}
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EBADF)
 
 
@@ -206,10 +215,20 @@ def locked_file(path: Path) -> Iterator[BinaryIO]:
         yield f
 
 
-def object_is_live(loc: Location, key: str, now: float | None = None) -> bool:
-    """Whether the ``writer.json`` at ``key`` of ``loc`` was refreshed within :data:`STALE_S`."""
+def object_is_live(
+    loc: Location, key: str, now: float | None = None, clock: float | None = None
+) -> bool:
+    """Whether the save that holds ``writer.json`` at ``key`` of ``loc`` is alive: its record
+    is readable, its process runs (same host), and it was rewritten within :data:`STALE_S`
+    seconds of this process's monotonic clock (``clock``: that clock's reading, for tests)
+    since this process first saw its generation; and, by the writer's clock, its ``beat`` is
+    less than :data:`STALE_S` + :data:`SKEW_S` old (``now``: this host's ``time.time()``).
+    A lease seen for the first time is alive unless the record, its process or its beat says
+    otherwise: clean-ups look again later (each manager's start and save)."""
     got = wait(kvstore(loc.kvstore, loc).read(key), loc, f"reading {key}")
+    seen = (str(loc), key)
     if got.state != "value":
+        _seen.pop(seen, None)
         return False
     try:
         record = json.loads(got.value)
@@ -218,9 +237,17 @@ def object_is_live(loc: Location, key: str, now: float | None = None) -> bool:
         pid = record.get("pid")
     except (ValueError, KeyError, TypeError, AttributeError):
         return False  # not ours to trust: a leftover like any other
-    if here and type(pid) is int and pid > 0 and not _runs(pid):
-        return False
-    return age < STALE_S
+    mono = time.monotonic() if clock is None else clock
+    generation, since = _seen.get(seen, (None, mono))
+    if generation != got.stamp.generation:
+        since = mono
+        _seen[seen] = (got.stamp.generation, since)
+    dead = (here and type(pid) is int and pid > 0 and not _runs(pid)) or (
+        mono - since >= STALE_S or age >= STALE_S + SKEW_S
+    )
+    if dead:
+        _seen.pop(seen, None)
+    return not dead
 
 
 @functools.cache

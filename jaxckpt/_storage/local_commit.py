@@ -92,7 +92,7 @@ def commit(loc: Location, staging: Path, manifest: bytes, overwrite: bool) -> No
     except CheckpointError:  # CheckpointExistsError is an OSError too: it passes as it is
         raise
     except OSError as e:
-        raise write_error(loc, f"renaming {staging.name} into place", e) from e
+        raise _rename_error(loc, staging, e) from e
     try:
         fsync_dir(target.parent)
     except OSError as e:
@@ -101,6 +101,23 @@ def commit(loc: Location, staging: Path, manifest: bytes, overwrite: bool) -> No
             f"failed: {e}. It may not survive a crash of the machine: check the disk, then save "
             f"again to be sure."
         ) from e
+
+
+# What a file system that renames no directory answers (a bucket's FUSE mount: gcsfuse without
+# --rename-dir-limit, Mountpoint for S3, s3fs; tests/fuse_mount.py is one).
+_NO_DIR_RENAME = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV)
+
+
+def _rename_error(loc: Location, staging: Path, e: OSError) -> CheckpointError:
+    if e.errno not in _NO_DIR_RENAME:
+        return write_error(loc, f"renaming {staging.name} into place", e)
+    return CheckpointError(
+        f"Save to {loc} failed: its file system does not rename directories ({e.strerror}), "
+        f"and a local save commits by renaming its staging directory into place. A bucket's "
+        f"FUSE mount (gcsfuse, Mountpoint for S3, s3fs) is such a file system: save to the "
+        f"bucket's URL instead (gs://BUCKET/PATH or s3://BUCKET/PATH), whose commit needs no "
+        f"rename. Nothing was committed; the last committed checkpoint is intact."
+    )
 
 
 def _commit_noreplace(loc: Location, staging: Path, target: Path) -> None:

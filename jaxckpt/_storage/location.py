@@ -2,7 +2,8 @@
 
 ``Location`` turns what a user passes as ``path`` (a local path, with ``~`` expanded as a shell
 would; ``file://``, ``memory://``, ``s3://``, ``gs://``) into a tensorstore kvstore spec; one tensorstore context serves the
-process, so ``memory://`` checkpoints live as long as it does.
+process (its request queues renewed after an abandoned request: :func:`context`), so
+``memory://`` checkpoints live as long as it does.
 """
 
 from __future__ import annotations
@@ -60,6 +61,30 @@ BEAT_CONTEXT = ts.Context(
     {"gcs_request_concurrency": {"limit": 2}, "s3_request_concurrency": {"limit": 2}}
 )
 
+
+def _queues(limit: int, parent: ts.Context | None = None) -> ts.Context:
+    spec = {"gcs_request_concurrency": {"limit": limit}, "s3_request_concurrency": {"limit": limit}}
+    return ts.Context(spec) if parent is None else ts.Context(spec, parent)
+
+
+# A request given up at its deadline keeps its place in the queue that sent it while curl
+# waits on a silent server (see the curl note below), so after one, stores opened from then on
+# get fresh queues (the resources of CONTEXT otherwise: its memory:// stores are the same):
+# the process goes on working with a server that answers again, whatever was abandoned.
+_now = [CONTEXT, BEAT_CONTEXT]
+
+
+def context(*, own_queue: bool = False) -> ts.Context:
+    """The context that stores and arrays open in now: :data:`CONTEXT` (``own_queue``:
+    :data:`BEAT_CONTEXT`) until a request was abandoned at its deadline, then one with request
+    queues of its own."""
+    return _now[1 if own_queue else 0]
+
+
+def _renew_queues() -> None:
+    _now[:] = [_queues(_request_concurrency(), CONTEXT), _queues(2)]
+
+
 # The stamp generation of a missing key: a write conditional on it creates a key only if absent.
 ABSENT = ts.KvStore.open({"driver": "memory"}).result().read("x").result().stamp.generation
 
@@ -70,22 +95,12 @@ _MIN_RATE = 8 << 20  # bytes/s: a transfer of N bytes gets N / _MIN_RATE seconds
 _io_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "io_timeout", default=None
 )
-
-
-# curl (tensorstore's HTTP client) has no stall timeout by default: a request to a server that
-# stopped answering would hang forever, in the background after a deadline too. These make it
-# drop a connection that moved no byte for that long (tensorstore then retries), and must be set
-# before the process's first request; a user's own setting wins.
-def _curl_stall_seconds() -> str:
-    try:
-        seconds = float(os.environ.get(IO_TIMEOUT_ENV, DEFAULT_IO_TIMEOUT))
-    except ValueError:
-        seconds = DEFAULT_IO_TIMEOUT
-    return str(max(1, round(seconds))) if 0 < seconds < 1e9 else str(int(DEFAULT_IO_TIMEOUT))
-
-
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", _curl_stall_seconds())
+# A request wait() gives up is cancelled, but curl (tensorstore's HTTP client) keeps its
+# connection, and its place in its queue, until the server answers or closes it. Only the
+# process-wide TENSORSTORE_CURL_LOW_SPEED_* variables (or absl flags) make curl drop a silent
+# connection: tensorstore has no context or spec form of them, so jaxckpt leaves them to the
+# user (docs/object_storage.md, "Abandoned requests") and renews its queues instead
+# (context()); importing jaxckpt changes no setting of the process.
 
 
 def io_timeout() -> float:
@@ -263,7 +278,7 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         return fut.result()
     if loc.stalled is not None and not fut.done():
         fut.cancel()
-        raise CheckpointError(f"{what} at {loc} was not waited for: {loc.stalled}")
+        raise DeadlineError(f"{what} at {loc} was not waited for: {loc.stalled}")
     limit = loc.io_timeout + nbytes / _MIN_RATE
     end = time.monotonic() + limit
     while (left := end - time.monotonic()) > 0:
@@ -272,17 +287,32 @@ def wait(fut: Pending[T], loc: Location, what: str, nbytes: int = 0) -> T:
         except TimeoutError:
             end = max(end, loc.answered() + limit)
     fut.cancel()
+    _renew_queues()  # the abandoned request may hold its queue's place: see context()
     server = _urls.endpoint(loc.kvstore)
     message = (
         f"{what} at {loc} did not finish within {limit:.3g} s ({IO_TIMEOUT_ENV}="
         f"{loc.io_timeout:g} s): {server} is not answering, or too slowly. Check that it is up "
         f"and reachable (endpoint, network, credentials), or raise {IO_TIMEOUT_ENV} (or "
-        f"CheckpointManager(io_timeout=...)) for a slow link. A save that fails so before its "
-        f"commit has not committed; the last committed checkpoint is intact."
+        f"CheckpointManager(io_timeout=...)) for a slow link."
     )
     if loc.one_operation:
         loc.stalled = message
-    raise CheckpointError(message)
+    raise DeadlineError(message)
+
+
+class DeadlineError(CheckpointError):
+    """An operation on a store missed its deadline (:func:`wait`). ``cause`` says what and
+    what to check; the message adds what that means for a save that fails so before its
+    commit, which a commit of unknown outcome quotes ``cause`` without."""
+
+    AFTER = (
+        "A save that fails so before its commit has not committed; the last committed "
+        "checkpoint is intact."
+    )
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(f"{cause} {self.AFTER}")
+        self.cause = cause
 
 
 def kvstore(
@@ -292,7 +322,7 @@ def kvstore(
     its requests to GCS or S3 skip the queue of this process's others (:data:`BEAT_CONTEXT`;
     ``memory://`` is one store per context, so it stays in the shared one)."""
     own = own_queue and spec["driver"] in ("gcs", "s3")
-    fut = ts.KvStore.open(spec, context=BEAT_CONTEXT if own else CONTEXT)
+    fut = ts.KvStore.open(spec, context=context(own_queue=own))
     return wait(fut, loc, "opening the store") if loc is not None else fut.result()
 
 

@@ -30,10 +30,10 @@ from jaxckpt._storage import holds
 from jaxckpt._storage import packs as _pack
 from jaxckpt._storage.catalog import Listing, list_keys
 from jaxckpt._storage.location import (
-    CONTEXT,
     Location,
     Pending,
     Stamp,
+    context,
     manifest_changed,
     wait,
 )
@@ -170,7 +170,7 @@ class CheckpointReader(Reader):
                 # The manifest is the source of truth for the array's metadata: zarr.json is
                 # not read (one file less per array), and cannot change how bytes decode.
                 store = wait(
-                    ts.open(spec, assume_metadata=True, context=CONTEXT),
+                    ts.open(spec, assume_metadata=True, context=context()),
                     self.loc,
                     f"opening array {entry.path} of key {entry.key!r}",
                 )

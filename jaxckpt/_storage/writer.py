@@ -31,7 +31,7 @@ from jaxckpt._runtime import pools
 from jaxckpt._storage import directwrite, generations, local_commit, writeback
 from jaxckpt._storage.lease import Lease
 from jaxckpt._storage.links import Linker
-from jaxckpt._storage.location import ABSENT, CONTEXT, Location, Pending, kvstore, wait
+from jaxckpt._storage.location import ABSENT, Location, Pending, context, kvstore, wait
 from jaxckpt._storage.messages import lost_error, write_error
 
 MAX_INFLIGHT_BYTES = 1 << 30
@@ -67,9 +67,9 @@ def zarr_json(entry: ArrayEntry) -> bytes:
     key = json.dumps(spec["metadata"], sort_keys=True)
     data = _ZARR_JSON.get(key)
     if data is None:
-        context = ts.Context()
-        ts.open(spec, create=True, context=context).result()
-        got = ts.KvStore.open({"driver": "memory"}, context=context).result().read("zarr.json")
+        scratch = ts.Context()
+        ts.open(spec, create=True, context=scratch).result()
+        got = ts.KvStore.open({"driver": "memory"}, context=scratch).result().read("zarr.json")
         if len(_ZARR_JSON) >= 4096:  # one per shape: bounded for runs of many shapes
             _ZARR_JSON.clear()
         data = _ZARR_JSON[key] = got.result().value
@@ -157,7 +157,7 @@ class Writer:
         for e in entries:
             spec = {**array_spec(self._child(e.path), e), "store_data_equal_to_fill_value": True}
             if self.loc.local is None:  # object stores: no round trip before the data
-                self._opening[e.key] = (e, ts.open(spec, assume_metadata=True, context=CONTEXT))
+                self._opening[e.key] = (e, ts.open(spec, assume_metadata=True, context=context()))
                 if create:
                     fut = self._root_kv().write(
                         f"{e.path}/zarr.json", zarr_json(e), if_equal=ABSENT
@@ -167,7 +167,7 @@ class Writer:
                 continue
             self._opening[e.key] = (
                 e,
-                ts.open(spec, create=create, open=not create, context=CONTEXT),
+                ts.open(spec, create=create, open=not create, context=context()),
             )
 
     def _root_kv(self) -> ts.KvStore:

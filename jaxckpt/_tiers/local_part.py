@@ -35,6 +35,8 @@ from jaxckpt._api.entry import metadata, restore
 from jaxckpt._errors import CheckpointError, UnsupportedLeafError
 from jaxckpt._format.iterators import IteratorState, SavedIterator
 from jaxckpt._format.manifest import ValueEntry, storage_entries
+from jaxckpt._format.names import parse_part as parse_part  # the rule lives with the names
+from jaxckpt._format.names import part_name as part_name
 from jaxckpt._format.plan import Box, index_to_box
 from jaxckpt._planning import tree as _tree
 from jaxckpt._planning.save_planner import DefaultSavePlanner, python_value
@@ -84,25 +86,6 @@ class Snapshot:
     values: dict[int, Any]
     nbytes: int
     iterators: dict[str, SavedIterator] = dataclasses.field(default_factory=dict)
-
-
-def part_name(process: int, count: int) -> str:
-    """The folder of process ``process``'s part (of ``count``) in a local step."""
-    return f"part-{process}-of-{count}"
-
-
-_PART = re.compile(r"part-([0-9]+)-of-([0-9]+)")
-
-
-def parse_part(name: str) -> tuple[int, int] | None:
-    """``(process, count)`` of a part's folder ``name``; ``None`` for any other name.
-
-    Example:
-      >>> parse_part("part-1-of-4"), parse_part(".part-1-of-4.tmp-0a1b2c3d")
-      ((1, 4), None)
-    """
-    m = _PART.fullmatch(name)
-    return None if m is None else (int(m[1]), int(m[2]))
 
 
 # -- layouts ------------------------------------------------------------------------------------
