@@ -1,11 +1,5 @@
-"""Issue 60, items 2 and 3, in real 2-process ``jax.distributed`` groups on 127.0.0.1
-(``tests/shared_worker.py``).
-
-2. A restore that fails on one process (a corrupt chunk only it reads, a target only it
-   refuses) fails on every process, naming the process and the key, within seconds; nobody
-   returns arrays whose first collective would wait forever. A restore onto the host on one
-   process meets nobody. Restores made together afterwards work (no count out of step).
-3. ``latest_step``, ``all_steps``, ``metadata``, ``should_save`` and ``run_table`` on one
+"""Issue 60, item 3, in a real 2-process ``jax.distributed`` group on 127.0.0.1
+(``tests/shared_worker.py``): ``latest_step``, ``all_steps``, ``metadata``, ``should_save`` and ``run_table`` on one
    process, with a local tier, return without the other; saves and restores made together
    afterwards work. Steps a ``save_interval_secs`` schedule does not save make no key-value
    operation and leave no key.
@@ -20,7 +14,7 @@ from groups import run_group
 
 WORKER = Path(__file__).with_name("shared_worker.py")
 GROUP_TIMEOUT_S = 240
-PROMPT_S = 20  # far below JAXCKPT_SYNC_TIMEOUT (60 s in groups) and gloo's 30 s deadline
+PROMPT_S = 20  # far below JAXCKPT_SYNC_TIMEOUT (60 s in groups)
 
 
 def _ok(records: list[dict], check: str) -> None:
@@ -30,48 +24,8 @@ def _ok(records: list[dict], check: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def restores(tmp_path_factory) -> list[dict]:
-    return run_group(WORKER, "restore", 2, tmp_path_factory.mktemp("shared"), GROUP_TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
 def calls(tmp_path_factory) -> list[dict]:
     return run_group(WORKER, "calls", 2, tmp_path_factory.mktemp("calls"), GROUP_TIMEOUT_S)
-
-
-@pytest.mark.parametrize("case", ["corrupt", "corrupt_shared"])
-def test_a_chunk_only_process_1_reads_fails_the_restore_on_both(restores, case):
-    p0, p1 = (r["data"][case] for r in restores)
-    assert p1["type"] == "CorruptChunkError", p1
-    assert "Key 'w'" in p1["msg"], p1
-    assert p0["type"] == "DistributedError", p0
-    assert "failed on process 1: CorruptChunkError" in p0["msg"], p0
-    assert "Key 'w'" in p0["msg"] and "restore again on every process" in p0["msg"], p0
-    assert p0["secs"] < PROMPT_S and p1["secs"] < PROMPT_S, (p0, p1)
-
-
-def test_a_process_still_reading_stops_once_another_has_failed(restores):
-    p0, p1 = (r["data"]["corrupt_slow"] for r in restores)
-    assert p1["type"] == "CorruptChunkError", p1
-    assert p0["type"] == "DistributedError" and "process 1" in p0["msg"], p0
-    # 4 boxes on process 0 (a device each), 3 s each: it stopped after the first ones
-    assert restores[0]["data"]["slow_boxes"] < 4, restores[0]["data"]
-
-
-def test_a_target_refused_on_process_1_fails_the_restore_on_both(restores):
-    p0, p1 = (r["data"]["refused"] for r in restores)
-    assert p1["type"] == "ShapeMismatchError", p1
-    assert p0["type"] == "DistributedError", p0
-    assert "failed on process 1: ShapeMismatchError" in p0["msg"] and "'w'" in p0["msg"], p0
-
-
-def test_restores_together_work_after_failed_ones(restores):
-    for check in ("after_corrupt", "after_shared", "after_alone"):
-        _ok(restores, check)
-
-
-def test_a_restore_onto_the_host_on_one_process_meets_nobody(restores):
-    assert restores[0]["data"]["alone_secs"] < PROMPT_S
 
 
 def test_calls_on_one_process_do_not_wait_for_the_others(calls):

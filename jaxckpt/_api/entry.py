@@ -32,7 +32,6 @@ from jaxckpt._runtime import collector, pools
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import progress as _progress
 from jaxckpt._runtime import staging as _staging
-from jaxckpt._runtime.shared_restore import RestoreMeeting
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import writer as _storage
@@ -459,20 +458,14 @@ def restore(
       True
     """
     with collector.paused():
-        # Where the arrays span processes, every process reads or none returns (its peers'
-        # first collective on them would wait forever): they agree before assembling them.
-        meeting = RestoreMeeting(str(path), target)
-        with meeting.sharing():
-            manifest, reader = _open(path)
-            # jax's process numbers only where there are iterators to set
-            at = (_distributed.process_index(), _distributed.process_count())
-            at = at if iterators else (0, 1)
-            set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path), *at)
-            planner = planner if planner is not None else DefaultLoadPlanner()
-            planner.set_up_planner(target, manifest, keys=keys, strict=strict)
-            progress = _progress.check_arg(progress, "jaxckpt.restore")
-            items = planner.create_local_plan().items
-        tree = _read_into(planner, manifest, reader, items, progress, meeting)
+        manifest, reader = _open(path)
+        # jax's process numbers only where there are iterators to set
+        at = (_distributed.process_index(), _distributed.process_count()) if iterators else (0, 1)
+        set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path), *at)
+        planner = planner if planner is not None else DefaultLoadPlanner()
+        planner.set_up_planner(target, manifest, keys=keys, strict=strict)
+        progress = _progress.check_arg(progress, "jaxckpt.restore")
+        tree = _read_into(planner, manifest, reader, planner.create_local_plan().items, progress)
         set_iterators()  # only now: a restore refused on the way moves no iterator
         return tree
 
@@ -483,22 +476,17 @@ def _read_into(
     reader: Any,
     items: Sequence[ReadItem],
     progress: _progress.ProgressArg,
-    meeting: RestoreMeeting,
 ) -> Any:
-    """Read ``items`` and hand each box to ``planner``; once ``meeting`` agrees that every
-    process read its share, the tree the planner builds of them."""
+    """Read ``items`` and hand each box to ``planner``; the tree it builds of them."""
     arrays = [e for e in manifest.entries.values() if isinstance(e, ArrayEntry)]
     size = {e.key: dtype_from_name(e.dtype).itemsize for e in arrays}
     total = sum(math.prod(i.sizes) * size[i.key] for i in items)
     ahead = planner.read_ahead_bytes
     with _progress.Progress("restore", total, progress) as bar:
-        with meeting.sharing():
-            for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
-                meeting.watch()  # another process failed: stop reading, fail together
-                bar.add(data.nbytes)
-                planner.commit_tensor(item, planner.transform_tensor(item, data))
-                del data  # the planner owns the box now: dropping it frees it once placed
-        meeting.agree()  # before finish(): it assembles the arrays (a collective, maybe)
+        for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
+            bar.add(data.nbytes)
+            planner.commit_tensor(item, planner.transform_tensor(item, data))
+            del data  # the planner owns the box now: dropping it frees it once placed
         tree = planner.finish()
         bar.finish()
     return tree

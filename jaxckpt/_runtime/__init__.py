@@ -4,8 +4,7 @@ Owns the distributed agreement of a save (``distributed``: barriers, deadlines, 
 broadcast), moving bytes between processes (``streams``: bulk bytes peer to peer through each
 process's ``jax.experimental.transfer`` server, ``transfer``, or relayed by the key-value store
 where there is none; ``replication``: a local part's directory over a stream), one decision for
-all of them (``agreement``), a restore that fails on every process or on none
-(``shared_restore``), preemption notices (``preemption``), the host staging arenas of
+all of them (``agreement``), preemption notices (``preemption``), the host staging arenas of
 async saves (``staging``) and the bounded buffer a budgeted one streams through (``ring``),
 placement of host boxes onto devices (``placement``), the library's thread pools (``pools``, the
 one place threads are made) and the C calls Python lacks (``libc``).
