@@ -50,6 +50,10 @@ if _typing.TYPE_CHECKING:
     from jaxckpt._sources.diff import CheckpointDiff as CheckpointDiff
     from jaxckpt._sources.diff import diff as diff
 else:
+    # The thread pools' module registers with threading's shutdown when first imported, which
+    # Python refuses once it is shutting down: imported now, a save made from an atexit hook
+    # (before anything else of jaxckpt was used) still runs.
+    import concurrent.futures.thread as _thread_pools  # noqa: F401
     import importlib as _importlib
 
     # name -> the module it is defined in. The manifest's classes and the plan items (numpy

@@ -103,7 +103,7 @@ def save(
             stage=False,
             base=base,
             digests=digests,
-            records=_iterators.capture(iterators),  # the positions now, not at the write
+            iterators=iterators,
             progress=_progress.check_arg(progress, "jaxckpt.save"),
             compression=_codecs.check_arg(compression, "jaxckpt.save"),
         )
@@ -168,7 +168,7 @@ def save_async(
             stage=True,
             base=base,
             digests=digests,
-            records=_iterators.capture(iterators),  # the positions now, not at the write
+            iterators=iterators,
             budget=budget,
             progress=_progress.check_arg(progress, "jaxckpt.save_async"),
             compression=_codecs.check_arg(compression, "jaxckpt.save_async"),
@@ -242,7 +242,7 @@ def _start_save(
     stage: bool,
     base: PathLike | None = None,
     digests: bool = False,
-    records: dict[str, Any] | None = None,
+    iterators: Mapping[str, _iterators.Checkpointable] | None = None,
     budget: int | None = None,
     progress: _progress.ProgressArg = None,
     compression: str | None = None,
@@ -250,12 +250,14 @@ def _start_save(
     """Plan on every process, stage (if ``stage``: all at once, or streaming within
     ``budget`` host bytes), then write and commit: in the background when staged, else here."""
     t0 = time.perf_counter()
-    loc = _location.Location(path, one_operation=True)
+    # Made first, so that a failure on any process from here on reaches all of them.
+    sync = _distributed.SaveSync(os.fspath(path))
+    loc = sync.run("open", lambda: _location.Location(path, one_operation=True))
+    sync.path = str(loc)
+    records = sync.run("iterators", lambda: _iterators.capture(iterators))  # the positions now
     planner = planner if planner is not None else DefaultSavePlanner()
     planner.max_host_bytes = budget  # before step 1 (SavePlanner)
     handle = SaveHandle(str(loc))
-    # Made first, so that a failure on any process from here on reaches all of them.
-    sync = _distributed.SaveSync(str(loc))
     global_plan, local = _plan_everywhere(sync, planner, tree, compression)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None

@@ -239,15 +239,20 @@ class CheckpointManager(RunReader):
         due = force or preempted or self._schedule.due(step, self._in_flight)
         if not (due or tier is not None):
             return False
-        record = json_metrics(step, metrics)
-        if record is not None:
-            self.policy.check(step, record)  # fail here, not in the background
-        self._wait_persistent()
-        restored = None if self.restored_from is None else self.restored_from.step
-        steps = self._ledger.check_new(step, self.directory, restored)
-        self._ledger.begin(step)
-        if tier is not None:  # before the persistent save: the faster copy is staged first
-            tier.save(step, tree, iterators)
+        try:
+            record = json_metrics(step, metrics)
+            if record is not None:
+                self.policy.check(step, record)  # fail here, not in the background
+            self._wait_persistent()
+            restored = None if self.restored_from is None else self.restored_from.step
+            steps = self._ledger.check_new(step, self.directory, restored)
+            self._ledger.begin(step)
+            if tier is not None:  # before the persistent save: the faster copy is staged first
+                tier.save(step, tree, iterators)
+        except BaseException as e:
+            if due:  # the others wait at this save's first step: they hear why, not a timeout
+                _distributed.SaveSync(str(self._run.path(step))).failed(e)
+            raise
         if due:
             self._start(step, tree, record, iterators, preempted, steps)
         return True

@@ -55,8 +55,9 @@ class RunReader:
         return self._metrics.read().get(str(step_arg(step, "metrics(step)")))
 
     def best_step(self) -> int | None:
-        """The best committed step by ``best_fn`` (steps without metrics rank last; ties go to
-        the newer step); the latest step without ``best_fn``; ``None`` if there is none."""
+        """The best committed step by ``best_fn`` (NaN and infinite metrics rank below every
+        finite one, steps without metrics last; ties go to the newer step); the latest step
+        without ``best_fn``; ``None`` if there is none."""
         steps = self._run.steps()
         if self.policy.best_fn is None or not steps:
             return max(steps, default=None)

@@ -1,7 +1,7 @@
 """Processes, threads and host memory.
 
 Owns the distributed agreement of a save (``distributed``: barriers, deadlines, failure
-broadcast), moving bytes between processes (``streams``: bulk bytes peer to peer through each
+broadcast; ``kvstore``: the coordination service's key-value store, counted), moving bytes between processes (``streams``: bulk bytes peer to peer through each
 process's ``jax.experimental.transfer`` server, ``transfer``, or relayed by the key-value store
 where there is none; ``replication``: a local part's directory over a stream), one decision for
 all of them (``agreement``), preemption notices (``preemption``), the host staging arenas of

@@ -1,50 +1,81 @@
 """Process index/count and the save's synchronisation between processes.
 
 Single-process saves need none of this and pay nothing for it. Multi-process saves
-synchronise through JAX's distributed key-value store (``jax.distributed.initialize``), never
-through device collectives, so a checkpoint never competes with training for the accelerators.
+synchronise through JAX's distributed key-value store (``jax.distributed.initialize``, through
+``jaxckpt._runtime.kvstore``), never through device collectives, so a checkpoint never competes
+with training for the accelerators.
 
-The protocol of one save, keys under ``jaxckpt/save/N/`` (``N`` counts this process's saves, so
-it is the same on every process when every process calls every save, as it must):
+The protocol of one save. Its keys never come from a count kept by each process (one that
+failed early would fall behind for good); they come from what every process knows alike:
 
-1. ``plan``: each process posts the digest of its global plan and the path; the coordinator
-   (process 0) compares them and releases everyone with ``ok`` or the mismatch, which every
-   process raises.
+1. ``plan``, the first step (:meth:`SaveSync.agree`), at the *door* of the path:
+   ``jaxckpt/save/door/<hash of the path>/``. Each process posts the digest of its global plan
+   and a token of its own under ``at/P``, or ``!`` and its error where it failed before (in
+   planning, taking its iterators' states, ...: :meth:`SaveSync.failed`). The coordinator
+   (process 0) waits for every process, then answers each under ``go/P`` with that process's
+   token, the save's id (``jaxckpt/save/<hash>-<n>``, unique: every later key is under it)
+   and the verdict: ``ok``, the plans' mismatch, or the failure, which every process raises.
+   A stale answer (a token not its own) is dropped, so a process that gave up on an earlier
+   save of the path meets the others at the next one.
 2. ``broadcast(name, value)``: the coordinator's value (the staging directory) for everyone.
-3. ``barrier(name)``: each process posts its arrival; the coordinator waits for all of them and
-   releases the others with one key. Only the coordinator reads the arrivals (O(N) per poll);
-   the others wait on one key, so the store's load grows linearly with the processes. With
-   ``wait_for_all=False`` (arrays created, checkpoint committed) only the others wait.
-4. ``failed(error)``: a process that fails posts why under ``failed/``; every wait also watches
-   that folder, so the others raise a :class:`DistributedError` naming it within a poll
-   interval. Every process then posts ``stopped/P``; the coordinator waits for those before it
-   removes the staging directory, so nobody writes into it afterwards.
+3. ``barrier(name)``: each other process posts its arrival; the coordinator waits for all of
+   them and releases the others with one key. Only the coordinator reads the arrivals; each
+   other process makes a bounded number of store operations per save, whatever the number of
+   processes or leaves. With ``wait_for_all=False`` (arrays created, checkpoint committed)
+   only the others wait.
+4. ``failed(error)``: a process that fails after the first step posts why under ``failed/``;
+   every wait also watches that folder, so the others raise a :class:`DistributedError`
+   naming it within :data:`~jaxckpt._runtime.kvstore.LONGEST_SLICE_S`. Every process then
+   posts ``stopped/P``; the coordinator waits for those before it removes the staging
+   directory, so nobody writes into it afterwards.
 
-Each wait has a deadline (``JAXCKPT_SYNC_TIMEOUT`` seconds, default 600); a timeout names the
-processes that did not arrive. The coordinator deletes each arrival folder once everyone has
-arrived, so a save leaves only a handful of small keys in the store.
+Waits block on one key at a time with the store's own timeout, in slices that grow
+(``kvstore.Backoff``). Each wait has a deadline (``JAXCKPT_SYNC_TIMEOUT`` seconds, default 600);
+a timeout names the processes that did not arrive. A wait longer than
+:data:`FIRST_REPORT_S` is logged on the coordinator, then every :data:`REPORT_EVERY_S`, with
+the processes it still waits for and what they have not done yet. The coordinator deletes each
+arrival folder once everyone has arrived, and a save's other keys (its releases) once
+:data:`KEPT_SAVES` later saves have begun, so the store holds a bounded number of keys.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import itertools
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import jax
 
 from jaxckpt._errors import CheckpointError, DistributedError
+from jaxckpt._runtime.kvstore import Backoff, timed_out
+from jaxckpt._runtime.kvstore import KeyValueClient as KeyValueClient
+from jaxckpt._runtime.kvstore import coordinator_address as coordinator_address
+from jaxckpt._runtime.kvstore import kv_client as kv_client
 
 T = TypeVar("T")
 
+logger = logging.getLogger("jaxckpt")
 DEFAULT_TIMEOUT_S = 600.0
-_POLL_S = 0.5  # longest sleep between two looks at the store while waiting
+FIRST_REPORT_S = 5.0  # a wait this long is logged on the coordinator ...
+REPORT_EVERY_S = 30.0  # ... and again after each of these
 _PREFIX = "jaxckpt/save"
-_saves = itertools.count()
+_saves = itertools.count()  # the coordinator's: makes each save's id unique; the others learn it
 _saves_lock = threading.Lock()
+_recent: collections.deque[str] = collections.deque()  # the coordinator's last saves' ids
+KEPT_SAVES = 8  # older saves' keys are deleted: the store holds a bounded number of keys
+# What the processes a step still waits for have not done yet (for the coordinator's log).
+_PHASES = {
+    "plan": "plan the save",
+    "reuse": "compare their boxes with the base",
+    "written": "finish writing",
+    "stopped": "stop after the failure",
+}
 
 
 def process_index() -> int:
@@ -67,44 +98,14 @@ def sync_timeout() -> float:
         ) from None
 
 
-class KeyValueClient(Protocol):
-    """The calls jaxckpt makes on jax's ``DistributedRuntimeClient`` (which has no types).
+def path_key(path: str) -> str:
+    """A short name for ``path`` in store keys, the same on every process.
 
-    Timeouts are in milliseconds; the blocking gets raise (``DEADLINE_EXCEEDED``) after them.
+    Example:
+      >>> path_key("/ckpt/step_1") == path_key("/ckpt/step_1") != path_key("/ckpt/step_2")
+      True
     """
-
-    def key_value_set(self, key: str, value: str) -> None: ...
-    def key_value_set_bytes(self, key: str, value: bytes) -> None: ...
-    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
-    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
-    def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
-    def key_value_delete(self, key: str) -> None: ...
-
-
-def kv_client() -> KeyValueClient:
-    """JAX's distributed key-value store client; raises if ``jax.distributed`` is not set up."""
-    return _client()
-
-
-def coordinator_address() -> str:
-    """``host:port`` of process 0's coordination service, as ``jax.distributed`` was given it."""
-    from jax._src import distributed
-
-    _client()  # raises the usual error where jax.distributed is not initialized
-    return distributed.global_state.coordinator_address or ""
-
-
-def _client() -> KeyValueClient:
-    from jax._src import distributed
-
-    client: KeyValueClient | None = distributed.global_state.client
-    if client is None:
-        raise DistributedError(
-            f"jax.process_count() is {process_count()} but jax.distributed is not initialized "
-            f"in this process, so the processes cannot agree on a save. Call "
-            f"jax.distributed.initialize() at start-up, before any jax computation."
-        )
-    return client
+    return hashlib.sha256(path.encode()).hexdigest()[:16]
 
 
 class SaveSync:
@@ -112,8 +113,9 @@ class SaveSync:
 
     Single-process: every call is immediate and touches no distributed state.
 
-    Made before planning, so that a failure anywhere (planning included) reaches every
-    process; then :meth:`agree` on the plan's digest.
+    Made before anything that can fail on one process only (planning, taking the iterators'
+    states), so that such a failure reaches every process: :meth:`failed` (or :meth:`run`)
+    before :meth:`agree` fails the first step on every process.
 
     Args:
       path: the checkpoint path as the user passed it; every process must pass the same.
@@ -125,33 +127,31 @@ class SaveSync:
         self.process = process_index()
         self.count = process_count()
         self.is_coordinator = self.process == 0
+        self.id: str | None = None  # this save's keys, agreed at the first step
         if self.count == 1:
             return
         self.timeout = sync_timeout() if timeout is None else timeout
         # The others wait a little longer than the coordinator, so that when a process is
         # missing they get the coordinator's report, which names it.
         self._grace = min(max(2.0, 0.1 * self.timeout), 30.0)
-        self._kv = _client()
-        with _saves_lock:
-            self.id = f"{_PREFIX}/{next(_saves)}"
+        self._kv = kv_client()
+        self._key = path_key(path)
+        self._door = f"{_PREFIX}/door/{self._key}"
+        self._shut = False  # the first step failed: nothing is left to share
         self._peer_errors: set[int] = set()  # errors that report another process's failure
         self._missing: set[int] = set()  # processes this one timed out waiting for
 
     def agree(self, digest: str) -> None:
-        """Check every process planned the same checkpoint (``GlobalSavePlan.digest``).
+        """Check every process planned the same checkpoint (``GlobalSavePlan.digest``): the
+        save's first step, where every process learns its id.
 
         Raises:
-          DistributedError: naming the processes whose plans differ.
+          DistributedError: naming the processes whose plans differ, or the process that
+            failed before this step and its error.
         """
         if self.count == 1:
             return
-        plans = self._arrive("plan", f"{digest} {self.path}")
-        if plans is not None:  # the coordinator judges and tells the others
-            verdict = _compare_plans(plans, self.path)
-            self._release("plan", verdict or "ok")
-        else:
-            verdict = self._released("plan")
-            verdict = "" if verdict == "ok" else verdict
+        verdict = self._open(f"{digest} {self.path}")
         if verdict:
             raise DistributedError(verdict)
 
@@ -224,20 +224,24 @@ class SaveSync:
     def failed(self, error: BaseException) -> BaseException:
         """Share ``error`` with the others; return the error to raise on this process.
 
-        The others raise a :class:`DistributedError` naming this process. The coordinator
-        returns only once the others have stopped writing (or its deadline passed), so the
-        caller can remove the staging directory safely afterwards.
+        The others raise a :class:`DistributedError` naming this process. Before the first
+        step, the error is this process's answer to it (every process raises at that step);
+        after it, the coordinator returns only once the others have stopped writing (or its
+        deadline passed), so the caller can remove the staging directory safely afterwards.
         """
-        if self.count == 1 or error is self._last_failed:
+        if self.count == 1 or error is self._last_failed or self._shut:
             return error
         peer = id(error) in self._peer_errors
         try:
-            if not peer:
-                self._kv.key_value_set(f"{self.id}/failed/{self.process}", _describe(error))
-            self._kv.key_value_set(f"{self.id}/stopped/{self.process}", "")
-            if self.is_coordinator:
-                self._wait_stopped()
-        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to tell
+            if self.id is None:
+                self._open("!" + _describe(error))
+            else:
+                if not peer:
+                    self._kv.key_value_set(f"{self.id}/failed/{self.process}", _describe(error))
+                self._kv.key_value_set(f"{self.id}/stopped/{self.process}", "")
+                if self.is_coordinator:
+                    self._wait_stopped()
+        except Exception:  # noqa: BLE001 - the store is gone or a peer too: the error stands
             pass
         if peer or isinstance(error, CheckpointError) or not isinstance(error, Exception):
             out = error
@@ -250,25 +254,116 @@ class SaveSync:
         self._last_failed = out
         return out
 
+    # -- the first step --------------------------------------------------------------------
+
+    def _open(self, value: str) -> str:
+        """Post ``value`` at the door; learn the save's id and the verdict ("" when ok)."""
+        if not self.is_coordinator:
+            return self._knock(value)
+        with _saves_lock:
+            self.id = f"{_PREFIX}/{self._key}-{next(_saves)}-{os.urandom(3).hex()}"
+            _recent.append(self.id)
+            old = _recent.popleft() if len(_recent) > KEPT_SAVES else None
+        if old is not None:  # the keys a save leaves (its releases) are read long since
+            self._kv.key_value_delete(old)
+        posted = self._await(f"{self._door}/at/", "plan", set(range(1, self.count)), watch=False)
+        missing = set(range(1, self.count)) - set(posted)
+        values = {p: v.partition(" ")[2] for p, v in posted.items()}
+        values[0] = value
+        error = self._timeout("plan", missing, self.timeout) if missing else None
+        verdict = str(error) if error is not None else self._judge(values)
+        # Before the answers: a process that has its answer may post at the door again.
+        self._kv.key_value_delete(f"{self._door}/at")
+        for p, v in posted.items():  # each with its own token: a stale answer is known
+            answer = f"{v.partition(' ')[0]} {self.id} {verdict or 'ok'}"
+            self._kv.key_value_set(f"{self._door}/go/{p}", answer, allow_overwrite=True)
+        self._shut = bool(verdict)
+        if error is not None:
+            raise error
+        return verdict
+
+    def _knock(self, value: str) -> str:
+        """A non-coordinator's part of :meth:`_open`: one post, then one blocking get."""
+        token, go = os.urandom(4).hex(), f"{self._door}/go/{self.process}"
+        self._kv.key_value_set(f"{self._door}/at/{self.process}", f"{token} {value}", True)
+        waited = self.timeout + self._grace
+        deadline = time.monotonic() + waited
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                got = self._kv.blocking_key_value_get(go, max(1, int(left * 1000)))
+            except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+                if not timed_out(e):
+                    raise self._lost("plan", e) from e
+                self._kv.key_value_delete(f"{self._door}/at/{self.process}")  # not answered
+                raise self._timeout("plan", set(), waited, on_coordinator=True) from None
+            self._kv.key_value_delete(go)
+            mine, _, rest = got.partition(" ")
+            if mine == token:
+                break
+        self.id, _, verdict = rest.partition(" ")
+        self._shut = verdict != "ok"
+        return "" if verdict == "ok" else verdict
+
+    def _judge(self, values: dict[int, str]) -> str:
+        """The door's verdict on every process's value: a failure, a mismatch or ""."""
+        failures = {p: v[1:] for p, v in values.items() if v.startswith("!")}
+        if failures:
+            return self._peer_message(failures)
+        return _compare_plans(values, self.path)
+
     # -- waiting ---------------------------------------------------------------------------
 
     def _arrive(self, name: str, value: str) -> dict[int, str] | None:
         """Post this process's arrival; the coordinator gets every process's value."""
         folder = f"{self.id}/at/{name}/"
-        self._kv.key_value_set(folder + str(self.process), value)
         if not self.is_coordinator:
+            self._kv.key_value_set(folder + str(self.process), value)
             return None
-        deadline = time.monotonic() + self.timeout
-        delay = 0.002
+        got = self._await(folder, name, set(range(1, self.count)), watch=True)
+        missing = set(range(1, self.count)) - set(got)
+        if missing:
+            raise self._timeout(name, missing, self.timeout)
+        got[0] = value
+        return got
+
+    def _await(self, folder: str, name: str, expect: set[int], *, watch: bool) -> dict[int, str]:
+        """The values under ``folder`` of the processes ``expect``: all of them, or those
+        there at the deadline. Blocks on the first missing one's key in growing slices;
+        ``watch``: raise as soon as a process reports a failure. Logs a long wait."""
+        start = time.monotonic()
+        deadline, slices, report = start + self.timeout, Backoff(), start + FIRST_REPORT_S
         while True:
-            got = {int(k.rsplit("/", 1)[1]): v for k, v in self._kv.key_value_dir_get(folder)}
-            if len(got) == self.count:
+            got = {int(k.rsplit("/", 1)[1]): v for k, v in self._dir(folder)}
+            missing = expect - set(got)
+            if not missing:
                 return got
-            self._check_peers()
-            if time.monotonic() > deadline:
-                raise self._timeout(name, set(range(self.count)) - set(got), self.timeout)
-            time.sleep(delay)
-            delay = min(delay * 1.5, _POLL_S)
+            if watch:
+                self._check_peers()
+            now = time.monotonic()
+            if now > deadline:
+                return got
+            if now >= report:
+                report = now + REPORT_EVERY_S
+                logger.warning(
+                    "Save to %s: still waiting on %s to %s (%.0f s so far, deadline %g s: "
+                    "JAXCKPT_SYNC_TIMEOUT)",
+                    self.path,
+                    _procs(missing),
+                    _PHASES.get(name, f"reach '{name}'"),
+                    now - start,
+                    self.timeout,
+                )
+            wait = min(slices.next(), deadline - now, report - now)
+            self._block(folder + str(min(missing)), name, max(wait, 0.001))
+
+    def _block(self, key: str, name: str, seconds: float) -> None:
+        """Wait up to ``seconds`` for ``key`` to be set."""
+        try:
+            self._kv.blocking_key_value_get(key, max(1, int(seconds * 1000)))
+        except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+            if not timed_out(e):
+                raise self._lost(name, e) from e
 
     def _release(self, name: str, verdict: str) -> None:
         self._kv.key_value_set(f"{self.id}/go/{name}", verdict)
@@ -280,20 +375,21 @@ class SaveSync:
     def _wait_key(self, key: str, name: str, *, arrivals: bool) -> str:
         """The value of ``key`` once the coordinator sets it; raise if a process failed."""
         waited = self.timeout + self._grace
-        deadline = time.monotonic() + waited
+        deadline, slices = time.monotonic() + waited, Backoff()
         while True:
-            left = deadline - time.monotonic()
+            left = min(deadline - time.monotonic(), slices.next())
             try:
-                return self._kv.blocking_key_value_get(key, max(1, int(min(left, _POLL_S) * 1000)))
+                return self._kv.blocking_key_value_get(key, max(1, int(left * 1000)))
             except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
-                if "DEADLINE_EXCEEDED" not in str(e):
+                if not timed_out(e):
                     raise self._lost(name, e) from e
             self._check_peers()
             if time.monotonic() > deadline:
                 missing = set()
                 if arrivals:  # still there: the coordinator deletes them when it releases
                     got = self._dir(f"{self.id}/at/{name}/")
-                    missing = set(range(self.count)) - {int(k.rsplit("/", 1)[1]) for k, _ in got}
+                    posted = {int(k.rsplit("/", 1)[1]) for k, _ in got}
+                    missing = set(range(1, self.count)) - posted
                 raise self._timeout(name, missing, waited, on_coordinator=True)
 
     def _check_peers(self) -> None:
@@ -305,13 +401,8 @@ class SaveSync:
             raise error
 
     def _wait_stopped(self) -> None:
-        expected = set(range(self.count)) - self._missing
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            stopped = {int(k.rsplit("/", 1)[1]) for k, _ in self._dir(f"{self.id}/stopped/")}
-            if expected <= stopped:
-                return
-            time.sleep(0.05)
+        expected = set(range(1, self.count)) - self._missing
+        self._await(f"{self.id}/stopped/", "stopped", expected, watch=False)
 
     def _dir(self, folder: str) -> list[tuple[str, str]]:
         try:
@@ -335,8 +426,8 @@ class SaveSync:
             done = "The save did not complete on this process."
         return DistributedError(
             f"Save to {self.path}: {what} within {waited:g} s (seen from process "
-            f"{self.process}). A process crashed, hangs, or did not call save (every process "
-            f"must). Check the logs; if saves are just slow, raise the deadline with "
+            f"{self.process}). A process crashed, hangs, or did not call save with this same "
+            f"path (every process must). Check the logs; if saves are just slow, raise the deadline with "
             f"JAXCKPT_SYNC_TIMEOUT=SECONDS. {done}"
         )
 

@@ -97,7 +97,8 @@ class LocalTier:
         self.disk.clean_up()
         self._pending: Future[None] | None = None
         self._error: BaseException | None = None
-        self._saves = self._restores = 0
+        self._restores = 0
+        self._attempt = (-1, -1)  # (step, attempt) of the last local save
         self._held: dict[Held, tuple[str, Path]] = {}  # as the last agreement found them
         self.last_elastic: Stats | None = None  # what the last elastic restore did
         self.agreed_steps: list[int] = []  # every step whole in a tier, as the last restore saw
@@ -115,16 +116,25 @@ class LocalTier:
         """Copy this process's part of ``tree`` off its buffers (and take the ``iterators``'
         states), then write and replicate it in the background (one local save in flight)."""
         self.wait()
-        n = self._saves  # the same on every process: all of them call save() alike
-        save = f"{self.manager}-{n:012d}"  # this save's id; later saves sort later
-        records = _iterators.capture(iterators)
-        snap = _part.snapshot(
-            tree, step=step, save=save, process=self.process, count=self.count, records=records
-        )
-        self._saves = n + 1
-        self._pending = pools.in_background(self._finish, step, snap, n)
+        # This save's id, from what every process knows alike (the manager, the step, how
+        # often this step was saved before: a retry), never a count of saves that a process
+        # failing here would stop in step with the others. Later saves of a step sort later.
+        attempt = self._attempt[1] + 1 if self._attempt[0] == step else 0
+        self._attempt = (step, attempt)
+        save = f"{self.manager}-{step:012d}-{attempt:04d}"
+        prefix = f"{_replication.PREFIX}/s{save}"
+        try:
+            records = _iterators.capture(iterators)
+            snap = _part.snapshot(
+                tree, step=step, save=save, process=self.process, count=self.count, records=records
+            )
+        except BaseException as e:  # the peers waiting for this part hear why at once
+            error = f"{type(e).__name__}: {e}"
+            self._pending = pools.in_background(self._replicate, step, None, error, prefix)
+            raise
+        self._pending = pools.in_background(self._finish, step, snap, prefix)
 
-    def _finish(self, step: int, snap: _part.Snapshot, n: int) -> None:
+    def _finish(self, step: int, snap: _part.Snapshot, prefix: str) -> None:
         t0 = time.perf_counter()
         error, own = "", None
         try:
@@ -138,7 +148,7 @@ class LocalTier:
             self._error.__cause__ = e
         snap.copies.clear()  # the device or host copies go before the transfers
         t1 = time.perf_counter()
-        self._replicate(step, own, error, f"{_replication.PREFIX}/s{n}")
+        self._replicate(step, own, error, prefix)
         logger.info(
             "local step %d: part written in %.3f s, replicated in %.3f s",
             step,
