@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import statistics
 import sys
 import time
@@ -53,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _orbax_gcs  # noqa: E402  (beside this file)
 
 RESTORE_MIB: int | None = None  # --restore-mib: the restores' host budget (None: the default)
+LAYOUT = "chunks"  # --layout: the saves' DefaultSavePlanner(layout=...)
+OBJECT_MIB = 128  # --object-mib: its object_bytes
 
 PHASES = ("manifest", "list", "lease", "open", "markers", "data", "commit", "after", "other")
 
@@ -139,8 +142,8 @@ def phase_of(store: Store, method: str, path: str) -> str:
         return "markers"
     if name.endswith("zarr.json"):  # written with the chunks: the arrays' objects
         return "open" if method in ("GET", "HEAD") else "data"
-    if "/c/" in name or name.endswith("/c"):
-        return "data"
+    if "/c/" in name or name.endswith("/c") or re.search(r"(^|/)data/[0-9]+\.[0-9]+$", name):
+        return "data"  # a chunk, or a v5 data object
     return "other"
 
 
@@ -261,7 +264,8 @@ def one_round(store: Store, kind: str, state: Any, orbax: bool = False) -> dict[
             catalog.delete(Location(f"{run}/{step:08d}"))
     else:
         url = store.url(name)
-        save = timed(store, lambda: jaxckpt.save(url, state))
+        planned = jaxckpt.DefaultSavePlanner(layout=LAYOUT, object_bytes=OBJECT_MIB << 20)
+        save = timed(store, lambda: jaxckpt.save(url, state, planner=planned))
         settle()  # its clean-up, in the background, is not the restore's
         target = state if kind == "big" else None
         planner = (
@@ -354,9 +358,15 @@ def main() -> None:
     ap.add_argument(
         "--no-orbax", action="store_true", help="leave out Orbax (run on gcs when gcsfs is there)"
     )
+    ap.add_argument(
+        "--layout", default="chunks", help="chunks, or objects (format v5's data objects)"
+    )
+    ap.add_argument("--object-mib", type=int, default=128, help="--layout objects: target MiB")
     args = ap.parse_args()
-    global RESTORE_MIB
+    global RESTORE_MIB, LAYOUT, OBJECT_MIB
+    OBJECT_MIB = args.object_mib
     RESTORE_MIB = args.restore_mib
+    LAYOUT = args.layout
 
     import http_proxy
 

@@ -158,7 +158,7 @@ def test_handle_reports_timings_bytes_and_throughput(tmp_path, caplog):
     h = jaxckpt.save_async(tmp_path / "c", state)
     h.wait()
     assert h.done()
-    assert set(h.timings) == {"plan", "stage", "write", "commit"}
+    assert set(h.timings) == {"plan", "stage", "write", "commit", "wait", "blocking", "total"}
     assert all(t >= 0 for t in h.timings.values())
     # 2 MiB sharded + the replicated array once (not 8 times) + the numpy leaf.
     assert h.nbytes == 512 * 1024 * 4 + 64 * 1024 * 4 + 4096 * 8

@@ -74,6 +74,7 @@ FIXTURES = {
     "v3-incremental-base": ("v3_incremental", "00000001", 2, _v3_state(1), {}),
     "v3-incremental": ("v3_incremental", "00000002", 3, _v3_state(2), {}),
     "v4-compressed": ("v4_zstd", "", 4, _v2_state(), {}),
+    "v5-data-objects": ("v5_objects", "", 5, _v2_state(), {}),
     "iterators": (
         "iterators",
         "",
@@ -128,7 +129,7 @@ def test_every_format_version_and_flavour_restores_bit_exact(flavour, tmp_path):
     folder, step, version, want, states = FIXTURES[flavour]
     manifest = DATA / folder / step / "manifest.json"
     assert json.loads(manifest.read_text())["version"] == version
-    if folder == "v3_incremental":  # references resolve on object stores only
+    if folder in ("v3_incremental", "v5_objects"):  # object-store flavours, read there
         path: str | Path = f"{_to_memory(DATA / folder)}/{step}"
     else:
         path = tmp_path / folder  # a copy: nothing here may change the committed fixture
@@ -139,7 +140,7 @@ def test_every_format_version_and_flavour_restores_bit_exact(flavour, tmp_path):
     assert {n: it.state for n, it in iterators.items()} == states
     assert jaxckpt.metadata(path).version == version
     assert main(["verify", str(path)]) == 0
-    if flavour == "v2-packed":  # onto devices too, resharded
+    if flavour in ("v2-packed", "v5-data-objects"):  # onto devices too, resharded
         onto = jax.sharding.NamedSharding(
             jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y")),
             jax.sharding.PartitionSpec("y", "x"),

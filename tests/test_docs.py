@@ -28,6 +28,7 @@ NOT_RUN = {
     ("multihost.md", "starts jax.distributed processes"),
     ("object_storage.md", "needs an S3 bucket"),
     ("object_storage.md", "needs a GCS bucket"),
+    ("observability.md", "needs tensorboard or wandb"),
 }
 TIMEOUT_S = 180  # a page takes a few seconds; this only stops a hung one
 

@@ -216,7 +216,8 @@ def test_disk_full_raises_and_keeps_the_last_checkpoint(small_disk):
         mgr.wait()
     mgr.wait()  # raised once
     assert mgr.all_steps() == [1]
-    assert sorted(os.listdir(d)) == ["00000001"]  # the failed save's temporary is gone
+    # The failed save's temporary is gone (metrics.json holds step 1's timings).
+    assert sorted(os.listdir(d)) == ["00000001", "metrics.json"]
     assert_tree_equal(mgr.restore(1), fw.host_state(1))
     h = jaxckpt.save_async(d / "plain", big)  # the plain API re-raises from wait()
     with pytest.raises(
@@ -239,7 +240,7 @@ def test_file_size_limit_raises_and_keeps_the_last_checkpoint(ctx, tmp_path):
     assert lines[0].startswith("error Saving step 2 "), lines
     assert "File too large" in lines[0] and "latest: 1" in lines[0], lines
     assert lines[1] == "steps [1, 3]"
-    assert sorted(os.listdir(d)) == ["00000001", "00000003"]
+    assert sorted(os.listdir(d)) == ["00000001", "00000003", "metrics.json"]
     assert_tree_equal(jaxckpt.restore(d / "00000001"), fw.host_state(1))
 
 

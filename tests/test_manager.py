@@ -77,7 +77,8 @@ def test_metrics_are_plain_json_and_must_be_scalars(tmp_path):
     mgr.save(1, _state(1), metrics={"loss": jnp.float32(0.25), "acc": np.int64(3), "tag": "a"})
     mgr.wait()
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
-    assert on_disk == {"format": 1, "steps": {"1": {"acc": 3, "loss": 0.25, "tag": "a"}}}
+    assert on_disk["format"] == 1 and set(on_disk) == {"format", "steps", "timings"}
+    assert on_disk["steps"] == {"1": {"acc": 3, "loss": 0.25, "tag": "a"}}
     assert mgr.metrics(1) == {"acc": 3, "loss": 0.25, "tag": "a"} and mgr.metrics(5) is None
     with pytest.raises(
         jaxckpt.UnsupportedLeafError, match=r"Metric 'loss' of step 2 is a .*float\(loss\)"
@@ -131,7 +132,7 @@ def test_ignores_and_cleans_up_what_crashes_leave(tmp_path):
     mgr = jaxckpt.CheckpointManager(tmp_path)
     assert mgr.all_steps() == [6] and mgr.latest_step() == 6
     assert_tree_equal(mgr.restore(), _state(6))
-    assert sorted(os.listdir(tmp_path)) == ["00000006", "00000009", "notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["00000006", "00000009", "metrics.json", "notes.txt"]
 
 
 def test_object_store_directory(tmp_path):

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from jaxckpt._format.manifest import ArrayEntry, Manifest, PackEntry, ValueEntry
 from jaxckpt._format.manifest_check import box_key
 from jaxckpt._format.names import is_storage_path
+from jaxckpt._format.objects import DataObjects
 
-PATHS = {"entries", "packs", "digests", "probes", "refs"}  # fields holding storage paths
+PATHS = {"entries", "packs", "digests", "probes", "refs", "objects"}  # hold storage paths
 OTHER = {"tree", "created", "version", "iterators"}  # iterators: JSON states, no paths
 
 _name = st.text("abcdefghij_.-0123456789", min_size=1, max_size=12).filter(
@@ -57,6 +58,12 @@ def manifests(draw) -> Manifest:
         "keys": sorted(entries),
         "children": [{"type": "leaf", "key": k} for k in sorted(entries)],
     }
+    objects = None
+    if draw(st.booleans()):  # version 5: every stored array's chunks in data objects
+        grids = {p: 2 for p in stored if p != pack.path} | (
+            {pack.path: 4 * packed} if packed else {}
+        )
+        objects = DataObjects("data", 1, 1 << 20, {p: ((0, n),) for p, n in grids.items()})
     return Manifest(
         tree=tree,
         entries=entries,
@@ -64,7 +71,8 @@ def manifests(draw) -> Manifest:
         digests=digests,
         probes=probes,
         refs=refs,
-        version=3 if refs else 2,
+        version=5 if objects else 3 if refs else 2,
+        objects=objects,
     )
 
 
@@ -85,6 +93,7 @@ def _paths(m: Manifest) -> dict[str, set[str]]:
         "digests": set(m.digests),
         "probes": set(m.probes),
         "refs": set(m.refs),
+        "objects": set() if m.objects is None else {m.objects.folder, *m.objects.owners},
     }
 
 

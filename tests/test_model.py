@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
-from jaxckpt._manager.retention import first_at_or_after_multiples, steps_to_delete
+from jaxckpt._manager.retention import MetricsFile, first_at_or_after_multiples, steps_to_delete
 from jaxckpt._runtime import agreement
 from jaxckpt._storage import local_commit
 from jaxckpt._storage.location import Location, kvstore
@@ -105,6 +105,30 @@ class Pause(jaxckpt.DefaultSavePlanner):
         self.reached.set()
         assert self.go.wait(60)
         return super().resolve_data(item)
+
+
+TIMING_TOL = 0.05  # seconds: the statements between two phases' clocks on a loaded machine
+
+
+def state_bytes(v: int) -> int:
+    """The bytes of ``state(v)``'s arrays."""
+    return sum(x.nbytes for x in jax.tree.leaves(state(v)) if hasattr(x, "nbytes"))
+
+
+def check_timings(t: dict, nbytes: int | None) -> None:
+    """A committed save's timings are there and sane: no phase negative, the call within the
+    save, the phases adding up to the whole (a blocking save's; an async save's call holds its
+    plan and stage, its write and commit run after the call began), its bytes all written or
+    reused (a manager's step: every process's, here one)."""
+    phases = ("plan", "stage", "write", "wait", "commit")
+    assert all(t[k] >= 0 for k in (*phases, "blocking", "total")), t
+    assert t["blocking"] <= t["total"] + 1e-9, t
+    if t["blocking"] == t["total"]:  # a blocking save
+        assert abs(sum(t[k] for k in phases) - t["total"]) < TIMING_TOL, t
+    else:
+        assert t["plan"] + t["stage"] <= t["blocking"] + TIMING_TOL, t
+        assert t["write"] + t["commit"] <= t["total"] + TIMING_TOL, t
+    assert t["bytes_written"] + t.get("bytes_reused", 0) >= (nbytes or 0), t
 
 
 class CheckpointModel(RuleBasedStateMachine):
@@ -168,6 +192,7 @@ class CheckpointModel(RuleBasedStateMachine):
             assert self.steps and step <= max(self.steps)
             return
         assert not self.steps or step > max(self.steps)
+        check_timings(MetricsFile(Location(self.run)).timings()[str(step)], state_bytes(v))
         self.steps[step] = v
         self.scored.add(step)
         self.broken.discard(step)
@@ -270,18 +295,24 @@ class CheckpointModel(RuleBasedStateMachine):
         overwrite=st.booleans(),
         use_async=st.booleans(),
         base=st.sampled_from([None, "a", "b", "c"]),
+        objects=st.booleans(),
     )
-    def plain_save(self, name, v, overwrite, use_async, base):
+    def plain_save(self, name, v, overwrite, use_async, base, objects):
         STATS["plain_save"] += 1
+        # Format v5's data objects (object stores; a file per chunk elsewhere, and with a base)
+        planner = jaxckpt.DefaultSavePlanner(layout="objects", object_bytes=64 << 10)
+        kw = {"planner": planner} if objects else {}
         path = f"{self.base}/plain/{name}"
         base_path = None if base is None or base not in self.plain else f"{self.base}/plain/{base}"
         if base_path is not None and base in self.plain_broken:
             base_path = None
         try:
             if use_async:
-                jaxckpt.save_async(path, state(v), overwrite=overwrite, base=base_path).wait()
+                h = jaxckpt.save_async(path, state(v), overwrite=overwrite, base=base_path, **kw)
+                h.wait()
+                check_timings({**h.timings, "bytes_written": h.nbytes + h.reused_bytes}, None)
             else:
-                jaxckpt.save(path, state(v), overwrite=overwrite, base=base_path)
+                jaxckpt.save(path, state(v), overwrite=overwrite, base=base_path, **kw)
         except jaxckpt.CheckpointExistsError:
             assert name in self.plain and not overwrite
             return
@@ -459,6 +490,7 @@ class RunModel(RuleBasedStateMachine):
             assert saved == want, (step, saved, want)  # should_save is exactly save's answer
             self.mgr.wait()
             if self.mgr.last_save is not before:
+                check_timings(MetricsFile(Location(self.run)).timings()[str(step)], None)
                 self._persistent_saved(step, v + step, with_metrics)
             if self.local_on and step % self.cfg["local_save_interval_steps"] == 0:
                 self._local_saved(step, v + step)

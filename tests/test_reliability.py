@@ -197,7 +197,7 @@ def test_a_read_only_manager_never_writes(tmp_path, caplog):
     assert mgr.latest_step() == 3
     with pytest.raises(jaxckpt.CheckpointError, match=r"read-only \(read_only=True\).*trainer"):
         mgr.save(4, {"w": np.ones(3)})
-    assert sorted(os.listdir(run)) == [".00000004.tmp-0123abcd", "00000003"]
+    assert sorted(os.listdir(run)) == [".00000004.tmp-0123abcd", "00000003", "metrics.json"]
     with pytest.raises(ValueError, match="read_only manager has no local tier"):
         jaxckpt.CheckpointManager(run, read_only=True, local_directory=tmp_path / "l")
 
@@ -215,11 +215,11 @@ def test_a_dead_saves_leftovers_go_a_live_saves_stay(tmp_path):
     lease = Lease.local(live)  # as a save in this or another process holds it
     try:
         jaxckpt.CheckpointManager(run)
-        assert sorted(os.listdir(run)) == [".00000003.tmp-89abcdef", "00000001"]
+        assert sorted(os.listdir(run)) == [".00000003.tmp-89abcdef", "00000001", "metrics.json"]
     finally:
         lease.release()
     jaxckpt.CheckpointManager(run)
-    assert sorted(os.listdir(run)) == ["00000001"]
+    assert sorted(os.listdir(run)) == ["00000001", "metrics.json"]  # with step 1's timings
 
 
 # 7. One step-name rule --------------------------------------------------------------------
@@ -239,7 +239,7 @@ def test_only_step_names_are_steps_and_retention_logs_what_it_deleted(tmp_path, 
     assert mgr.all_steps() == [200]
     deleted = [r.getMessage() for r in caplog.records if "deleted step" in r.getMessage()]
     assert deleted == [f"deleted step 100 from {run} (retention)"]
-    assert sorted(os.listdir(run)) == ["00000200", "100"]
+    assert sorted(os.listdir(run)) == ["00000200", "100", "metrics.json"]
     assert catalog.delete(Location(run / "00000100")) is False  # nothing there: nothing said
 
 

@@ -110,7 +110,8 @@ def test_ls_prints_the_table_and_a_total_line(tmp_path, capsys):
     lines = out.splitlines()
     assert code == 0
     assert lines[0].split() == [
-        "NAME", "STATUS", "SIZE", "ADDED", "SAVED", "TIERS", "MARKS", "METRICS", "BASE",
+        "NAME", "STATUS", "SIZE", "ADDED", "SAVED", "TIERS", "MARKS", "TOOK", "BLOCKED", "METRICS",
+        "BASE",
     ]  # fmt: skip
     assert "best" in lines[3] and "acc=0.3 loss=0.3333" in lines[3]
     assert "00000002 (" in lines[3] and "reused)" in lines[3]

@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from jaxckpt._api import reports as _reports
 from jaxckpt._api.incremental import Increment
 from jaxckpt._api.staged import Staged, budget_arg, stage_all, stream
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format import iterators as _iterators
+from jaxckpt._format import objects as _objects
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.manifest import ArrayEntry, Manifest, storage_entries
 from jaxckpt._format.plan import ReadItem, SavePlan, WriteItem
@@ -30,6 +32,7 @@ from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._planning.save_planner import DefaultSavePlanner, SavePlanner
 from jaxckpt._runtime import collector, pools
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import events as _events
 from jaxckpt._runtime import progress as _progress
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._sources import detect as _sources
@@ -179,23 +182,31 @@ class SaveHandle:
     """A save in progress, as returned by :func:`save_async`.
 
     ``wait()`` blocks and re-raises the save's error; ``done()`` polls. Once done,
-    ``timings`` holds the seconds of each phase (``plan``, ``stage``, ``write``, ``commit``),
-    ``nbytes`` the bytes this process wrote and ``gbps`` its write throughput; the same are
-    logged at INFO on the ``jaxckpt`` logger.
+    ``timings`` holds the seconds of each phase of this process (``plan``, ``stage``,
+    ``write``, ``commit``, and ``wait``: waiting for the other processes, in none of the
+    others), of the call (``blocking``) and of the whole save (``total``); ``nbytes`` the bytes
+    this process wrote and ``gbps`` its write throughput; the same are logged at INFO on the
+    ``jaxckpt`` logger and recorded as ``jax.monitoring`` events (docs/observability.md). On
+    the coordinator (process 0) of a multi-process save, ``processes`` holds every process's
+    phases and bytes, and ``slowest`` the slowest process of each phase
+    (``{phase: [process, seconds]}``).
 
     Example:
       >>> import jax.numpy as jnp, jaxckpt, tempfile
       >>> h = jaxckpt.save_async(tempfile.mkdtemp() + "/c", {"w": jnp.zeros(1024)})
       >>> h.wait()
       >>> h.done(), h.nbytes, sorted(h.timings)
-      (True, 4096, ['commit', 'plan', 'stage', 'write'])
+      (True, 4096, ['blocking', 'commit', 'plan', 'stage', 'total', 'wait', 'write'])
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, attrs: tuple[str, str] = ("local", "save")) -> None:
         self.path = path
         self.timings: dict[str, float] = {}
         self.nbytes = 0
         self.reused_bytes = 0  # bytes an incremental save took from its base instead
+        self.processes: dict[int, dict[str, float]] = {}  # the coordinator's: every process's
+        self.slowest: dict[str, list[Any]] = {}
+        self._attrs = attrs  # the events' store and call attributes
         self._error: BaseException | None = None
         self._future: Future[None] | None = None  # the background run, staging buffers released
         self._runner: int | None = None  # the thread id that runs it
@@ -249,16 +260,19 @@ def _start_save(
 ) -> SaveHandle:
     """Plan on every process, stage (if ``stage``: all at once, or streaming within
     ``budget`` host bytes), then write and commit: in the background when staged, else here."""
-    t0 = time.perf_counter()
     # Made first, so that a failure on any process from here on reaches all of them.
     sync = _distributed.SaveSync(os.fspath(path))
+    clock = _events.Clock({}, lambda: sync.waited(here=True))
     loc = sync.run("open", lambda: _location.Location(path, one_operation=True))
     sync.path = str(loc)
     records = sync.run("iterators", lambda: _iterators.capture(iterators))  # the positions now
     planner = planner if planner is not None else DefaultSavePlanner()
     planner.max_host_bytes = budget  # before step 1 (SavePlanner)
-    handle = SaveHandle(str(loc))
+    handle = SaveHandle(str(loc), (_events.store_kind(loc), "save_async" if stage else "save"))
+    clock.into = handle.timings
     global_plan, local = _plan_everywhere(sync, planner, tree, compression)
+    plain = base is None and not digests and compression is None and loc.local is None
+    global_plan = _with_objects(global_plan, sync.count, planner, plain)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
     increment = None
     if base is not None or digests:  # the base's manifest is read before anything is written
@@ -266,34 +280,70 @@ def _start_save(
         increment = sync.run(
             "base", lambda: Increment(base_loc, loc, global_plan.manifest, entries)
         )
-    handle.timings["plan"] = time.perf_counter() - t0
+    writer = _open_writer(loc, sync, overwrite, global_plan, entries)
+    clock.mark("plan")
+    order = local.items if increment is None else increment.order(local.items)
+    bar = _progress.Progress("save", local.nbytes, progress)
+    args = (handle, loc, sync, writer, entries, global_plan, local, bar, clock.start)
+    if not stage:
+        data = Staged(((item, planner.resolve_data(item)) for item in order), None)
+        clock.mark("stage")
+        _write_and_commit(*args, data, increment, records)
+        _blocked(handle, clock.start)
+        return handle
+    # Copy every item off the caller's buffers, which it may reuse once we return.
+    if budget is None:
+        staged = stage_all(planner, order, loc, sync, writer)
+        clock.mark("stage")  # before the writes start, which send it to the coordinator
+    else:
+        all_first = increment is not None and increment.hashes_all_first
+        staged = stream(planner, order, loc, sync, writer, budget=budget, hash_all_first=all_first)
+    _in_background(handle, staged, lambda: _write_and_commit(*args, staged, increment, records))
+    staged.wait()  # streaming: until the last item is staged, as the writes free the ring
+    clock.mark("stage")
+    if not staged.complete:  # the save failed before its last item was staged
+        handle.wait()  # its error
+    _blocked(handle, clock.start)
+    return handle
+
+
+def _open_writer(
+    loc: _location.Location,
+    sync: _distributed.SaveSync,
+    overwrite: bool,
+    plan: GlobalSavePlan,
+    entries: dict[str, ArrayEntry],
+) -> _storage.Writer:
+    """The save's ``Writer`` (its staging directory or generation, leased), writing format v5's
+    data objects where the plan has them."""
     writer = sync.run(
         "open",
         lambda: _storage.Writer(
             loc, overwrite=overwrite, is_coordinator=sync.is_coordinator, broadcast=sync.broadcast
         ),
     )
-    t1 = time.perf_counter()
-    order = local.items if increment is None else increment.order(local.items)
-    bar = _progress.Progress("save", local.nbytes, progress)
-    args = (handle, loc, sync, writer, entries, global_plan, local, bar)
-    if not stage:
-        data = Staged(((item, planner.resolve_data(item)) for item in order), None)
-        handle.timings["stage"] = time.perf_counter() - t1
-        _write_and_commit(*args, data, increment, records)
-        return handle
-    # Copy every item off the caller's buffers, which it may reuse once we return.
-    if budget is None:
-        staged = stage_all(planner, order, loc, sync, writer)
-    else:
-        all_first = increment is not None and increment.hashes_all_first
-        staged = stream(planner, order, loc, sync, writer, budget=budget, hash_all_first=all_first)
-    _in_background(handle, staged, lambda: _write_and_commit(*args, staged, increment, records))
-    staged.wait()  # streaming: until the last item is staged, as the writes free the ring
-    handle.timings["stage"] = time.perf_counter() - t1
-    if not staged.complete:  # the save failed before its last item was staged
-        handle.wait()  # its error
-    return handle
+    writer.use_objects(plan.manifest.objects, entries, sync.process)
+    return writer
+
+
+def _with_objects(plan: GlobalSavePlan, count: int, planner: Any, plain: bool) -> GlobalSavePlan:
+    """``plan`` with format v5's data objects (who writes each chunk, from its array plans)
+    where the planner asks for them and the save is ``plain`` (an object store, not
+    compressed, not incremental); else ``plan``."""
+    if not plain or getattr(planner, "layout", "chunks") != "objects":
+        return plan
+    rows = ((a.entry, a.offsets, a.process) for a in plan.arrays)
+    objects = _objects.from_plans(rows, count, planner.object_bytes)
+    version = max(plan.manifest.version, _objects.VERSION)
+    manifest = dataclasses.replace(plan.manifest, objects=objects, version=version)
+    return dataclasses.replace(plan, manifest=manifest)
+
+
+def _blocked(handle: SaveHandle, start: float) -> None:
+    """The end of the call's blocking part (a failed one reports nothing)."""
+    if handle._error is None:
+        blocking = handle.timings.get("total", time.perf_counter() - start)
+        _reports.blocked(handle.timings, blocking, handle._attrs)
 
 
 def _in_background(handle: SaveHandle, staged: Staged, run: Callable[[], None]) -> None:
@@ -341,13 +391,14 @@ def _write_and_commit(
     global_plan: GlobalSavePlan,
     local: SavePlan,
     bar: _progress.Progress,
+    start: float,
     staged: Staged,
     increment: Increment | None = None,
     records: dict[str, Any] | None = None,
 ) -> None:
     """Create the arrays, write this process's items, commit; errors go to ``handle``."""
     try:
-        t2 = time.perf_counter()
+        clock = _events.Clock(handle.timings, lambda: sync.waited(here=True))
         items, staged.items = _counted(staged.items, bar), iter(())  # none held once written
         skip: set[str] = set()
         if increment is not None:  # hash each box; the base's boxes are linked or referenced
@@ -364,29 +415,20 @@ def _write_and_commit(
             writer.open_arrays((entries[k] for k in own), create=False)
         handle.nbytes = writer.write(entries, items, release_each=staged.release_each)
         writer.flush()
-        done = _iterators.payload(records or {}, increment.payload() if increment else "")
-        payloads = sync.gather("written", done)
-        t3 = time.perf_counter()
+        clock.mark("write")
+        timed = _reports.own(handle.timings, sync.waited(), handle.nbytes)
+        mine = _events.payload(timed, _written(records, increment))
+        payloads = sync.gather("written", mine)  # every process's timings ride it too
+        clock.mark("write")
         if sync.is_coordinator and payloads is not None:  # (gathered: the coordinator)
-            saved, payloads = _iterators.collect(payloads, sync.count, str(loc))
-            manifest = global_plan.manifest  # the object encoded ahead, unless it changes
-            if saved:
-                manifest = dataclasses.replace(manifest, iterators=saved)
-            if increment is not None:
-                manifest = increment.manifest(manifest, payloads)
-            writer.commit(manifest)
+            _commit(handle, loc, writer, global_plan, increment, payloads, sync.count)
         sync.barrier("committed", wait_for_all=False)
+        clock.mark("commit")
         handle.reused_bytes = increment.reused_bytes if increment is not None else 0
         bar.finish()
-        handle.timings.update(write=t3 - t2, commit=time.perf_counter() - t3)
-        logger.info(
-            "saved %s: %.1f MB at %.2f GB/s (%.1f MB reused), %s",
-            loc,
-            handle.nbytes / 1e6,
-            handle.gbps,
-            handle.reused_bytes / 1e6,
-            {k: round(v, 3) for k, v in handle.timings.items()},
-        )
+        handle.timings.update(wait=sync.waited(), total=time.perf_counter() - start)
+        t, nbytes, reused = handle.timings, handle.nbytes, handle.reused_bytes
+        _reports.saved(str(loc), t, nbytes, reused, handle.gbps, handle._attrs)
     except BaseException as e:  # re-raised by wait()
         # failed() first: it returns once the others stopped
         handle._error = sync.failed(typed_os_error(e, loc))
@@ -394,6 +436,34 @@ def _write_and_commit(
     finally:
         bar.close()
         handle._finished.set()
+
+
+def _written(records: dict[str, Any] | None, increment: Increment | None) -> str:
+    """What this process sends the coordinator at the "written" barrier, after its timings:
+    its iterators' records and its increment's digests."""
+    return _iterators.payload(records or {}, increment.payload() if increment else "")
+
+
+def _commit(
+    handle: SaveHandle,
+    loc: _location.Location,
+    writer: _storage.Writer,
+    global_plan: GlobalSavePlan,
+    increment: Increment | None,
+    gathered: dict[int, str],
+    count: int,
+) -> None:
+    """(coordinator) Every process's timings noted (stragglers named), then the commit of
+    the manifest with what the processes sent."""
+    got = _reports.gathered(str(loc), gathered, handle._attrs[0])
+    handle.processes, handle.slowest, payloads = got
+    saved, payloads = _iterators.collect(payloads, count, str(loc))
+    manifest = global_plan.manifest  # the object encoded ahead, unless it changes
+    if saved:
+        manifest = dataclasses.replace(manifest, iterators=saved)
+    if increment is not None:
+        manifest = increment.manifest(manifest, payloads)
+    writer.commit(manifest)
 
 
 def _counted(
@@ -460,15 +530,20 @@ def restore(
       True
     """
     with collector.paused():
-        manifest, reader = _open(path)
+        start = time.perf_counter()
+        manifest, reader, loc = _open(path)
         # jax's process numbers only where there are iterators to set
         at = (_distributed.process_index(), _distributed.process_count()) if iterators else (0, 1)
         set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path), *at)
         planner = planner if planner is not None else DefaultLoadPlanner()
         planner.set_up_planner(target, manifest, keys=keys, strict=strict)
         progress = _progress.check_arg(progress, "jaxckpt.restore")
-        tree = _read_into(planner, manifest, reader, planner.create_local_plan().items, progress)
+        items = planner.create_local_plan().items
+        timings = {"open": time.perf_counter() - start}
+        tree, nbytes = _read_into(planner, manifest, reader, items, progress, timings)
         set_iterators()  # only now: a restore refused on the way moves no iterator
+        timings["total"] = time.perf_counter() - start
+        _reports.restored(loc, timings, nbytes)
         return tree
 
 
@@ -478,20 +553,33 @@ def _read_into(
     reader: Any,
     items: Sequence[ReadItem],
     progress: _progress.ProgressArg,
-) -> Any:
-    """Read ``items`` and hand each box to ``planner``; the tree it builds of them."""
+    timings: dict[str, float],
+) -> tuple[Any, int]:
+    """Read ``items`` and hand each box to ``planner``; the tree it builds of them and the
+    bytes read. Adds to ``timings`` the seconds of ``read`` (waiting for the reader) and of
+    ``place`` (the planner's: transforming, placing onto devices, building the tree)."""
     arrays = [e for e in manifest.entries.values() if isinstance(e, ArrayEntry)]
     size = {e.key: dtype_from_name(e.dtype).itemsize for e in arrays}
     total = sum(math.prod(i.sizes) * size[i.key] for i in items)
     ahead = planner.read_ahead_bytes
+    if manifest.objects is not None and isinstance(planner, DefaultLoadPlanner):
+        # v5 byte ranges hold a box and its raw bytes, no decode buffers: half the budget
+        ahead = max(ahead, planner.max_host_bytes // 2)
+    start, place, nbytes = time.perf_counter(), 0.0, 0
     with _progress.Progress("restore", total, progress) as bar:
         for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
+            t = time.perf_counter()
             bar.add(data.nbytes)
+            nbytes += data.nbytes
             planner.commit_tensor(item, planner.transform_tensor(item, data))
             del data  # the planner owns the box now: dropping it frees it once placed
+            place += time.perf_counter() - t
+        t = time.perf_counter()
         tree = planner.finish()
         bar.finish()
-    return tree
+    end = time.perf_counter()
+    timings.update(read=t - start - place, place=place + end - t)
+    return tree, nbytes
 
 
 def metadata(path: PathLike) -> CheckpointMetadata:
@@ -510,13 +598,20 @@ def metadata(path: PathLike) -> CheckpointMetadata:
       >>> jaxckpt.metadata(d).entries["w"].shape
       (4, 2)
     """
-    return CheckpointMetadata.of(_open(path, listing=False)[0])
+    start = time.perf_counter()
+    manifest, _, loc = _open(path, listing=False)
+    info = CheckpointMetadata.of(manifest)
+    if _events.listening():
+        store = _events.store_kind(loc)
+        secs = time.perf_counter() - start
+        _events.record_duration(_events.METADATA_DURATION, secs, store=store)
+    return info
 
 
-def _open(path: PathLike, *, listing: bool = True) -> tuple[Manifest, Any]:
+def _open(path: PathLike, *, listing: bool = True) -> tuple[Manifest, Any, _location.Location]:
     """The manifest (checked where it takes jax to check it) and the reader at ``path``
     (``listing``: start an object store's listing for the reader beside the manifest)."""
     loc = _location.Location(path, one_operation=True)
     manifest, reader = _sources.open_source(loc, listing=listing)  # jaxckpt, Orbax, safetensors
     check_prng_keys(manifest, f"{loc}/manifest.json")
-    return manifest, reader
+    return manifest, reader, loc

@@ -66,6 +66,8 @@ class Increment:
             if base is None
             else _base_manifest(base)
         )
+        if self.base_manifest.objects is not None:  # a v5 base: its records are neither
+            self.base_manifest = Manifest(tree={}, entries={})  # linked nor referenced yet
         self.reuse = Reuse(manifest, self.base_manifest)
         self.base_name = None if base is None else _sibling_name(base, loc)
         # References are to a sibling step only, never to this path's own older generation.

@@ -18,6 +18,7 @@ from typing import Any
 from jaxckpt._errors import ManifestError
 from jaxckpt._format import codecs, manifest_check
 from jaxckpt._format import iterators as _iterators
+from jaxckpt._format import objects as _objects
 from jaxckpt._format.dtypes import dtype_from_name as dtype_from_name
 from jaxckpt._format.dtypes import is_supported_dtype as is_supported_dtype
 from jaxckpt._format.dtypes import storage_dtype_name as storage_dtype_name
@@ -31,7 +32,8 @@ FORMAT = "jaxckpt"
 VERSION = 2  # 2 adds packed small arrays; a checkpoint without packs is still written as 1
 REFS_VERSION = 3  # 3 adds references to another step's arrays (incremental, object stores)
 COMPRESSION_VERSION = codecs.VERSION  # 4 adds compressed chunks ("compression")
-VERSIONS = (1, 2, 3, 4)  # the versions this jaxckpt reads
+OBJECTS_VERSION = _objects.VERSION  # 5 adds data objects ("objects": records, not chunk files)
+VERSIONS = (1, 2, 3, 4, 5)  # the versions this jaxckpt reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Manifest:
     refs: dict[str, str] = dataclasses.field(default_factory=dict)
     # The states of data iterators saved with the step, by name (``iterators``): no paths.
     iterators: dict[str, _iterators.SavedIterator] = dataclasses.field(default_factory=dict)
+    # Version 5: the chunks are records in a few data objects per process (``objects``).
+    objects: _objects.DataObjects | None = None
 
     def relocated(self, prefix: str) -> Manifest:
         """This manifest with every storage path it holds moved under ``prefix`` (an
@@ -82,6 +86,11 @@ class Manifest:
         def rekey(d: dict[str, Any]) -> dict[str, Any]:
             return {prefix + path: v for path, v in d.items()}
 
+        objects = self.objects
+        if objects is not None:
+            objects = dataclasses.replace(
+                objects, folder=prefix + objects.folder, owners=rekey(objects.owners)
+            )
         return dataclasses.replace(
             self,
             entries={k: move(e) for k, e in self.entries.items()},
@@ -89,6 +98,7 @@ class Manifest:
             digests=rekey(self.digests),
             probes=rekey(self.probes),
             refs=rekey(self.refs),
+            objects=objects,
         )
 
     def compressed(self, name: str | None) -> Manifest:
@@ -132,6 +142,8 @@ class Manifest:
             head["digests"] = self.digests
         if self.probes:
             head["probes"] = self.probes
+        if self.objects is not None:
+            head["objects"] = self.objects.to_json()
         if self.iterators:
             head["iterators"] = {n: it.to_json() for n, it in self.iterators.items()}
         lines = [f" {dump(k)}: {dump(v)}," for k, v in head.items()]
@@ -174,6 +186,10 @@ class Manifest:
             with_refs=version >= REFS_VERSION,
             with_compression=version >= COMPRESSION_VERSION,
         )
+        objects = None
+        if version >= OBJECTS_VERSION and "objects" in doc:
+            stored = {e.path: e for e in storage_entries_of(fields.entries, fields.packs).values()}
+            objects = _objects.from_json(doc["objects"], stored, where)
         return cls(
             tree=fields.tree,
             entries=fields.entries,
@@ -184,15 +200,21 @@ class Manifest:
             probes=fields.probes,
             refs=fields.refs,
             iterators=_iterators.from_json(doc.get("iterators", {}), where),
+            objects=objects,
         )
 
 
 def storage_entries(manifest: Manifest) -> dict[str, ArrayEntry]:
     """What storage writes: every unpacked array, and each pack as a 1-D array (by key)."""
-    out = {
-        k: e for k, e in manifest.entries.items() if isinstance(e, ArrayEntry) and e.pack is None
-    }
-    out.update((p.key, p.as_array()) for p in manifest.packs.values())
+    return storage_entries_of(manifest.entries, manifest.packs)
+
+
+def storage_entries_of(
+    entries: dict[str, Entry], packs: dict[str, PackEntry]
+) -> dict[str, ArrayEntry]:
+    """:func:`storage_entries` of a manifest's entries and packs."""
+    out = {k: e for k, e in entries.items() if isinstance(e, ArrayEntry) and e.pack is None}
+    out.update((p.key, p.as_array()) for p in packs.values())
     return out
 
 

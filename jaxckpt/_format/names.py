@@ -36,6 +36,7 @@ SUFFIX_ROOM = len("-deleted")  # what may be appended to a staging name (e.g. "-
 LOCK_SUFFIX = ".__lock"  # tensorstore's file driver reserves names ending in this
 STEP_DIGITS = 8  # step folders are zero-padded to this many digits
 WRITER = "writer.json"  # an object-store save in progress: who writes, and when it last said so
+DATA = "data"  # DATA/PROCESS.K: format v5's data objects (jaxckpt._format.objects)
 HELD_BY = "held-by"  # HELD_BY/NAME: the arrays sibling step NAME references in this checkpoint
 
 _SAFE = frozenset(string.ascii_letters + string.digits + "_.-")
@@ -137,7 +138,8 @@ _STEP_NAME_RE = re.compile(rf"[0-9]{{{STEP_DIGITS},20}}")
 _STAGING_RE = re.compile(r"\.(.+)" + re.escape(TMP) + r"([0-9a-f]{8})(-old|-deleted)?")
 _GENERATION = r"g[0-9a-f]{8}/"
 _OWN_KEY_RE = re.compile(
-    rf"({_GENERATION})?(arrays/.+|{re.escape(WRITER)})|{re.escape(HELD_BY)}/{_STEP_NAME}"
+    rf"({_GENERATION})?(arrays/.+|{DATA}/[0-9]+\.[0-9]+|{re.escape(WRITER)})"
+    rf"|{re.escape(HELD_BY)}/{_STEP_NAME}"
 )
 
 
@@ -202,7 +204,7 @@ def is_own_key(key: str) -> bool:
 
     Example:
       >>> [is_own_key(k) for k in ("manifest.json", "arrays/w/c/0", "g0a1b2c3d/writer.json",
-      ...                         "held-by/00000002", "notes.txt", "manifest.json\\n")]
-      [True, True, True, True, False, False]
+      ...                         "held-by/00000002", "notes.txt", "manifest.json\\n", "g0a1b2c3d/data/3.0")]
+      [True, True, True, True, False, False, True]
     """
     return key == MANIFEST or bool(_OWN_KEY_RE.fullmatch(key))

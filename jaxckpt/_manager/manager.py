@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
@@ -38,6 +39,7 @@ from jaxckpt._manager.retention import Policy, json_metrics, referenced
 from jaxckpt._manager.run import Run, step_arg
 from jaxckpt._manager.schedule import Schedule, check
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import events as _events
 from jaxckpt._runtime import pools
 from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
@@ -233,6 +235,7 @@ class CheckpointManager(RunReader):
             is closed.
         """
         self._check_open()
+        start = time.perf_counter()
         step = step_arg(step, "save(step, tree)")
         preempted = self.reached_preemption(step)
         tier = self._local if self._local is not None and step % self._local.interval == 0 else None
@@ -255,6 +258,7 @@ class CheckpointManager(RunReader):
             raise
         if due:
             self._start(step, tree, record, iterators, preempted, steps)
+        self._record(_events.MANAGER_DURATIONS["save"], start)
         return True
 
     def _start(
@@ -317,22 +321,20 @@ class CheckpointManager(RunReader):
             return
         t = handle.timings
         logger.info(
-            "step %d committed: %.1f MB, %.2f GB/s (plan %.3f s, stage %.3f s, write "
-            "%.3f s, commit %.3f s)",
+            "step %d committed: %.1f MB, %.2f GB/s (blocked %.3f s, total %.3f s: plan %.3f s, "
+            "stage %.3f s, write %.3f s, commit %.3f s, waiting for other processes %.3f s)",
             step,
             handle.nbytes / 1e6,
             handle.gbps,
-            t.get("plan", 0),
-            t.get("stage", 0),
-            t.get("write", 0),
-            t.get("commit", 0),
+            *(t.get(k, 0) for k in ("blocking", "total", "plan", "stage", "write", "commit")),
+            t.get("wait", 0),
         )
         if not self._primary:
             return
         try:
             steps = self._run.steps()
             deleted = _retention.after_commit(
-                self._loc, self.policy, self._metrics, step, record, steps
+                self._loc, self.policy, self._metrics, step, record, steps, step_timings(handle)
             )
             if deleted and self._loc.local is None and self.incremental:
                 self._clean_up()  # arrays kept for a step deleted now may be referenced no more
@@ -348,12 +350,14 @@ class CheckpointManager(RunReader):
         Raises:
           CheckpointError: the save failed; raised once, the next ``save()`` goes ahead.
         """
+        start = time.perf_counter()
         try:
             self._wait_persistent()
         finally:
             if self._local is not None:
                 self._local.wait()
             pools.settle()
+        self._record(_events.MANAGER_DURATIONS["wait"], start)
 
     def delete(self, step: int) -> None:
         """Delete ``step`` from every tier, with its metrics (and what only it kept: arrays,
@@ -512,6 +516,18 @@ class CheckpointManager(RunReader):
             raise CheckpointError(
                 f"The CheckpointManager of {self.directory} is closed; create a new one to save."
             )
+
+
+def step_timings(handle: SaveHandle) -> dict[str, Any]:
+    """What ``metrics.json`` keeps of a committed step's save: its phases, blocking and total
+    seconds, the bytes every process wrote and this one reused, the slowest processes."""
+    out: dict[str, Any] = {k: round(v, 6) for k, v in handle.timings.items()}
+    wrote = [p.get("bytes", 0.0) for p in handle.processes.values()]
+    out["bytes_written"] = int(sum(wrote)) if wrote else handle.nbytes
+    out["bytes_reused"] = handle.reused_bytes
+    if handle.slowest:
+        out["slowest"] = handle.slowest
+    return out
 
 
 def _local_tier(

@@ -7,6 +7,7 @@ up at once; with a local tier, the processes agree on what it holds (``jaxckpt._
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from jaxckpt._manager.retention import MetricsFile, Policy
 from jaxckpt._manager.run import Run, step_arg
 from jaxckpt._planning.abstract import CheckpointMetadata
 from jaxckpt._planning.load_planner import LoadPlanner
+from jaxckpt._runtime import events as _events
 from jaxckpt._tiers.local_tier import LocalTier
 from jaxckpt._tiers.tier_choice import RestoredFrom
 
@@ -69,6 +71,12 @@ class RunReader:
         """The steps ``pin()`` keeps from retention, ascending."""
         return self._metrics.pinned()
 
+    def _record(self, name: str, start: float) -> None:
+        """The event ``name``: the seconds since ``start`` (``time.perf_counter``)."""
+        if _events.listening():
+            secs = time.perf_counter() - start
+            _events.record_duration(name, secs, store=_events.store_kind(self._run.loc))
+
     def reload(self) -> None:
         """See the steps other processes committed since: nothing is cached, every listing
         reads the directory afresh, so this only exists for code written for Orbax."""
@@ -118,6 +126,7 @@ class RunReader:
           CheckpointNotFoundError: no committed step (or not ``step``) in the directory (or,
             with a local tier, whole in any tier).
         """
+        start = time.perf_counter()
         if step is not None:
             step = step_arg(step, "restore(step, target)")
         if self._pending is not None:
@@ -125,6 +134,7 @@ class RunReader:
         tree, self.restored_from = self._ledger.restore(
             step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
         )
+        self._record(_events.MANAGER_DURATIONS["restore"], start)
         return tree
         tree, step = self._run.restore(
             step, target, keys=keys, strict=strict, planner=planner, iterators=iterators

@@ -5,12 +5,16 @@ The policy is a free function, :func:`steps_to_delete`, so it can be read and te
 Metrics live in one small file, ``DIR/metrics.json``::
 
     {"format": 1, "steps": {"100": {"loss": 0.31}, "200": {"loss": 0.27}},
-     "committed": {"100": 1767225600.5, "200": 1767229200.25}, "pinned": [100]}
+     "committed": {"100": 1767225600.5, "200": 1767229200.25}, "pinned": [100],
+     "timings": {"100": {"plan": 0.01, "blocking": 0.2, "total": 3.1, "bytes_written": 8192, ...}}}
 
 written whole (a temporary file renamed over it) by the primary process after each commit.
 ``committed`` holds each step's commit time (seconds since the Unix epoch), recorded when the
 manager has ``keep_every_n_secs`` (``jaxckpt ls`` shows it where it is there); ``pinned`` the steps ``CheckpointManager.pin`` keeps from
-retention. Older jaxckpt read only ``steps`` and ignore the rest.
+retention; ``timings`` each step's save: the seconds of its phases, of the call (``blocking``)
+and of the whole save (``total``), its bytes written (every process's) and reused, and on
+several processes the slowest process of each phase (``slowest``: ``{phase: [process,
+seconds]}``; docs/observability.md). Older jaxckpt read only ``steps`` and ignore the rest.
 
 The rule, in one place (:func:`steps_to_delete`): steps kept for good are, for each multiple
 of ``keep_every_n_steps``, the first step at or after it (the multiple itself where it was
@@ -260,10 +264,11 @@ def apply(
     *,
     changed: bool,
     committed: dict[str, float],
+    timings: dict[str, Any] | None = None,
 ) -> list[int]:
     """Delete the steps ``policy`` dooms among the committed ``steps`` of ``run``, after
-    writing ``metrics`` and ``committed`` without them (``changed``: write them even if none
-    goes).
+    writing ``metrics``, ``committed`` and ``timings`` (``None``: those stored) without them
+    (``changed``: write them even if none goes).
 
     Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
     rank last and go at the next save; never a kept step without its metrics. What the kept
@@ -275,12 +280,14 @@ def apply(
     pinned = metrics_file.pinned()
     doomed = policy.doomed(steps, metrics, committed, pinned)
     keep = referenced(run, [step_name(s) for s in steps if s not in doomed]) if doomed else {}
-    gone = {str(s) for s in doomed} & (set(metrics) | set(committed))
+    timings = metrics_file.timings() if timings is None else timings
+    gone = {str(s) for s in doomed} & (set(metrics) | set(committed) | set(timings))
     if gone or changed:
         metrics_file.write(
             {k: v for k, v in metrics.items() if k not in gone},
             {k: t for k, t in committed.items() if k not in gone},
             pinned,
+            {k: t for k, t in timings.items() if k not in gone},
         )
     deleted = []
     for step in doomed:
@@ -297,9 +304,10 @@ def after_commit(
     step: int,
     record: dict[str, Any] | None,
     steps: list[int],
+    timings: dict[str, Any] | None = None,
 ) -> list[int]:
-    """(primary) Once ``step`` is committed: record its metrics and, with
-    ``keep_every_n_secs``, its commit time (now), then :func:`apply` the policy.
+    """(primary) Once ``step`` is committed: record its metrics, its save's ``timings`` and,
+    with ``keep_every_n_secs``, its commit time (now), then :func:`apply` the policy.
 
     Returns:
       The steps deleted.
@@ -310,8 +318,20 @@ def after_commit(
     timed = policy.keep_every_n_secs is not None
     if timed:
         committed[str(step)] = time.time()
-    changed = record is not None or timed
-    return apply(run, policy, metrics_file, metrics, steps, changed=changed, committed=committed)
+    stored = metrics_file.timings()
+    if timings is not None:
+        stored[str(step)] = timings
+    changed = record is not None or timed or timings is not None
+    return apply(
+        run,
+        policy,
+        metrics_file,
+        metrics,
+        steps,
+        changed=changed,
+        committed=committed,
+        timings=stored,
+    )
 
 
 def _is_time(step: str, t: Any) -> bool:
@@ -363,6 +383,14 @@ class MetricsFile:
         times = committed if isinstance(committed, dict) else {}
         return steps, {k: float(t) for k, t in times.items() if _is_time(k, t)}
 
+    def timings(self) -> dict[str, Any]:
+        """Every step's save timings (see the module's docstring), keyed by the step as a
+        string; ``{}`` if none are stored."""
+        got = self._doc().get("timings", {})
+        return (
+            {k: v for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
+        )
+
     def pinned(self) -> list[int]:
         """The pinned steps, ascending."""
         pins = self._doc().get("pinned", [])
@@ -399,15 +427,20 @@ class MetricsFile:
         steps: Mapping[str, Any],
         committed: Mapping[str, float] | None = None,
         pinned: Iterable[int] | None = None,
+        timings: Mapping[str, Any] | None = None,
     ) -> None:
-        """Replace the file with ``steps``, the commit times ``committed`` and the ``pinned``
-        steps (``None``: those pinned now), atomically on a local disk."""
+        """Replace the file with ``steps``, the commit times ``committed``, the ``pinned``
+        steps (``None``: those pinned now) and the save ``timings`` (``None``: those stored
+        now), atomically on a local disk."""
         doc: dict[str, Any] = {"format": 1, "steps": dict(steps)}
         if committed:
             doc["committed"] = dict(committed)
         pins = sorted(set(self.pinned() if pinned is None else pinned))
         if pins:
             doc["pinned"] = pins
+        timed = self.timings() if timings is None else timings
+        if timed:
+            doc["timings"] = dict(timed)
         raw = json.dumps(doc, indent=1, sort_keys=True).encode()
         if self.loc.local is None:
             _location.wait(

@@ -114,11 +114,12 @@ class Run:
         others = [step_name(s) for s in self.steps() if s != step]
         keep = referenced(self.loc, others)
         metrics, committed = self.metrics.read_all()
-        pinned = self.metrics.pinned()
-        if str(step) in metrics or str(step) in committed or step in pinned:
+        pinned, timings = self.metrics.pinned(), self.metrics.timings()
+        if str(step) in {*metrics, *committed, *timings} or step in pinned:
             committed.pop(str(step), None)
+            timings.pop(str(step), None)
             rest = {k: v for k, v in metrics.items() if k != str(step)}
-            self.metrics.write(rest, committed, [p for p in pinned if p != step])
+            self.metrics.write(rest, committed, [p for p in pinned if p != step], timings)
         _catalog.delete(self.path(step), keep=keep.get(step_name(step), ()))
         logger.info("deleted step %d from %s", step, self.directory)
 

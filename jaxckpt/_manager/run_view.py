@@ -34,6 +34,9 @@ class StepRow:
     reused_bytes: int | None = None
     needs: tuple[str, ...] = ()  # steps holding arrays this one references (object stores)
     held_by: tuple[str, ...] = ()  # retired: the steps that still reference its arrays
+    # The manager's record of the step's save: seconds per phase, "blocking", "total",
+    # "bytes_written", "bytes_reused", "slowest" (jaxckpt._manager.retention.MetricsFile)
+    timings: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row as JSON (``saved`` also as ISO 8601 text, UTC)."""
@@ -154,6 +157,15 @@ def _metrics(r: StepRow) -> str:
     return " ".join(f"{k}={_number(v)}" for k, v in r.metrics.items())
 
 
+def _seconds(r: StepRow, what: str) -> str:
+    """A step's save time ``what`` (``total``, ``blocking``), e.g. ``1.25s``; ``-`` where the
+    manager recorded none."""
+    t = (r.timings or {}).get(what)
+    if not isinstance(t, (int, float)):
+        return "-"
+    return f"{t:.3f}s" if t < 10 else f"{t:.1f}s"
+
+
 def _number(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -179,6 +191,9 @@ def _columns(rows: Iterable[StepRow]) -> list[tuple[str, Callable[[StepRow], str
     if any(r.best or r.pinned for r in rows):
         marks = ("best", "pinned")
         cols.append(("MARKS", lambda r: ",".join(m for m in marks if getattr(r, m)) or "-"))
+    if any(r.timings for r in rows):
+        cols.append(("TOOK", lambda r: _seconds(r, "total")))
+        cols.append(("BLOCKED", lambda r: _seconds(r, "blocking")))
     if any(r.metrics for r in rows):
         cols.append(("METRICS", _metrics))
     if any(r.base for r in rows):

@@ -4,8 +4,9 @@ print are ``jaxckpt._manager.run_view``'s.
 
 :func:`run_table` lists the steps of a run directory (``jaxckpt ls RUN`` prints the same), from
 one listing of the directory, one manifest read per committed step, the manager's
-``metrics.json`` (``jaxckpt._manager.retention.MetricsFile``: metrics and, where recorded,
-commit times) and, when given, the local tier's directory (``jaxckpt._tiers.local_tier``' layout).
+``metrics.json`` (``jaxckpt._manager.retention.MetricsFile``: metrics, each step's save
+timings and, where recorded, commit times) and, when given, the local tier's directory
+(``jaxckpt._tiers.local_tier``' layout).
 
 Bytes: ``nbytes`` is what a step holds; ``added`` what it stores itself, so that summing
 ``added`` over the steps counts shared bytes once: on a local disk the files of the step not
@@ -80,6 +81,7 @@ def run_table(
     listed = _listed(loc, hidden)
     stored = MetricsFile(loc)
     metrics, committed_at = stored.read_all()
+    timings = stored.timings()
     local = _local_steps(loc, local_directory)
     pins = set(stored.pinned())
     rows = []
@@ -92,6 +94,7 @@ def run_table(
                 metrics=metrics.get(str(step)) if step is not None else None,
                 pinned=step in pins,
                 saved=committed_at.get(str(step), row.saved),
+                timings=timings.get(str(step)) if step is not None else None,
             )
         )
     rows = _with_local_only(rows, local, metrics, pins)

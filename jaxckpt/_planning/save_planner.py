@@ -22,6 +22,7 @@ import numpy.typing as npt
 from jaxckpt._errors import InvalidArgumentError, UnsupportedLeafError
 from jaxckpt._format import dtypes, manifest_check
 from jaxckpt._format import manifest as _manifest
+from jaxckpt._format import objects as _objects
 from jaxckpt._format.manifest import ArrayEntry, Manifest, ValueEntry
 from jaxckpt._format.plan import (
     SavePlan,
@@ -137,6 +138,13 @@ class DefaultSavePlanner(SavePlanner):
         or a few per dtype) instead of one zarr array each; ``0``
         stores every array on its own (and writes format version 1). ``None``:
         ``jaxckpt._planning.packing.DEFAULT_PACK_BYTES`` (256 KiB).
+      layout: ``"chunks"`` (default): an object or file per chunk (format 1-4). ``"objects"``:
+        on ``gs://``, ``s3://`` and ``memory://``, each process's chunks as records in a few
+        data objects of about ``object_bytes`` each (format version 5; docs/format.md); saves
+        that are compressed or incremental, and local disks, keep a file per chunk.
+      object_bytes: the data objects' largest size (``layout="objects"``; default 128 MiB);
+        a process with less than 16 such objects' worth writes 16 smaller ones (at least
+        4 MiB), so that its requests still run side by side.
     """
 
     def __init__(
@@ -146,9 +154,20 @@ class DefaultSavePlanner(SavePlanner):
         max_chunk_bytes: int = 64 << 20,
         enable_plan_caching: bool = True,
         pack_bytes: int | None = None,
+        layout: str = "chunks",
+        object_bytes: int = _objects.DEFAULT_TARGET,
     ) -> None:
         if dedup not in ("balanced", "lowest"):
             raise InvalidArgumentError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
+        if layout not in ("chunks", "objects") or not 0 < object_bytes <= _objects.MAX_TARGET:
+            raise InvalidArgumentError(
+                f"layout must be 'chunks' or 'objects' and object_bytes in 1..2**40, got "
+                f"{layout!r} and {object_bytes!r}"
+            )
+        # "objects": on object stores, uncompressed and not incremental, format v5's few data
+        # objects per process (docs/format.md, "Version 5"); elsewhere a file per chunk.
+        self.layout = layout
+        self.object_bytes = object_bytes
         self.dedup = dedup
         self.max_chunk_bytes = max_chunk_bytes
         self.pack_bytes = _pack.DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes

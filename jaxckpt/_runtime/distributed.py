@@ -41,6 +41,7 @@ arrival folder once everyone has arrived, and a save's other keys (its releases)
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import itertools
 import logging
@@ -48,7 +49,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import jax
 
@@ -108,6 +109,22 @@ def path_key(path: str) -> str:
     return hashlib.sha256(path.encode()).hexdigest()[:16]
 
 
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def _timed(wait: F) -> F:
+    """``wait`` (a method of :class:`SaveSync`), its seconds added to the save's ``waits``."""
+
+    def timed(self: SaveSync, *args: object, **kwargs: object) -> object:
+        start = time.monotonic()
+        try:
+            return wait(self, *args, **kwargs)
+        finally:
+            self.waits.append((threading.get_ident(), time.monotonic() - start))
+
+    return cast(F, functools.wraps(wait)(timed))
+
+
 class SaveSync:
     """Keeps the processes of one save in step: same plan, one commit, shared failure.
 
@@ -127,6 +144,7 @@ class SaveSync:
         self.process = process_index()
         self.count = process_count()
         self.is_coordinator = self.process == 0
+        self.waits: list[tuple[int, float]] = []  # (thread, seconds) of each wait for others
         self.id: str | None = None  # this save's keys, agreed at the first step
         if self.count == 1:
             return
@@ -166,6 +184,12 @@ class SaveSync:
             raise out from e
 
     _last_failed: BaseException | None = None  # failed() shares each failure once
+
+    def waited(self, here: bool = False) -> float:
+        """Seconds this process has spent waiting for the others so far (``here``: on the
+        calling thread only)."""
+        me = threading.get_ident()
+        return sum((s for t, s in list(self.waits) if not here or t == me), 0.0)
 
     def barrier(self, name: str, *, wait_for_all: bool = True) -> None:
         """Return once every process has called ``barrier(name)``; raise if one failed.
@@ -282,6 +306,7 @@ class SaveSync:
             raise error
         return verdict
 
+    @_timed
     def _knock(self, value: str) -> str:
         """A non-coordinator's part of :meth:`_open`: one post, then one blocking get."""
         token, go = os.urandom(4).hex(), f"{self._door}/go/{self.process}"
@@ -327,6 +352,7 @@ class SaveSync:
         got[0] = value
         return got
 
+    @_timed
     def _await(self, folder: str, name: str, expect: set[int], *, watch: bool) -> dict[int, str]:
         """The values under ``folder`` of the processes ``expect``: all of them, or those
         there at the deadline. Blocks on the first missing one's key in growing slices;
@@ -372,6 +398,7 @@ class SaveSync:
     def _released(self, name: str) -> str:
         return self._wait_key(f"{self.id}/go/{name}", name, arrivals=True)
 
+    @_timed
     def _wait_key(self, key: str, name: str, *, arrivals: bool) -> str:
         """The value of ``key`` once the coordinator sets it; raise if a process failed."""
         waited = self.timeout + self._grace

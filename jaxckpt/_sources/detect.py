@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
-from jaxckpt._format.manifest import Manifest
+from jaxckpt._format.manifest import Manifest, storage_entries
 from jaxckpt._format.names import ARRAYS, MANIFEST
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
+from jaxckpt._storage import objects as _objects
 from jaxckpt._storage import reader as _reader
 
 
@@ -57,7 +58,18 @@ def open_source(
         raise _not_found(loc) from None
     manifest = Manifest.from_json(raw, where=f"{loc}/{MANIFEST}")
     marked = manifest.created.get("held_by") is True
-    reader = _reader.CheckpointReader(loc, stamp, manifest.refs, marked=marked, listing=started)
+    records = None
+    if manifest.objects is not None:  # format v5: boxes are byte ranges of data objects
+        stored = {e.path: e for e in storage_entries(manifest).values()}
+        records = _objects.RecordReader.of(loc, manifest.objects, stored)
+    reader = _reader.CheckpointReader(
+        loc,
+        stamp,
+        manifest.refs,
+        marked=marked,
+        listing=started,
+        records=records,
+    )
     return manifest, reader
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from jaxckpt._errors import CheckpointError, ManifestError
 from jaxckpt._format.manifest import Manifest, storage_entries
-from jaxckpt._format.names import HELD_BY, MANIFEST, WRITER, is_own_key
+from jaxckpt._format.names import DATA, HELD_BY, MANIFEST, WRITER, is_own_key
 from jaxckpt._runtime import pools
 from jaxckpt._storage import holds
 from jaxckpt._storage.catalog import (
@@ -415,8 +415,9 @@ def drop(loc: Location, target: Target) -> None:
         if target.generation:
             wait(kv.delete_range(prefix_range(target.generation)), loc, "deleting this save's data")
             return
-        # The plain prefix was empty when this save took it: its arrays/ are this save's.
+        # The plain prefix was empty when this save took it: its arrays/ (or data/) are its own.
         keys = list_keys(loc)
-        delete_keys(kv, loc, [k for k in keys if k.startswith("arrays/")], keys)
+        ours = [k for k in keys if k.startswith(("arrays/", DATA + "/"))]
+        delete_keys(kv, loc, ours, keys)
     except Exception as e:  # noqa: BLE001 - leftovers go at a later save or clean-up
         logger.warning("could not delete the data of a failed save at %s: %s", loc, e)
