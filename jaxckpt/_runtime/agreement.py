@@ -36,6 +36,7 @@ scope never run at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -168,7 +169,6 @@ def _ask(
     kv.key_value_set(f"{key}/at/{process}", value)
     try:
         got = json.loads(_get(kv, f"{key}/go/{process}", wait, name, leader))
-        kv.key_value_delete(f"{key}/go/{process}")
     except DistributedError:
         kv.key_value_delete(f"{key}/at/{process}")  # withdrawn: a later round won't count it
         raise
@@ -176,8 +176,11 @@ def _ask(
     if verdict.startswith("!"):
         raise DistributedError(verdict[1:])
     own = "".join(_get(kv, f"{key}/own/{process}/{i}", 5, name, leader) for i in range(pieces))
-    if pieces:
-        kv.key_value_delete(f"{key}/own/{process}")
+    # Read: clean up if the leader (maybe the service's host, exiting) is still there.
+    with contextlib.suppress(Exception):
+        kv.key_value_delete(f"{key}/go/{process}")
+        if pieces:
+            kv.key_value_delete(f"{key}/own/{process}")
     return verdict, own
 
 
