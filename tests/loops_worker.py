@@ -4,8 +4,8 @@
 
 Stage ``two`` runs, in order: a training loop with continuous checkpointing
 (``save_interval_secs=0``) whose commits process 0 holds for a few steps (so some steps find a
-save in flight), one saving by time with ``should_save`` asked first, the count of schedule
-answers left in the key-value store, and sharded Grain pipelines saved and restored with
+save in flight), one saving by time with ``should_save`` asked first, the count of agreement
+keys left in the key-value store, and sharded Grain pipelines saved and restored with
 ``iterators=``. Each process sleeps its own random times, so their clocks and commits differ.
 The record goes to ``WORKDIR/two-PID.json`` (``groups.run_group``).
 """
@@ -25,8 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import jaxckpt
-from jaxckpt._manager import schedule
-from jaxckpt._runtime import distributed
+from jaxckpt._runtime import agreement, distributed
 
 
 def _state(step: int) -> dict:
@@ -117,7 +116,7 @@ def main(argv: list[str]) -> None:
     try:
         record["continuous"] = continuous(work, pid, rng)
         record["timed"] = timed(work, pid, rng)
-        left = distributed.kv_client().key_value_dir_get(schedule.PREFIX + "/")
+        left = distributed.kv_client().key_value_dir_get(agreement.PREFIX + "/")
         record["answers_left"] = len(left)
         # Process 0 hosts the key-value store: it stays until the other has read every answer.
         multihost_utils.sync_global_devices("timed done")

@@ -50,6 +50,7 @@ from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
 from jaxckpt._manager.retention import MetricsFile, first_at_or_after_multiples, steps_to_delete
+from jaxckpt._runtime import agreement
 from jaxckpt._storage import local_commit
 from jaxckpt._storage.location import Location, kvstore
 
@@ -662,11 +663,12 @@ class RunModel(RuleBasedStateMachine):
         if self.mgr is None:
             return
         steps = sorted({*self.persistent, *self.local})
-        assert self.mgr.all_steps() == steps
-        assert self.mgr.all_steps("persistent") == sorted(self.persistent)
-        if self.local_on:
-            assert self.mgr.all_steps("local") == sorted(self.local)
-        assert self.mgr.latest_step() == self._newest()
+        with _alone():  # listings ask no other process, local tier or not (issue 60.3)
+            assert self.mgr.all_steps() == steps
+            assert self.mgr.all_steps("persistent") == sorted(self.persistent)
+            if self.local_on:
+                assert self.mgr.all_steps("local") == sorted(self.local)
+            assert self.mgr.latest_step() == self._newest()
         assert self.mgr.pinned_steps() == sorted(self.pinned)
         for step in steps:
             self._check_step(step)
@@ -723,6 +725,20 @@ class RunModel(RuleBasedStateMachine):
         if self.mgr is not None:
             self.mgr.close()
         shutil.rmtree(self.local_dir, ignore_errors=True)
+
+
+class _alone:
+    """Inside: any agreement among the processes fails the model (a call that must not wait
+    for the others made one)."""
+
+    def __enter__(self) -> None:
+        def refused(name, *args, **kwargs):
+            raise AssertionError(f"a listing made the agreement {name!r}")
+
+        self.decide, agreement.decide = agreement.decide, refused
+
+    def __exit__(self, *exc) -> None:
+        agreement.decide = self.decide
 
 
 def _top_level(run: str) -> set[str]:

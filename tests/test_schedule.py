@@ -137,10 +137,9 @@ def test_two_processes_save_the_same_steps_by_time(loops_group):
     assert a["asked"] == a["saved"]  # should_save(step) said what save(step) then did
 
 
-def test_answers_since_the_last_save_are_all_the_store_keeps(loops_group):
-    records, _ = loops_group
-    timed = records[0]["timed"]
-    assert records[0]["answers_left"] == timed["steps"] - timed["saved"][-1]
+def test_the_schedule_leaves_no_key_in_the_store(loops_group):
+    records, _ = loops_group  # each answer is deleted by the process it was for (issue 60)
+    assert records[0]["answers_left"] == 0
 
 
 def test_a_schedule_that_changes_with_the_step(tmp_path):

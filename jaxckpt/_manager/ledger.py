@@ -32,9 +32,12 @@ only the key range of its own step and the newer ones (:meth:`Run.steps_from`: n
 when the step is new, so one page), and the older committed steps come from what the ledger
 knows (:meth:`Ledger.persistent`: the listing when it opened, plus each commit, minus each
 delete); ``all_steps``, delete, rollback and retention (process 0, in the background) list
-the run whole. With a local tier one
-agreement of all processes (O(processes x local steps) through process 0) per ``all_steps``,
-delete and rollback; nothing per ``should_save``. Independent of bytes and leaves.
+the run whole. With a local tier one agreement of all processes (O(processes x local steps)
+through process 0) when the manager opens and per delete and rollback (collective calls, as
+``save``); nothing per ``should_save``. ``all_steps`` and ``latest_step`` ask no other
+process, so one process may call them alone: they list the local steps this process holds
+its own part of, and those the last agreement found whole that its disk still holds.
+Independent of bytes and leaves.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class Ledger:
 
     def steps(self, tier: Tier | None = None) -> list[int]:
         """The committed steps of ``tier`` (``None``: the persistent ones and the local ones
-        some tier holds whole, agreed by all processes: every process calls it then)."""
+        this process knows some tier holds whole), asking no other process."""
         if tier == "local":
             return [] if self.local is None else self.local.steps()
         persistent = self.run.steps()
@@ -87,12 +90,22 @@ class Ledger:
             self._known = set(persistent)
         if tier == "persistent" or self.local is None:
             return persistent
+        return sorted(set(persistent) | set(self.local.known_whole()))
+
+    def agreed_steps(self) -> list[int]:
+        """The persistent steps and the local ones some tier holds whole, agreed by all
+        processes (with a local tier every process calls it: at start, delete, rollback)."""
+        persistent = self.run.steps()
+        with self._lock:
+            self._known = set(persistent)
+        if self.local is None:
+            return persistent
         agreed = self.local.agree(None, persistent, None)["local_steps"]
         return sorted(set(persistent) | set(agreed))
 
     def refresh(self) -> None:
-        """Read :attr:`newest` again from both tiers."""
-        self.newest = max(self.steps(), default=None)
+        """Read :attr:`newest` again from both tiers (agreed by all processes)."""
+        self.newest = max(self.agreed_steps(), default=None)
 
     def newer(self, step: int) -> list[int]:
         """The steps after ``step`` in any tier, as this process sees them (for messages)."""
@@ -259,7 +272,7 @@ class Ledger:
         Raises:
           CheckpointNotFoundError: no tier holds ``step``; nothing was deleted.
         """
-        steps = self.steps()
+        steps = self.agreed_steps()
         local = self.local is not None and self.local.holds(step)
         if step not in steps and not local:
             raise CheckpointNotFoundError(
@@ -272,7 +285,7 @@ class Ledger:
 
     def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> list[int]:
         """Delete every step after ``step`` from every tier; returns them."""
-        steps = self.steps()
+        steps = self.agreed_steps()
         doomed = sorted(
             {s for s in steps if s > step}
             | ({s for s in self.local.all_held() if s > step} if self.local is not None else set())

@@ -169,7 +169,7 @@ class CheckpointManager(RunReader):
         keep = (max_to_keep, keep_every_n_steps, best_fn, best_mode, keep_every_n_secs)
         self.policy = _policy(*keep, keep_without_metrics=keep_checkpoints_without_metrics)
         self.save_interval_steps = check(save_interval_steps, save_interval_secs)
-        self._schedule = Schedule(self.save_interval_steps, save_interval_secs)
+        self._schedule = Schedule(self.save_interval_steps, save_interval_secs, self.directory)
         self.async_save = async_save
         self.max_host_bytes = budget_arg(max_host_bytes)
         self.compression = _codecs.check_arg(compression, "CheckpointManager")
@@ -302,7 +302,7 @@ class CheckpointManager(RunReader):
                     f"max_host_bytes={e.need} or more (or None). Nothing was written."
                 ) from e
             raise
-        self._schedule.began(began)
+        self._schedule.began(began, step)
         self.last_save = handle
         if preempted:
             logger.warning("preemption: saving step %d to %s before exiting", step, loc)

@@ -14,40 +14,52 @@
 
 1 and 2 are the same on every process. 3 depends on a clock and on when a background commit
 ended, which differ from process to process, so process 0 decides and every other process
-takes its answer: one key in the key-value store of ``jax.distributed`` per ``save()`` call
-that 1 and 2 do not already settle (none on a single process, none without ``S``). The
-answer for a step is kept, so ``should_save(step)`` and ``save(step)`` agree. Once a save has
-begun on every process (its plan agreed, so every process has read every answer before it),
-process 0 deletes the answers: the store holds at most the answers since the last save.
+takes its answer, but only at the steps every process knows alike to ask at: each answer
+carries the next step to ask at (process 0's estimate, from the seconds its own steps take,
+of the step at which the interval will have passed: on a save's due step it asks again, one
+step later if it was early, so a save is at most one step late; while a save is in flight,
+after a quarter of the steps it has taken so far). So a step that is not asked costs no
+key-value operation, and a save by time costs about two agreements
+(``jaxckpt._runtime.agreement``, under the directory's scope: no key is left behind, and no
+count kept by each process can fall out of step). None on a single process. The answer for a
+step is kept, so ``should_save(step)`` and ``save(step)`` agree; at an asked step both are
+collective (every process must ask at the same steps, as they must save).
 """
 
 from __future__ import annotations
 
-import itertools
+import json
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxckpt._errors import DistributedError, InvalidArgumentError
+from jaxckpt._errors import InvalidArgumentError
+from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
-
-PREFIX = "jaxckpt/schedule"
-_lock = threading.Lock()
-_answers = itertools.count()  # every process asks in the same order, as it saves
-_round = 0  # bumped at every save on every process: the folder of the answers since
-_posted = False  # (process 0) answers were posted in this round
 
 
 class Schedule:
-    """The save schedule of one manager (see the module's docstring)."""
+    """The save schedule of one manager (see the module's docstring).
 
-    def __init__(self, every_steps: Steps | None, every_secs: float | None) -> None:
+    Args:
+      every_steps: the step interval (rule 2), or ``None``.
+      every_secs: ``save_interval_secs`` (rule 3), or ``None``.
+      scope: what every process derives alike for this manager (its directory).
+    """
+
+    def __init__(
+        self, every_steps: Steps | None, every_secs: float | None, scope: str = ""
+    ) -> None:
         self.every_steps, self.every_secs = every_steps, every_secs
+        self.scope = _agreement.scope_of("schedule", scope)
         self.clock: Callable[[], float] = time.monotonic  # seconds; tests set another
         self.last_start = self.clock()  # the clock starts with the manager
         self._asked: tuple[int, bool] | None = None  # (step, answer) not saved yet
+        self.next_ask: int | None = None  # agreed: no process asks before this step
+        self.saved_at: int | None = None  # the step of the last save begun (on every process)
+        self._seen: tuple[int, float] | None = None  # (step, clock) of the last due()
+        self.step_secs: float | None = None  # seconds per step here (process 0's counts)
 
     def due(self, step: int, in_flight: Callable[[], bool]) -> bool:
         """Whether ``step`` is due by rule 2 or 3 (``in_flight``: whether a save of this
@@ -61,49 +73,48 @@ class Schedule:
         elif self.every_secs is None:
             answer = False
         else:
-            secs = self.every_secs
-            answer = agree(step, lambda: not in_flight() and self.clock() - self.last_start >= secs)
+            answer = self._timed(step, in_flight)
         self._asked = (step, answer)
         return answer
 
-    def began(self, at: float) -> None:
-        """A save that began at ``at`` (by ``clock``) has started on every process, whatever
-        its reason: the clock restarts from ``at``, and the answers read so far are deleted."""
-        global _round, _posted
+    def began(self, at: float, step: int | None = None) -> None:
+        """A save of ``step`` that began at ``at`` (by ``clock``) has started on every
+        process, whatever its reason: the clock restarts from ``at``."""
         self.last_start, self._asked = at, None
-        with _lock:
-            done, _round, posted, _posted = _round, _round + 1, _posted, False
-        if posted:
-            _distributed.kv_client().key_value_delete(f"{PREFIX}/{done}")
+        self.saved_at = step if step is not None else self.saved_at
 
+    def _timed(self, step: int, in_flight: Callable[[], bool]) -> bool:
+        """Rule 3: decided by process 0 at the agreed steps, ``False`` (by all) between them."""
+        self._observe(step)
+        if self.next_ask is not None and step < self.next_ask:
+            return False
+        if _distributed.process_count() == 1:
+            return self._decide(step, in_flight)[0]
+        verdict = _agreement.decide(
+            "due", "", lambda _: json.dumps(self._decide(step, in_flight)), scope=self.scope
+        )
+        answer, self.next_ask = json.loads(verdict)
+        return bool(answer)
 
-def agree(step: int, decide: Callable[[], bool]) -> bool:
-    """``decide()`` on process 0, its answer on every process.
+    def _decide(self, step: int, in_flight: Callable[[], bool]) -> tuple[bool, int]:
+        """(process 0) Whether ``step`` is due, and the next step to ask at."""
+        secs = float(self.every_secs or 0.0)
+        if in_flight():  # ask again after a quarter of the steps the save has taken so far
+            return False, step + max(1, (step - (self.saved_at or step)) // 4)
+        left = secs - (self.clock() - self.last_start)
+        due = left <= 0
+        left = secs if due else left
+        per = self.step_secs
+        ahead = 1 if per is None or per <= 0 else max(1, math.floor(left / per))
+        return due, step + ahead
 
-    Raises:
-      DistributedError: process 0 did not answer within ``JAXCKPT_SYNC_TIMEOUT``.
-    """
-    global _posted
-    if _distributed.process_count() == 1:
-        return decide()
-    with _lock:
-        key = f"{PREFIX}/{_round}/{next(_answers)}"
-    kv = _distributed.kv_client()
-    if _distributed.process_index() == 0:
-        answer = decide()
-        kv.key_value_set(key, "1" if answer else "0")
-        _posted = True
-        return answer
-    timeout = _distributed.sync_timeout()
-    try:
-        return kv.blocking_key_value_get(key, max(1, int(timeout * 1000))) == "1"
-    except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
-        raise DistributedError(
-            f"Process 0 did not say within {timeout:g} s whether to save step {step} "
-            f"(save_interval_secs: process 0 decides for all). It crashed or hangs, or the "
-            f"processes do not call save()/should_save() at the same steps; raise "
-            f"JAXCKPT_SYNC_TIMEOUT=SECONDS if process 0 is just slower to get there."
-        ) from e
+    def _observe(self, step: int) -> None:
+        """The seconds a step takes here, smoothed over the last few."""
+        now = self.clock()
+        if self._seen is not None and step > self._seen[0]:
+            per = (now - self._seen[1]) / (step - self._seen[0])
+            self.step_secs = per if self.step_secs is None else 0.7 * self.step_secs + 0.3 * per
+        self._seen = (step, now)
 
 
 Steps = int | tuple[tuple[int, int], ...]  # an interval, or (first step, interval) pairs

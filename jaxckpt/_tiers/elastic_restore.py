@@ -95,6 +95,7 @@ def restore(
                 describe(paths, mine, first),
                 lambda posted: decide(posted, target, choice, count),
                 survivors=True,  # a process dead by now makes every other one fall back
+                scope=_agreement.scope_of(prefix),  # the restore's, alike on every process
             )
             agreed, common = True, json.loads(verdict)
             if "fallback" in common:

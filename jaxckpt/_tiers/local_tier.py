@@ -86,7 +86,9 @@ class LocalTier:
         if self.process == 0:
             manager = f"{time.time_ns():016x}-{uuid.uuid4().hex[:8]}"  # later ones sort later
             primary = json.dumps([run_id(persistent), manager])
-        self.run, self.manager = json.loads(_agreement.decide("run", primary, lambda v: v[0]))
+        self.scope = _agreement.scope_of("tier", str(persistent))  # alike on every process
+        agreed = _agreement.decide("run", primary, lambda v: v[0], scope=self.scope)
+        self.run, self.manager = json.loads(agreed)
         self.root = Path(os.path.expanduser(os.fspath(directory))) / f"jaxckpt-{self.run}"
         self.mine = self.root / f"p{self.process}"
         self.mine.mkdir(parents=True, exist_ok=True)
@@ -100,6 +102,7 @@ class LocalTier:
         self._held: dict[Held, tuple[str, Path]] = {}  # as the last agreement found them
         self.last_elastic: Stats | None = None  # what the last elastic restore did
         self.agreed_steps: list[int] = []  # every step whole in a tier, as the last restore saw
+        self.whole: set[int] = set()  # the local steps whole somewhere, as the last agreement saw
         self._lock = threading.Lock()
 
     # -- saving ---------------------------------------------------------------------------------
@@ -234,6 +237,13 @@ class LocalTier:
         mine = (k[0] for k in self.disk.holdings() if k[1:3] == (self.process, self.count))
         return sorted(set(mine))
 
+    def known_whole(self) -> list[int]:
+        """The local steps this process knows some tier holds whole, asking no other: those
+        whose own part it holds, and those the last agreement found whole that its disk still
+        holds (in any process directory of the run)."""
+        held = self.disk.all_held()
+        return sorted(set(self.steps()) | {s for s in self.whole if s in held})
+
     def holds(self, step: int) -> bool:
         """Whether any part of ``step`` (complete or not) is on this process's disk."""
         return step in self.disk.all_held()
@@ -283,7 +293,10 @@ class LocalTier:
                 choose(count, {p: json.loads(v) for p, v in posted.items()}, step=step)
             )
 
-        chosen: dict[str, Any] = json.loads(_agreement.decide("holdings", json.dumps(mine), decide))
+        chosen: dict[str, Any] = json.loads(
+            _agreement.decide("holdings", json.dumps(mine), decide, scope=self.scope)
+        )
+        self.whole = set(chosen["local_steps"])
         return chosen
 
     def _newest_info(self) -> _part.PartInfo | None:
@@ -415,7 +428,7 @@ class LocalTier:
                 why.append(f"processes {missing} did not report (dead?)")
             return "; ".join(why)
 
-        said = _agreement.decide("rebuilt", error, verdict, survivors=True)
+        said = _agreement.decide("rebuilt", error, verdict, survivors=True, scope=self.scope)
         if said:
             logger.warning("local step %d not restored (%s): using the persistent tier", step, said)
         return not said

@@ -1,0 +1,178 @@
+"""One process of a 2-process JAX group for tests/test_shared_failures.py (issue 60, item 3).
+
+    python tests/shared_worker.py STAGE PROCESS_ID NUM_PROCESSES PORT WORKDIR
+
+* ``calls``: with a local tier, ``latest_step`` / ``all_steps`` / ``metadata`` /
+  ``should_save`` / ``run_table`` on process 0 alone return without the other; the next
+  local save and restore made together work (replicated). A ``save_interval_secs`` schedule
+  makes no key-value operation at steps it does not save, and leaves no key per step.
+
+Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``tiers_worker.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import groups
+import jax
+import numpy as np
+
+import jaxckpt
+
+ROWS = 64
+
+
+class Record:
+    def __init__(self, out: Path) -> None:
+        self.out, self.checks, self.data = out, {}, {}
+        self.flush()
+
+    def flush(self) -> None:
+        tmp = self.out.with_suffix(".part")
+        tmp.write_text(json.dumps({"checks": self.checks, "data": self.data}))
+        os.replace(tmp, self.out)
+
+    def run(self, name: str, fn) -> None:
+        try:
+            fn()
+            self.checks[name] = "ok"
+        except BaseException:  # noqa: BLE001 - recorded for the test to report
+            self.checks[name] = traceback.format_exc()
+        self.flush()
+
+    def failure(self, name: str, fn) -> None:
+        """Run ``fn``, which should raise: record the error's type, message and seconds."""
+        t0 = time.monotonic()
+        try:
+            fn()
+            self.data[name] = {"type": None, "secs": time.monotonic() - t0}
+        except Exception as e:  # noqa: BLE001 - recorded for the test to check
+            self.data[name] = {"type": type(e).__name__, "msg": str(e)}
+            self.data[name]["secs"] = time.monotonic() - t0
+        self.flush()
+
+
+def sync(name: str) -> None:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def sharding(spec: tuple = ("a",)):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    return NamedSharding(Mesh(np.array(jax.devices()), ("a",)), PartitionSpec(*spec))
+
+
+def value() -> np.ndarray:
+    return np.arange(ROWS * 8, dtype=np.float32).reshape(ROWS, 8)
+
+
+def target(spec: tuple = ("a",), shape: tuple = (ROWS, 8)) -> dict:
+    return {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding(spec))}
+
+
+def check(tree: dict) -> None:
+    w = tree["w"]
+    for s in w.addressable_shards:
+        assert np.array_equal(np.asarray(s.data), value()[s.index]), s.index
+
+
+def stage_calls(rec: Record, work: Path, pid: int, n: int) -> None:
+    v = value()
+    tree = {"w": jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])}
+    mgr = jaxckpt.CheckpointManager(
+        work / "persistent",
+        save_interval_steps=4,
+        local_directory=work / "local" / f"p{pid}",
+        local_save_interval_steps=1,
+        local_replicas=1,
+    )
+    for step in range(3):
+        mgr.save(step, tree)
+    mgr.wait()
+    if pid == 0:  # alone, as logging code calls them
+        t0 = time.monotonic()
+        rec.data["alone"] = {
+            "latest": mgr.latest_step(),
+            "all": mgr.all_steps(),
+            "meta": list(mgr.metadata(0).entries),
+            "should": mgr.should_save(3),
+            "table": len(jaxckpt.run_table(work / "persistent").rows),
+        }
+        rec.data["alone_secs"] = time.monotonic() - t0
+    sync("alone")
+    rec.data["together"] = [mgr.latest_step(), mgr.all_steps()]
+
+    def save_and_restore() -> None:
+        mgr.save(3, tree)
+        mgr.wait()
+        check(mgr.restore(target=target()))
+        rec.data["restored_from"] = [mgr.restored_from.tier, mgr.restored_from.step]
+
+    rec.run("after_alone", save_and_restore)
+    mgr.close()
+    rec.run("schedule", lambda: schedule(rec, work, tree))
+
+
+def schedule(rec: Record, work: Path, tree: dict) -> None:
+    """Steps of a save_interval_secs schedule that do not save: KV operations and keys."""
+    from jax._src import distributed
+
+    mgr = jaxckpt.CheckpointManager(work / "timed", save_interval_secs=3600)
+    real = distributed.global_state.client
+    counted = Counting(real)
+    distributed.global_state.client = counted
+    try:
+        for step in range(2):  # the first steps tell process 0 how long a step takes
+            mgr.save(step, tree)
+        rec.data["warmup_ops"] = len(counted.ops)  # the counting sees the agreements
+        counted.ops.clear()
+        sync("counting")
+        rec.data["keys_before"] = [k for k, _ in real.key_value_dir_get("jaxckpt/")]
+        for step in range(2, 62):
+            assert not mgr.save(step, tree)
+            time.sleep(0.002)
+        rec.data["schedule_ops"] = list(counted.ops)
+        sync("counted")
+        rec.data["schedule_keys"] = [k for k, _ in real.key_value_dir_get("jaxckpt/")]
+    finally:
+        distributed.global_state.client = real
+        mgr.close()
+
+
+class Counting:
+    """jax's real key-value client, each call's name recorded."""
+
+    def __init__(self, client) -> None:
+        self.client, self.ops = client, []
+
+    def __getattr__(self, name: str):
+        call = getattr(self.client, name)
+
+        def counted(*args, **kwargs):
+            self.ops.append(name)
+            return call(*args, **kwargs)
+
+        return counted
+
+
+def main(argv: list[str]) -> None:
+    stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
+    groups.join(pid, n, port)
+    rec = Record(work / f"{stage}-{pid}.json")
+    {"calls": stage_calls}[stage](rec, work, pid, n)
+    sync("end")  # process 0 hosts the coordination service: nobody exits before the others
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
