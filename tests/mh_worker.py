@@ -13,12 +13,10 @@ Importing this module only defines things: the test imports it for the state's d
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import sys
 import time
-import traceback
 import zlib
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import groups
 import jax
 import numpy as np
 import pytest
+from worker_record import Record as _Checks
 
 import jaxckpt
 
@@ -166,26 +165,6 @@ def file_bytes(metric: str) -> int:
         return _reader.file_bytes_read()
     found = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/file/{metric}")
     return sum(v["value"] for m in found for v in m["values"])
-
-
-class _Checks:
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.result: dict = {"checks": {}, "data": {}}
-        self.flush()
-
-    def flush(self) -> None:
-        tmp = self.out.with_suffix(".part")
-        tmp.write_text(json.dumps(self.result))
-        os.replace(tmp, self.out)
-
-    def run(self, name: str, fn) -> None:
-        try:
-            fn()
-            self.result["checks"][name] = "ok"
-        except BaseException:  # noqa: BLE001 - recorded for the test to report
-            self.result["checks"][name] = traceback.format_exc()
-        self.flush()
 
 
 def _planner(**kw):

@@ -12,40 +12,22 @@ Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``tiers_worker.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import groups
 import jax
 import numpy as np
+import worker_record
 
 import jaxckpt
 
 ROWS = 64
 
 
-class Record:
-    def __init__(self, out: Path) -> None:
-        self.out, self.checks, self.data = out, {}, {}
-        self.flush()
-
-    def flush(self) -> None:
-        tmp = self.out.with_suffix(".part")
-        tmp.write_text(json.dumps({"checks": self.checks, "data": self.data}))
-        os.replace(tmp, self.out)
-
-    def run(self, name: str, fn) -> None:
-        try:
-            fn()
-            self.checks[name] = "ok"
-        except BaseException:  # noqa: BLE001 - recorded for the test to report
-            self.checks[name] = traceback.format_exc()
-        self.flush()
-
+class Record(worker_record.Record):
     def failure(self, name: str, fn) -> None:
         """Run ``fn``, which should raise: record the error's type, message and seconds."""
         t0 = time.monotonic()

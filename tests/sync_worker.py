@@ -12,42 +12,22 @@ processes and groups.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import groups
 import jax
 import numpy as np
 import pytest
+from worker_record import Record as Checks
 
 import jaxckpt
 from jaxckpt._runtime import kvstore
 
 FAILS = {"sync2": 1, "sync4": 2}  # the process that fails early in each stage
-
-
-class Checks:
-    def __init__(self, out: Path) -> None:
-        self.out, self.result = out, {"checks": {}, "data": {}}
-        self.flush()
-
-    def flush(self) -> None:
-        tmp = self.out.with_suffix(".part")
-        tmp.write_text(json.dumps(self.result))
-        os.replace(tmp, self.out)
-
-    def run(self, name: str, fn) -> None:
-        try:
-            fn()
-            self.result["checks"][name] = "ok"
-        except BaseException:  # noqa: BLE001 - recorded for the test to report
-            self.result["checks"][name] = traceback.format_exc()
-        self.flush()
 
 
 class Iterator:

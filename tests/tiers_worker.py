@@ -28,18 +28,17 @@ Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``mh_worker.py`
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import sys
-import traceback
 import zlib
 from pathlib import Path
 
 import groups
 import jax
 import numpy as np
+from worker_record import Record
 
 import jaxckpt
 
@@ -104,25 +103,6 @@ def check_state(tree: dict, step: int) -> None:
             assert np.asarray(shard.data).tobytes() == want[shard.index].tobytes(), (key, step)
     assert tree["step"] == step, (tree["step"], step)
     assert np.asarray(tree["host"]).tolist() == [step] * 3
-
-
-class Record:
-    def __init__(self, out: Path) -> None:
-        self.out, self.checks, self.data = out, {}, {}
-        self.flush()
-
-    def flush(self) -> None:
-        tmp = self.out.with_suffix(".part")
-        tmp.write_text(json.dumps({"checks": self.checks, "data": self.data}))
-        os.replace(tmp, self.out)
-
-    def run(self, name: str, fn) -> None:
-        try:
-            fn()
-            self.checks[name] = "ok"
-        except BaseException:  # noqa: BLE001 - recorded for the test to report
-            self.checks[name] = traceback.format_exc()
-        self.flush()
 
 
 def manager(work: Path, pid: int, replicas: int = 1) -> jaxckpt.CheckpointManager:
