@@ -223,7 +223,9 @@ def keys_bounded(data: dict, work: Path, pid: int) -> None:
         counts.append(len(client.key_value_dir_get("jaxckpt/")))
         jaxckpt.save(work / "keys" / str(k), state(1))
     data["keys_in_store"] = counts
-    assert counts[-1] <= counts[9] + 2, counts  # a lagging reader's answer at most
+    # A snapshot lands anywhere in a save (its keys come and go): the later saves' counts stay
+    # within the earlier ones' range, where a key kept per save would add processes x 10.
+    assert max(counts[10:]) <= max(counts[:10]) + 2, counts
     assert counts[-1] <= 6 * 10, counts
 
 

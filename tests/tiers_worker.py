@@ -461,11 +461,12 @@ def main(argv: list[str]) -> None:
     stages[stage](rec, work, pid, n)
     rec.data["transport"] = transport()
     rec.flush()
-    if stage in ("el_train", "el_four", "el_kill"):  # process 0 hosts the coordination
-        from jaxckpt._runtime import agreement  # service: it exits last, or the others die
+    # Process 0 hosts the coordination service: it exits last, or the others die with it
+    # (jax kills a process whose service went away), perhaps before reading the answer of the
+    # stage's last agreement; not waiting for a process whose heartbeat stopped (el_kill).
+    from jaxckpt._runtime import agreement
 
-        # with it (jax 0.6.2); not waiting for a process whose heartbeat stopped (el_kill)
-        agreement.decide("end", "", lambda _: "", survivors=True)
+    agreement.decide("end", "", lambda _: "", survivors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -41,7 +41,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from jaxckpt._errors import CheckpointError, CheckpointExistsError
+from jaxckpt._errors import (
+    ArgumentTypeError,
+    CheckpointError,
+    CheckpointExistsError,
+    InvalidArgumentError,
+    ManifestError,
+    PlanValidationError,
+    UnsupportedLeafError,
+)
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import chunk_key, chunks_touching
 from jaxckpt._format.manifest import ArrayEntry
@@ -323,14 +331,23 @@ def worth_keeping(error: BaseException) -> bool:
     throttled request, a process that died) or it was interrupted (``KeyboardInterrupt``,
     ``SystemExit``); not where another save took its place (``CheckpointExistsError``), on a
     full disk (the data would keep it full), where the file system refused the operation
-    itself (a retry cannot succeed there: a mount that renames no directory), nor where the
-    caller's own code raised (a planner, a data source: the retry usually changes what is
-    saved)."""
-    if isinstance(error, CheckpointExistsError) or is_full(error) or _unsupported(error):
+    itself (a retry cannot succeed there: a mount that renames no directory), where the save
+    itself was refused as wrong (a manifest that would not read back, an invalid plan or
+    argument: the same save fails the same way again), nor where the caller's own code raised
+    (a planner, a data source: the retry usually changes what is saved)."""
+    if isinstance(error, _REFUSED) or is_full(error) or _unsupported(error):
         return False
     return isinstance(error, CheckpointError) or not isinstance(error, Exception)
 
 
+_REFUSED = (
+    CheckpointExistsError,
+    ManifestError,
+    PlanValidationError,
+    InvalidArgumentError,
+    ArgumentTypeError,
+    UnsupportedLeafError,
+)
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV)
 
 
