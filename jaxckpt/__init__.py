@@ -26,10 +26,10 @@ from jaxckpt._version import __version__ as __version__
 
 if _typing.TYPE_CHECKING:
     from jaxckpt._api.entry import SaveHandle as SaveHandle
-    from jaxckpt._api.entry import metadata as metadata
-    from jaxckpt._api.entry import restore as restore
     from jaxckpt._api.entry import save as save
     from jaxckpt._api.entry import save_async as save_async
+    from jaxckpt._api.restoring import metadata as metadata
+    from jaxckpt._api.restoring import restore as restore
     from jaxckpt._format.manifest import ArrayEntry as ArrayEntry
     from jaxckpt._format.manifest import Manifest as Manifest
     from jaxckpt._format.manifest import ValueEntry as ValueEntry
@@ -71,8 +71,8 @@ else:
     _LAZY = {
         **_LIGHT,
         "SaveHandle": "jaxckpt._api.entry",
-        "metadata": "jaxckpt._api.entry",
-        "restore": "jaxckpt._api.entry",
+        "metadata": "jaxckpt._api.restoring",
+        "restore": "jaxckpt._api.restoring",
         "save": "jaxckpt._api.entry",
         "save_async": "jaxckpt._api.entry",
         "CheckpointManager": "jaxckpt._manager.manager",

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from jaxckpt._api.entry import metadata
+from jaxckpt._api.restoring import metadata
 from jaxckpt._errors import InvalidArgumentError
 from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager.ledger import Ledger

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt._api.entry import restore
+from jaxckpt._api.restoring import restore
 from jaxckpt._errors import (
     ArgumentTypeError,
     CheckpointError,

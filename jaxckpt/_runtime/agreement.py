@@ -2,7 +2,7 @@
 
 The multi-tier manager (``jaxckpt._tiers.local_tier``), the time-based schedule
 (``jaxckpt._manager.schedule``) and a restore onto arrays of several processes
-(``jaxckpt._api.entry.restore``) agree through these calls, never through a shared file
+(``jaxckpt._api.restoring.restore``) agree through these calls, never through a shared file
 system. Only small messages go through the key-value store of ``jax.distributed`` (the
 coordination service, hosted by process 0). A decision's keys are ``<PREFIX>/<scope>/<name>``,
 where ``scope`` is what every process derives alike (:func:`scope_of` a path), never a count

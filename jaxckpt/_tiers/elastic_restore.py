@@ -52,7 +52,7 @@ import jax
 import numpy as np
 import numpy.typing as npt
 
-from jaxckpt._api.entry import metadata
+from jaxckpt._api.restoring import metadata
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.entries import ArrayEntry, ValueEntry
 from jaxckpt._format.plan import Box, index_to_box

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import numpy.typing as npt
 
-from jaxckpt._api.entry import metadata, restore
+from jaxckpt._api.restoring import metadata, restore
 from jaxckpt._errors import CheckpointError, UnsupportedLeafError
 from jaxckpt._format.iterators import IteratorState, SavedIterator
 from jaxckpt._format.manifest import ValueEntry, storage_entries

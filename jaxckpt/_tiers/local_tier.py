@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from jaxckpt._api.entry import metadata, restore
+from jaxckpt._api.restoring import metadata, restore
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format import iterators as _iterators
 from jaxckpt._format.names import staging_name, step_name
