@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import tensorstore as ts
 
+from jaxckpt._errors import CorruptChunkError, ManifestError
+from jaxckpt._format.manifest import ArrayEntry
 from jaxckpt._format.names import HELD_BY, is_storage_path
 from jaxckpt._storage.location import ABSENT, Location, kvstore, wait
 
@@ -148,3 +150,75 @@ def _parse(got: ts.KvStore.ReadResult) -> set[str] | None:
     if not isinstance(paths, list) or not all(is_storage_path(p) for p in paths):
         return None
     return set(paths)
+
+
+class References:
+    """An incremental step's references into its siblings, as its reader follows them: where
+    each referenced array lives, and whether its holder still keeps it for this step.
+
+    ``refs``: the manifest's (storage path -> ``../STEP/arrays/NAME``); ``marked``: the holders
+    keep held-by markers for them (the manifest says so), read beside the step's first reads.
+
+    Raises:
+      ManifestError: the step is on a local disk (references are followed on object stores only).
+    """
+
+    def __init__(self, loc: Location, refs: dict[str, str], marked: bool) -> None:
+        self.loc = loc
+        self.refs = refs
+        self._marked = marked
+        self._held: dict[str, set[str]] = {}  # by holder: what it keeps for this step
+        if refs and loc.local is not None:
+            raise ManifestError(
+                f"{loc} is an incremental step saved on an object store: {len(refs)} of its "
+                f"arrays live in sibling steps ({next(iter(refs.values()))}), which jaxckpt "
+                f"reads only on object stores. Restore it there, or `jaxckpt convert` it there "
+                f"into a self-contained checkpoint first."
+            )
+        self._markers: dict[str, Callable[[], set[str]]] = {}
+        if refs and marked:
+            for name in by_holder(refs):
+                holder = loc.sibling(name)
+                self._markers[str(holder)] = start_held_for(holder, loc.name)
+
+    def holder(self, path: str) -> tuple[Location, str]:
+        """Where the array at storage ``path`` lives: this checkpoint, or the sibling step an
+        incremental step references (``../STEP/arrays/NAME``), and its path there."""
+        ref = self.refs.get(path)
+        if ref is None:
+            return self.loc, path
+        _, step, rest = ref.split("/", 2)
+        return self.loc.sibling(step), rest
+
+    def check_held(self, entry: ArrayEntry) -> None:
+        """A referenced array is read only while its holder keeps it for this step (its
+        held-by marker names it): never another save's array at the same path.
+
+        Raises:
+          CorruptChunkError: the holder's marker no longer names the array.
+        """
+        if not self._marked or entry.path not in self.refs:
+            return
+        loc, path = self.holder(entry.path)
+        held = self._held.get(str(loc))
+        if held is None:
+            started = self._markers.pop(str(loc), None)
+            held = started() if started is not None else held_for(loc, self.loc.name)
+            self._held[str(loc)] = held
+        if path not in held:
+            raise CorruptChunkError(
+                f"Key {entry.key!r}: this incremental step references {path} in {loc}, which no "
+                f"longer keeps it for this step (its held-by marker is gone: that step was "
+                f"deleted or replaced by hand). The checkpoint is damaged: restore an earlier "
+                f"one; `jaxckpt verify PATH` reports every damaged array."
+            )
+
+    def why_missing(self, path: str) -> str:
+        """The words a missing-chunk error adds for a referenced array (else nothing)."""
+        if path not in self.refs:
+            return ""
+        loc, _ = self.holder(path)
+        return (
+            f"; this incremental step references that array in {loc}, whose data is gone "
+            f"(deleted by hand? retention never deletes what a kept step references)"
+        )

@@ -136,30 +136,15 @@ class CheckpointReader(Reader):
         self.loc = loc
         self._records = records
         self.stamp = stamp  # of the manifest the entries come from: see check_unchanged
-        # Arrays held by a sibling step (incremental steps on object stores): path -> target;
-        # ``marked``: the holders keep held-by markers for them (jaxckpt._storage.holds).
-        self.refs = refs or {}
-        self._marked = marked
-        self._held: dict[str, set[str]] = {}  # by holder: what it keeps for this step
-        if self.refs and loc.local is not None:
-            raise ManifestError(
-                f"{loc} is an incremental step saved on an object store: {len(self.refs)} of its "
-                f"arrays live in sibling steps ({next(iter(self.refs.values()))}), which jaxckpt "
-                f"reads only on object stores. Restore it there, or `jaxckpt convert` it there "
-                f"into a self-contained checkpoint first."
-            )
+        # Arrays held by a sibling step (incremental steps on object stores), followed only
+        # while their holder keeps them for this step (jaxckpt._storage.holds).
+        self.refs = holds.References(loc, refs or {}, marked and loc.local is None)
         self._open: dict[str, ts.TensorStore] = {}
         self._link_cache: dict[str, set[str]] = {}
         self._chunks_ok: set[str] = set()
         # Object stores: chunk keys by array path, by step's URL, listed only where asked
         # (``jaxckpt verify``, or a box too big to allocate: see _allocate).
         self._listing: dict[str, dict[str, set[str]]] = {}
-        # The held-by markers of the steps it references, read beside the first reads.
-        self._markers: dict[str, Callable[[], set[str]]] = {}
-        if self.refs and marked and loc.local is None:
-            for name in holds.by_holder(self.refs):
-                holder = loc.sibling(name)
-                self._markers[str(holder)] = holds.start_held_for(holder, loc.name)
         self._inplace = _chunkfile.InPlace(loc.local, str(loc)) if loc.local is not None else None
 
     def _store(self, entry: ArrayEntry) -> ts.TensorStore:
@@ -169,7 +154,7 @@ class CheckpointReader(Reader):
             if self.loc.local is not None:
                 self.check_chunks(entry)
             else:  # the reads' answers say what is missing (fill_missing_data_reads below)
-                self._check_held(entry)
+                self.refs.check_held(entry)
             loc, path = self.holder(entry.path)
             spec = array_spec(loc.child(path), entry)
             spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
@@ -235,7 +220,7 @@ class CheckpointReader(Reader):
         """
         if entry.path in self._chunks_ok or self._v5(entry):
             return  # v5: each read's answer is checked (length, checksum) instead
-        self._check_held(entry)
+        self.refs.check_held(entry)
         found = self._chunk_keys(entry)
         grid = grid_shape(entry.shape, entry.chunks)
         if (
@@ -247,8 +232,9 @@ class CheckpointReader(Reader):
                     raise CorruptChunkError(
                         f"Key {entry.key!r}: chunk ({','.join(map(str, idx))}) of {entry.path} in "
                         f"{self.loc} is missing ({len(found)} of {math.prod(grid)} declared chunks "
-                        f"found){self._held_by(entry.path)}. The checkpoint is damaged: restore "
-                        f"an earlier one; `jaxckpt verify PATH` reports every damaged array."
+                        f"found){self.refs.why_missing(entry.path)}. The checkpoint is damaged: "
+                        f"restore an earlier one; `jaxckpt verify PATH` reports every damaged "
+                        f"array."
                     )
         # Local: sizes, cheap here. A compressed chunk's size is not known before it is read;
         # tensorstore checks that it decodes to exactly the chunk's bytes.
@@ -295,42 +281,9 @@ class CheckpointReader(Reader):
                         found[name] = e
         return found
 
-    def _check_held(self, entry: ArrayEntry) -> None:
-        """A referenced array is read only while its holder keeps it for this step (its
-        held-by marker names it): never another save's array at the same path."""
-        if not self._marked or entry.path not in self.refs:
-            return
-        loc, path = self.holder(entry.path)
-        held = self._held.get(str(loc))
-        if held is None:
-            started = self._markers.pop(str(loc), None)
-            held = started() if started is not None else holds.held_for(loc, self.loc.name)
-            self._held[str(loc)] = held
-        if path not in held:
-            raise CorruptChunkError(
-                f"Key {entry.key!r}: this incremental step references {path} in {loc}, which no "
-                f"longer keeps it for this step (its held-by marker is gone: that step was "
-                f"deleted or replaced by hand). The checkpoint is damaged: restore an earlier "
-                f"one; `jaxckpt verify PATH` reports every damaged array."
-            )
-
-    def _held_by(self, path: str) -> str:
-        if path not in self.refs:
-            return ""
-        loc, _ = self.holder(path)
-        return (
-            f"; this incremental step references that array in {loc}, whose data is gone "
-            f"(deleted by hand? retention never deletes what a kept step references)"
-        )
-
     def holder(self, path: str) -> tuple[Location, str]:
-        """Where the array at storage ``path`` lives: this checkpoint, or the sibling step an
-        incremental step references (``../STEP/arrays/NAME``), and its path there."""
-        ref = self.refs.get(path)
-        if ref is None:
-            return self.loc, path
-        _, step, rest = ref.split("/", 2)
-        return self.loc.sibling(step), rest
+        """Where the array at storage ``path`` lives (:meth:`holds.References.holder`)."""
+        return self.refs.holder(path)
 
     def _object_chunks(self, loc: Location) -> dict[str, set[str]]:
         """Object stores: chunk keys by array path, from one listing of the checkpoint (or of
