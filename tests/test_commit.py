@@ -110,11 +110,11 @@ def test_two_threads_one_commits_s3(s3, prefix):  # noqa: F811
         path = f"s3://{BUCKET}/{prefix}/ck{r}"
         check_one_winner(path, race(path, use_async=False))
         settle()  # the winner's clean-up runs after its commit, in the background
-        found = keys(s3, f"{prefix}/ck{r}")  # the winner's arrays and manifest, nothing else
+        found = keys(s3, f"{prefix}/ck{r}")  # the winner's data and manifest, nothing else
         assert "manifest.json" in found, found
         gens = {re.match(r"(g[0-9a-f]{8}/)?", k)[0] for k in found if k != "manifest.json"}
         assert len(gens) == 1 and all(
-            re.fullmatch(r"(g[0-9a-f]{8}/)?arrays/(w|pack\.float32\.0)/.+", k)
+            re.fullmatch(r"(g[0-9a-f]{8}/)?(arrays/(w|pack\.float32\.0)/.+|data/0\.0)", k)
             for k in found
             if k != "manifest.json"
         ), found

@@ -45,12 +45,13 @@ def prefix(gcs) -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
-def unpacked() -> jaxckpt.DefaultSavePlanner:
-    return jaxckpt.DefaultSavePlanner(pack_bytes=0)
+def unpacked(layout: str = "auto") -> jaxckpt.DefaultSavePlanner:
+    return jaxckpt.DefaultSavePlanner(pack_bytes=0, layout=layout)
 
 
 def generations_of(keys: list[str]) -> set[str]:
-    """The top-level folders of a checkpoint's keys: ``arrays`` or ``gXXXXXXXX``."""
+    """The top-level folders of a checkpoint's keys: ``arrays`` (a file per chunk), ``data``
+    (format v5's data objects) or ``gXXXXXXXX``."""
     return {k.split("/")[0] for k in keys if k != "manifest.json"}
 
 
@@ -161,19 +162,23 @@ def test_save_async_packs_small_leaves(gcs, prefix):
     tree = {f"x{i}": np.full(3, i, np.float32) for i in range(20)} | {"w": np.arange(5.0)}
     handle = jaxckpt.save_async(url, tree)
     handle.wait()
+    settle()  # its lease (writer.json) goes after the commit, in the background
     found = gcs.keys(prefix)
-    packs = {k.split("/")[1] for k in found if k.startswith("arrays/")}
-    assert packs == {"pack.float32.0", "pack.float64.0"}, found  # 21 leaves, two arrays
+    assert found == ["data/0.0", "manifest.json"], found  # the default: records in data objects
+    owners = json.loads(gcs.get(f"{prefix}/manifest.json"))["objects"]["owners"]
+    packs = {k.split("/")[1] for k in owners}
+    assert packs == {"pack.float32.0", "pack.float64.0"}, owners  # 21 leaves, two arrays
     assert_tree_equal(jaxckpt.restore(url), tree)
 
 
 def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
-    """115 arrays of 8 chunks: 1,035 objects, two listing pages. The overwrite commits only once
-    its own arrays are all there, and the old checkpoint is whole until then."""
+    """115 arrays of 8 chunks as a file per chunk: 1,035 objects, two listing pages. The
+    overwrite commits only once its own arrays are all there, and the old checkpoint is whole
+    until then."""
     url = f"gs://{BUCKET}/{prefix}"
     m = mesh((8,), ("d",))
     tree = {f"a{i:03d}": put(np.full(64, i, np.float32), m, "d") for i in range(115)}
-    jaxckpt.save(url, tree, planner=unpacked())
+    jaxckpt.save(url, tree, planner=unpacked("chunks"))
     settle()  # its lease (writer.json) goes after the commit, in the background
     old = gcs.keys(prefix)
     assert len(old) == 115 * 9 + 1 and generations_of(old) == {"arrays"}
@@ -189,7 +194,7 @@ def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
     gcs.fault = commit_seen
     seen_before = len(gcs.proxy.seen)
     new = {k: v + 1 for k, v in tree.items()}
-    jaxckpt.save(url, new, planner=unpacked(), overwrite=True)
+    jaxckpt.save(url, new, planner=unpacked("chunks"), overwrite=True)
     settle()  # the replaced generation goes in the background
     gcs.fault = None
     ((keys, manifest_then),) = at_commit
@@ -204,10 +209,12 @@ def test_more_than_1000_objects_saved_then_overwritten(gcs, prefix):
 
 
 def _is_data(r: Request) -> bool:
-    """A chunk's read or write, or a zarr.json written with them (its upload's name)."""
+    """A chunk's or a data object's read or write, or a zarr.json written with them (its
+    upload's name)."""
     name = r.path.split("?")[0] if r.method == "GET" else r.path
     return (
         "%2Fc%2F" in name
+        or "%2Fdata%2F" in name
         or name.endswith("%2Fc")
         or "%2Fc&" in name
         or (r.method == "POST" and "%2Fzarr.json" in r.path)
@@ -226,26 +233,34 @@ def _requests_of(gcs, call) -> list[Request]:
     return [r for r in gcs.proxy.log[start:] if r.start >= t and r.end <= end]
 
 
-def test_save_and_restore_wait_on_a_few_round_trips_whatever_the_leaf_count(gcs, prefix):
+@pytest.mark.parametrize("layout", ["chunks", "auto"])
+def test_save_and_restore_wait_on_a_few_round_trips_whatever_the_leaf_count(gcs, prefix, layout):
     """Issue 52: a save waits on at most 3 round trips besides its data: 2 to an empty prefix
     (the manifest read, the listing and the lease together; the commit), 3 over a checkpoint
     (the lease of a fresh generation); a restore on 1 before its data (the manifest beside the
-    listing) and 1 after (the unchanged-check); the same for 4 leaves or 400. Counts of requests
-    that waited one on another (a latency on the link keeps them apart), never times."""
+    listing) and 1 after (the unchanged-check; none with the default's data objects, named
+    for their save); the same for 4 leaves or 400. Counts of requests that waited one on
+    another (a latency on the link keeps them apart), never times."""
     gcs.proxy.shaping = Shaping(latency=0.05)
     m = mesh((4, 2), ("data", "model"))
+    planner = functools.partial(jaxckpt.DefaultSavePlanner, layout=layout)
+    chunks = layout == "chunks"
     for n in (4, 400):
         tree = {"w": put(jnp.ones((1024, 512)), m, "data", "model")}  # 2 MiB: not packed
         tree |= {f"s{i:03d}": np.full(3, i, np.float32) for i in range(n)}
         run = f"gs://{BUCKET}/{prefix}/{n}"
-        jaxckpt.save(f"{run}/warm", tree)  # plans cached; the store's one check (see generations)
+        # plans cached; the store's one check (see generations)
+        jaxckpt.save(f"{run}/warm", tree, planner=planner())
         url = f"{run}/ck"
-        saved = _requests_of(gcs, functools.partial(jaxckpt.save, url, tree))
+        saved = _requests_of(gcs, functools.partial(jaxckpt.save, url, tree, planner=planner()))
         waited = sequential_round_trips([r for r in saved if not _is_data(r)])
         assert len(waited) == 2, [(r.method, r.path) for r in waited]
         data = [r for r in saved if _is_data(r)]
-        assert len(data) == 8 + 1 + 2, [r.path for r in data]  # w's 8 chunks, 1 pack; 2 zarr.json
-        again = _requests_of(gcs, functools.partial(jaxckpt.save, url, tree, overwrite=True))
+        # w's 8 chunks, 1 pack; 2 zarr.json. Data objects: 1 (2 MiB, below 4 MiB an object)
+        assert len(data) == (8 + 1 + 2 if chunks else 1), [r.path for r in data]
+        again = _requests_of(
+            gcs, functools.partial(jaxckpt.save, url, tree, overwrite=True, planner=planner())
+        )
         waited = sequential_round_trips([r for r in again if not _is_data(r)])
         assert len(waited) == 3, [(r.method, r.path) for r in waited]
         got: list = []
@@ -253,8 +268,8 @@ def test_save_and_restore_wait_on_a_few_round_trips_whatever_the_leaf_count(gcs,
         first_data = min(r.start for r in read if _is_data(r))
         before = sequential_round_trips([r for r in read if r.end <= first_data])
         assert len(before) == 1, [(r.method, r.path) for r in before]
-        assert len(sequential_round_trips([r for r in read if not _is_data(r)])) == 2
-        assert len([r for r in read if _is_data(r)]) == 8 + 1
+        assert len(sequential_round_trips([r for r in read if not _is_data(r)])) == 1 + chunks
+        assert len([r for r in read if _is_data(r)]) == 8 + 1  # a read per box of w, 1 pack
         assert_tree_equal(got[-1], tree)
 
 
@@ -315,7 +330,7 @@ def test_a_stalled_server_fails_within_the_deadline_and_names_it(gcs, prefix, mo
     stalled = []
 
     def rule(method: str, path: str):  # once the arrays' data flows: accepted, never answered
-        stalled.extend([True] if method == "POST" and "%2Fc%2F" in path else [])
+        stalled.extend([True] if method == "POST" and "%2Fdata%2F" in path else [])
         return "hold" if stalled else None
 
     gcs.fault = rule
@@ -323,7 +338,7 @@ def test_a_stalled_server_fails_within_the_deadline_and_names_it(gcs, prefix, mo
     with pytest.raises(jaxckpt.CheckpointError, match="did not finish within") as e:
         new = {k: v + 1 for k, v in tree.items()}
         jaxckpt.save_async(url, new, overwrite=True, planner=unpacked()).wait()
-    assert stalled  # it stalled in the middle of the writes, 40 arrays in flight
+    assert stalled  # it stalled in the middle of the writes, its data objects in flight
     assert time.monotonic() - t < 10 * DEADLINE
     said = str(e.value)
     assert url in said and f"{gcs.url} is not answering" in said, said
@@ -343,12 +358,13 @@ def test_a_save_busier_than_the_deadline_keeps_its_heartbeat(gcs, prefix, monkey
     requests and miss the deadline, which would fail a healthy save as if the server stalled."""
     monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", "2")
     monkeypatch.setattr(lease, "BEAT_S", 0.2)
-    # 500 requests (a zarr.json and a chunk per array), 64 at a time, each 0.5 s: ~4 s in all.
+    # 500 requests (a zarr.json and a chunk per array, a file per chunk), 64 at a time, each
+    # 0.5 s: ~4 s in all.
     gcs.proxy.shaping = Shaping(latency=0.5)
     tree = {f"a{i:03d}": np.full(4, i, np.float32) for i in range(250)}
     url = f"gs://{BUCKET}/{prefix}"
     t = time.monotonic()
-    jaxckpt.save(url, tree, planner=unpacked())
+    jaxckpt.save(url, tree, planner=unpacked("chunks"))
     log = [r for r in gcs.proxy.log if r.start >= t]
     beats = [r for r in log if r.method == "POST" and "writer.json" in urllib.parse.unquote(r.path)]
     assert len(beats) >= 3, [r.path for r in beats]  # it beat while the data was written

@@ -14,9 +14,11 @@ import pytest
 from test_s3 import BUCKET, prefix, s3  # noqa: F401  (fixtures: the moto server)
 
 import jaxckpt
+from jaxckpt._runtime.pools import settle
 
 LEAVES = 64
 UNPACKED = jaxckpt.DefaultSavePlanner(pack_bytes=0)
+CHUNK_FILES = jaxckpt.DefaultSavePlanner(pack_bytes=0, layout="chunks")
 
 
 def state(g: int) -> dict:
@@ -26,32 +28,44 @@ def state(g: int) -> dict:
 class OverwriteMidway(jaxckpt.DefaultLoadPlanner):
     """Overwrites the checkpoint with generation 1 once the first box has been read.
 
-    One box read ahead at a time, so every later box is read after the overwrite.
+    One box read ahead at a time, so every later box is read after the overwrite. With
+    ``settled``, the overwrite's clean-up has deleted the replaced save's objects by then.
+    Data objects' reads keep half the host budget in flight (``_api/restoring.py``): a budget
+    of 4 boxes reads 2 ahead there.
     """
 
     read_ahead_bytes = 1
 
-    def __init__(self, path) -> None:
-        super().__init__()
+    def __init__(self, path, planner=UNPACKED, settled=False) -> None:
+        super().__init__(max_host_bytes=4 * 16384 * 4)
+        self.read_ahead_bytes = 1
         self.path, self.done = path, False
+        self.planner, self.settled = planner, settled
 
     def commit_tensor(self, item, array):
         if not self.done:
             self.done = True
-            jaxckpt.save(self.path, state(1), overwrite=True, planner=UNPACKED)
+            jaxckpt.save(self.path, state(1), overwrite=True, planner=self.planner)
+            if self.settled:
+                settle()
         super().commit_tensor(item, array)
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", "s3-chunks", "s3"])
 def test_overwrite_during_restore_raises_changed(tmp_path, where, request):
+    """Local and an object per chunk: the unchanged-check after the reads sees the new
+    manifest. Data objects (the default on object stores) are named for their save, so a
+    read that answered is its own save's; once the overwrite's clean-up has deleted them,
+    the next read fails and the check names the overwrite as the cause."""
     path = (
         tmp_path / "c" if where == "local" else f"s3://{BUCKET}/{request.getfixturevalue('prefix')}"
     )
-    jaxckpt.save(path, state(0), planner=UNPACKED)
+    planner = CHUNK_FILES if where == "s3-chunks" else UNPACKED
+    jaxckpt.save(path, state(0), planner=planner)
     with pytest.raises(
         jaxckpt.CheckpointChangedError, match=r"replaced .* while it was being read.*Retry"
     ):
-        jaxckpt.restore(path, planner=OverwriteMidway(path))
+        jaxckpt.restore(path, planner=OverwriteMidway(path, planner, settled=where == "s3"))
     back = jaxckpt.restore(path)  # the retry reads the new generation whole
     assert all((a == 1).all() for a in back.values())
 

@@ -411,7 +411,7 @@ def test_s3_retention_deletes_nothing_when_a_kept_manifest_cannot_be_read(
 
 def test_s3_verify_reports_referenced_data_removed_by_hand(s3, prefix, capsys):  # noqa: F811
     run = f"s3://{BUCKET}/{prefix}"
-    jaxckpt.save(f"{run}/1", state(1))
+    jaxckpt.save(f"{run}/1", state(1), digests=True)  # an object per chunk: referable
     jaxckpt.save(f"{run}/2", state(2), base=f"{run}/1")
     for k in keys(s3, prefix):
         if k.startswith("1/"):
@@ -426,7 +426,7 @@ def test_s3_verify_reports_referenced_data_removed_by_hand(s3, prefix, capsys): 
 
 
 def test_local_copy_of_an_object_store_step_says_what_to_do(tmp_path):
-    jaxckpt.save("memory://inc/1", state(1))
+    jaxckpt.save("memory://inc/1", state(1), digests=True)  # an object per chunk: referable
     jaxckpt.save("memory://inc/2", state(2), base="memory://inc/1")
     raw = jaxckpt.metadata("memory://inc/2")
     assert raw.refs
@@ -434,6 +434,28 @@ def test_local_copy_of_an_object_store_step_says_what_to_do(tmp_path):
     (tmp_path / "2" / "manifest.json").write_bytes(raw.to_json())
     with pytest.raises(jaxckpt.ManifestError, match="incremental step saved on an object store"):
         jaxckpt.restore(tmp_path / "2")
+
+
+@pytest.mark.parametrize("digests", [False, True])
+def test_a_base_in_data_objects_is_written_again_then_reused(digests):
+    """A plain save on an object store writes format v5's data objects (the default): an
+    incremental save against it works, and writes every array again (records are neither
+    linked nor referenced), as an object per chunk with its digests, so the step after it
+    references its unchanged arrays as usual."""
+    run = f"memory://v5base-{digests}"
+    jaxckpt.save(f"{run}/1", state(1))
+    assert jaxckpt.metadata(f"{run}/1").version == 5
+    first = jaxckpt.save_async(f"{run}/2", state(2), base=f"{run}/1", digests=digests)
+    first.wait()
+    step2 = jaxckpt.metadata(f"{run}/2")
+    assert first.reused_bytes == 0 and not step2.refs and step2.version < 5
+    assert_tree_equal(jaxckpt.restore(f"{run}/2"), jax.device_get(state(2)))
+    second = jaxckpt.save_async(f"{run}/3", state(3), base=f"{run}/2")
+    second.wait()
+    assert second.reused_bytes >= FROZEN.nbytes
+    assert jaxckpt.metadata(f"{run}/3").refs["arrays/base"] == "../2/arrays/base"
+    assert_tree_equal(jaxckpt.restore(f"{run}/3"), jax.device_get(state(3)))
+    assert_tree_equal(jaxckpt.restore(f"{run}/1"), jax.device_get(state(1)))
 
 
 def test_hashing_happens_after_staging(tmp_path):
@@ -457,7 +479,7 @@ def test_an_older_reader_refuses_a_v3_step():
         "except m.ManifestError as e:\n"
         "    print(e)\n"
     )
-    jaxckpt.save("memory://v3/1", state(1))
+    jaxckpt.save("memory://v3/1", state(1), digests=True)  # an object per chunk: referable
     jaxckpt.save("memory://v3/2", state(2), base="memory://v3/1")
     raw = jaxckpt.metadata("memory://v3/2").to_json()
     r = subprocess.run(

@@ -309,13 +309,14 @@ class CheckpointModel(RuleBasedStateMachine):
         overwrite=st.booleans(),
         use_async=st.booleans(),
         base=st.sampled_from([None, "a", "b", "c"]),
-        objects=st.booleans(),
+        layout=st.sampled_from(["auto", "chunks", "objects"]),
     )
-    def plain_save(self, name, v, overwrite, use_async, base, objects):
+    def plain_save(self, name, v, overwrite, use_async, base, layout):
         STATS["plain_save"] += 1
-        # Format v5's data objects (object stores; a file per chunk elsewhere, and with a base)
-        planner = jaxckpt.DefaultSavePlanner(layout="objects", object_bytes=64 << 10)
-        kw = {"planner": planner} if objects else {}
+        # The default ("auto"): format v5's data objects on object stores, a file per chunk
+        # elsewhere and with a base (whose own layout may be either); "objects" in small ones.
+        planner = jaxckpt.DefaultSavePlanner(layout=layout, object_bytes=64 << 10)
+        kw = {"planner": planner} if layout != "auto" else {}
         path = f"{self.base}/plain/{name}"
         base_path = None if base is None or base not in self.plain else f"{self.base}/plain/{base}"
         if base_path is not None and base in self.plain_broken:

@@ -3,8 +3,10 @@
 ``store`` gives a fresh URL prefix in the store's bucket, the test's own hands on its bytes
 (list, get, put) below jaxckpt, and the store's fault hooks (``hold_commit``). What only one
 store has (its URLs' options, its emulator's proxy, the rules of its fault hooks, its error
-messages) stays in tests/test_s3.py and tests/test_gcs.py. Saves here store one zarr array
-per leaf (``one_array_per_leaf``): the scenarios look at an array's own chunk files.
+messages) stays in tests/test_s3.py and tests/test_gcs.py. Saves here store one array per
+leaf (``one_array_per_leaf``), in the default layout of object stores: each process's chunks as
+records in a few data objects (format v5, ``data/P.K``); a scenario about chunk files says
+``layout="chunks"``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from test_s3 import BUCKET, FailingPlanner, jax_to_numpy, keys, s3, state  # noq
 
 import jaxckpt
 from jaxckpt._cli.main import main
+from jaxckpt._format.manifest import Manifest, storage_entries
+from jaxckpt._format.objects import table
 from jaxckpt._runtime.pools import settle
 from jaxckpt._storage import catalog
 from jaxckpt._storage.location import Location
@@ -81,10 +85,11 @@ def test_save_restore_onto_another_mesh(store):
     url = f"{store.url}/ckpt"
     tree = state()
     jaxckpt.save(url, tree)
+    settle()  # its lease (writer.json) goes after the commit, in the background
     found = store.keys(f"{store.prefix}/ckpt")
-    assert "manifest.json" in found and "arrays/w/c/3/1" in found, found
-    assert any(k.startswith("arrays/w/c/") for k in found)
-    assert json.loads(store.get(f"{store.prefix}/ckpt/manifest.json"))  # a real object, JSON
+    assert found == ["data/0.0", "manifest.json"], found  # the default: one data object here
+    doc = json.loads(store.get(f"{store.prefix}/ckpt/manifest.json"))  # a real object, JSON
+    assert doc["version"] == 5 and doc["objects"]["processes"] == 1
     assert_tree_equal(jaxckpt.restore(url), jax_to_numpy(tree))
     other = mesh((2, 2), ("a", "b"))
     target = {"w": put(jnp.zeros((8, 8)), other, "b", "a"), "b": None, "step": None}
@@ -96,16 +101,18 @@ def test_save_restore_onto_another_mesh(store):
 
 def test_compressed_chunks_round_trip_and_overwrite_raw_ones(store):
     """Compression on object stores (issue 52.4): fewer bytes in the store, the same values,
-    in a fresh prefix and over a raw checkpoint; the raw one's objects go after the commit."""
+    in a fresh prefix and over a raw checkpoint (the default's data object: w's one chunk and
+    b's); the raw one's objects go after the commit. A compressed save keeps a file per chunk."""
     url = f"{store.url}/z"
     tree = {"w": np.zeros((256, 256), np.float32), "b": np.arange(8.0), "step": 1}
     jaxckpt.save(url, tree)
-    raw = len(store.get(f"{store.prefix}/z/arrays/w/c/0/0"))
+    raw = len(store.get(f"{store.prefix}/z/data/0.0"))
+    assert raw > 256 * 256 * 4
     jaxckpt.save(url, {**tree, "step": 2}, overwrite=True, compression="zstd")
     settle()
     (gen,) = generations_of(store.keys(f"{store.prefix}/z"))
     assert len(store.get(f"{store.prefix}/z/{gen}/arrays/w/c/0/0")) < raw // 100  # zeros
-    assert not any(k.startswith("arrays/") for k in store.keys(f"{store.prefix}/z"))
+    assert not any(k.startswith("data/") for k in store.keys(f"{store.prefix}/z"))
     assert_tree_equal(jaxckpt.restore(url), {**tree, "step": 2})
     assert jaxckpt.metadata(url).entries["w"].codec == "zstd"
 
@@ -136,7 +143,7 @@ def test_cli(store, capsys):
     jaxckpt.save(f"{run}/000002", state(2.0))
     with pytest.raises(RuntimeError):
         jaxckpt.save(f"{run}/000020", state(), planner=FailingPlanner("b"))
-    store.put(f"{store.prefix}/run/000020/arrays/b/zarr.json", b"{}")  # what a crash leaves
+    store.put(f"{store.prefix}/run/000020/data/0.0", b"\0" * 64)  # what a crash leaves
     capsys.readouterr()
     assert main(["ls", run]) == 0
     rows = [line.split()[:7] for line in capsys.readouterr().out.splitlines()[1:-1]]
@@ -148,16 +155,29 @@ def test_cli(store, capsys):
     assert main(["inspect", f"{run}/000010"]) == 0
     assert "float32[8,8]  chunks 4x2 of [2,4]" in capsys.readouterr().out
     assert main(["verify", f"{run}/000010"]) == 0
-    chunk = f"{store.prefix}/run/000010/arrays/w/c/1/1"
-    body = bytearray(store.get(chunk))
-    body[0] ^= 1
-    store.put(chunk, bytes(body))
+    name, offset = record(store, f"{store.prefix}/run/000010", "w", (1, 1))
+    body = bytearray(store.get(f"{store.prefix}/run/000010/{name}"))
+    body[offset] ^= 1
+    store.put(f"{store.prefix}/run/000010/{name}", bytes(body))
     capsys.readouterr()
     assert main(["verify", f"{run}/000010"]) == 1
-    assert "DAMAGED w chunk (1,1) at arrays/w/c/1/1: fails its checksum" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "DAMAGED w chunk (1,1) in data object data/0.0: fails its checksum" in said, said
     assert main(["inspect", f"{run}/000020"]) == 2
     said = capsys.readouterr().err
     assert f"No checkpoint at {run}/000020" in said and "unfinished or failed save" in said
+
+
+def record(store: Store, prefix: str, key: str, idx: tuple[int, ...]) -> tuple[str, int]:
+    """The data object holding chunk ``idx`` of ``key``'s record in the v5 checkpoint at
+    ``prefix``, and the record's first byte there."""
+    m = Manifest.from_json(store.get(f"{prefix}/manifest.json"))
+    stored = {e.path: e for e in storage_entries(m).values()}
+    where = table(m.objects, stored)
+    entry = m.entries[key]
+    objs, offsets, _ = where.where[entry.path]
+    flat = int(np.ravel_multi_index(idx, entry.grid))
+    return where.names[objs[flat]], int(offsets[flat])
 
 
 def test_delete_removes_a_checkpoint_and_refuses_a_parent(store):
@@ -216,4 +236,4 @@ def test_a_manifest_that_would_not_read_back_is_never_committed(store):
         jaxckpt.save(store.url, state(2.0), overwrite=True, planner=UnreadableManifest())
     settle()
     assert_tree_equal(jaxckpt.restore(store.url), jax_to_numpy(state()))
-    assert generations_of(store.keys(store.prefix)) == {"arrays"}  # the failed save's went
+    assert generations_of(store.keys(store.prefix)) == {"data"}  # the failed save's went

@@ -2,7 +2,9 @@
 
 On S3 (moto) and GCS (fake-gcs-server) through the shared ``store`` fixture, and on
 ``memory://`` for what does not need a server (hostile manifests). Saves use
-``DefaultSavePlanner(layout="objects")``; every other save keeps a file per chunk.
+``DefaultSavePlanner(layout="objects")`` with small objects; the default (``"auto"``) writes
+the same layout on object stores, and a file per chunk on local disks and for compressed or
+incremental saves, as ``layout="chunks"`` does everywhere.
 """
 
 from __future__ import annotations
@@ -160,12 +162,22 @@ def test_huge_shapes_are_refused_before_any_table():
         jaxckpt.restore(url)
 
 
-def test_the_default_and_local_disks_keep_a_file_per_chunk(tmp_path):
+def test_local_disks_and_layout_chunks_keep_a_file_per_chunk(tmp_path):
     tree = many_arrays(1)
-    jaxckpt.save(tmp_path / "c", tree, planner=planner())
-    assert json.loads((tmp_path / "c/manifest.json").read_text())["version"] < 5
-    assert (tmp_path / "c/arrays/w0/c/0/0").exists()
-    assert_tree_equal(jaxckpt.restore(tmp_path / "c"), host(tree))
+    default = jaxckpt.DefaultSavePlanner(pack_bytes=0, max_chunk_bytes=256)  # layout "auto"
+    for p in (default, planner()):  # the default, and objects asked for
+        jaxckpt.save(tmp_path / "c", tree, overwrite=True, planner=p)
+        assert json.loads((tmp_path / "c/manifest.json").read_text())["version"] < 5
+        assert (tmp_path / "c/arrays/w0/c/0/0").exists()
+        assert_tree_equal(jaxckpt.restore(tmp_path / "c"), host(tree))
+    url = f"memory://chunks-{uuid.uuid4().hex}"
+    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(layout="chunks"))
+    assert jaxckpt.metadata(url).version < 5
+    jaxckpt.save(f"{url}-default", tree)
+    assert jaxckpt.metadata(f"{url}-default").version == 5
+    for kw in ({"compression": "zstd"}, {"digests": True}):  # never in data objects
+        jaxckpt.save(f"{url}-{next(iter(kw))}", tree, **kw)
+        assert jaxckpt.metadata(f"{url}-{next(iter(kw))}").version < 5
     with pytest.raises(jaxckpt.InvalidArgumentError, match="layout"):
         jaxckpt.DefaultSavePlanner(layout="records")
 

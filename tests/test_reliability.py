@@ -105,7 +105,9 @@ def _host(tree: dict) -> dict:
 
 def _overwrite_a_base(root: str) -> None:
     t1, t2 = _frozen_and_moving(1.0), _frozen_and_moving(2.0)
-    jaxckpt.save(f"{root}/1", t1)
+    # with digests: an object per chunk, which 2 references (a plain save's data objects are
+    # not referenced); the overwrites of 1 are plain saves
+    jaxckpt.save(f"{root}/1", t1, digests=True)
     jaxckpt.save(f"{root}/2", t1, base=f"{root}/1")
     jaxckpt.save(f"{root}/1", t2, overwrite=True)
     assert_tree_equal(jaxckpt.restore(f"{root}/2"), _host(t1))
@@ -129,7 +131,7 @@ def test_overwriting_a_base_on_s3_leaves_only_what_is_referenced(s3):  # noqa: F
     prefix = f"rel-{uuid.uuid4().hex[:8]}"
     root = f"s3://{BUCKET}/{prefix}"
     t1, t2 = _frozen_and_moving(1.0), _frozen_and_moving(2.0)
-    jaxckpt.save(f"{root}/1", t1)
+    jaxckpt.save(f"{root}/1", t1, digests=True)  # an object per chunk: referable
     jaxckpt.save(f"{root}/2", _frozen_and_moving(1.5), base=f"{root}/1")  # w changed
     assert "held-by/2" in keys(s3, f"{prefix}/1")
     jaxckpt.save(f"{root}/1", t2, overwrite=True)

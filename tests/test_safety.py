@@ -234,9 +234,11 @@ def test_declared_but_absent_chunks_are_an_error_not_an_allocation(tmp_path, sha
 
 
 def test_object_store_restores_list_nothing_and_name_the_missing_chunk():
-    # No listing: the reads' own answers (a missing chunk is an error, never fill values).
+    # No listing: the reads' own answers (a missing chunk is an error, never fill values). An
+    # object per chunk; data objects' records are checked in tests/test_objects.py.
     url = "memory://safety-listing/c"
-    jaxckpt.save(url, {"w": np.ones(1, np.float32), "c": {"c": np.ones(2)}}, planner=_UNPACKED)
+    chunks = jaxckpt.DefaultSavePlanner(pack_bytes=0, layout="chunks")
+    jaxckpt.save(url, {"w": np.ones(1, np.float32), "c": {"c": np.ones(2)}}, planner=chunks)
     assert jaxckpt.restore(url)["c"]["c"].shape == (2,)  # an array named c: keys c/c/...
     kv = kvstore(Location(url).kvstore)
     m = json.loads(kv.read("manifest.json").result().value)
@@ -254,7 +256,8 @@ _LIMITED_OBJECTS = textwrap.dedent(
     import jaxckpt
     from jaxckpt._storage.location import Location, kvstore
     url = "memory://safety-alloc/c"
-    jaxckpt.save(url, {"w": np.zeros(4, np.float32)}, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
+    chunks = jaxckpt.DefaultSavePlanner(pack_bytes=0, layout="chunks")  # an object per chunk
+    jaxckpt.save(url, {"w": np.zeros(4, np.float32)}, planner=chunks)
     kv = kvstore(Location(url).kvstore)
     m = json.loads(kv.read("manifest.json").result().value)
     m["entries"]["w"].update(shape=[2**34], chunks=[2**18])  # 64 GiB in 65,536 chunks

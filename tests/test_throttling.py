@@ -34,15 +34,19 @@ def _tree(n: int) -> dict:
     return {f"a{i:02d}": put(np.arange(64, dtype=np.float32) + i, m, "d") for i in range(n)}
 
 
-def test_a_throttled_save_and_restore_complete_exactly(gcs, prefix, monkeypatch):
-    # 24 arrays of 8 chunks (~220 requests) against 60 requests/s: most are told to wait.
+@pytest.mark.parametrize(("layout", "rate"), [("chunks", 60), ("auto", 10)])
+def test_a_throttled_save_and_restore_complete_exactly(gcs, prefix, monkeypatch, layout, rate):
+    # 24 arrays of 8 chunks: ~220 requests as an object per chunk against 60 requests/s; as
+    # data objects of at most 256 bytes (7 records each), ~28 objects written, then read,
+    # against 10 requests/s: most are told to wait.
     monkeypatch.setenv("JAXCKPT_IO_TIMEOUT", "4")  # shorter than the throttling lasts
     tree = _tree(24)
     url = f"gs://{BUCKET}/{prefix}/ck"
-    throttle = Throttle(rate=60, retry_after=1.0)
+    throttle = Throttle(rate=rate, retry_after=1.0)
     gcs.fault = throttle
-    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
-    assert_tree_equal(jaxckpt.restore(url), jax_to_host(tree))
+    planner = jaxckpt.DefaultSavePlanner(pack_bytes=0, layout=layout, object_bytes=256)
+    jaxckpt.save(url, tree, planner=planner)
+    assert_tree_equal(jax_to_host(jaxckpt.restore(url, tree)), jax_to_host(tree))
     gcs.fault = None
     settle()
     assert throttle.throttled > 20, throttle.throttled
@@ -58,8 +62,13 @@ def _name(path: str) -> str:
     return query.get("name", "")
 
 
-@pytest.mark.parametrize("lost", ["manifest.json", "zarr.json", "writer.json"])
-def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_this_saves(gcs, prefix, lost):
+@pytest.mark.parametrize(
+    ("lost", "layout"),
+    [("manifest.json", "auto"), ("writer.json", "auto"), ("zarr.json", "chunks")],
+)
+def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_this_saves(
+    gcs, prefix, lost, layout
+):
     # The first create-if-absent of `lost` lands, its answer does not; tensorstore retries it
     # and the retry is refused (412): the save reads it back and finds its own bytes.
     dropped: list[str] = []
@@ -75,7 +84,7 @@ def test_a_conditional_write_whose_answer_was_lost_is_recognised_as_this_saves(g
     tree = _tree(2)
     url = f"gs://{BUCKET}/{prefix}/ck"
     gcs.fault = fault
-    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
+    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0, layout=layout))
     gcs.fault = None
     assert dropped, "the write was never seen"
     assert_tree_equal(jaxckpt.restore(url), jax_to_host(tree))
@@ -112,19 +121,23 @@ def test_a_commit_throttled_longer_than_the_deadline_still_commits(gcs, prefix, 
     assert_tree_equal(jaxckpt.restore(url), jax_to_host(tree))
 
 
-def test_a_chunk_write_that_fails_once_is_retried(gcs, prefix):
+@pytest.mark.parametrize("layout", ["chunks", "auto"])
+def test_a_chunk_write_that_fails_once_is_retried(gcs, prefix, layout):
+    """A chunk's object (``layout="chunks"``) or a data object (the default) answered 503
+    once: written again, the save completes."""
     failed: list[str] = []
 
     def fault(method: str, path: str):
-        if method == "POST" and "/c/" in _name(path) and not failed:
-            failed.append(_name(path))
+        name = _name(path)
+        if method == "POST" and ("/c/" in name or "/data/" in name) and not failed:
+            failed.append(name)
             return 503
         return None
 
     tree = _tree(2)
     url = f"gs://{BUCKET}/{prefix}/ck"
     gcs.fault = fault
-    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
+    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0, layout=layout))
     gcs.fault = None
-    assert failed
+    assert failed and ("/data/" in failed[0]) == (layout == "auto"), failed
     assert_tree_equal(jaxckpt.restore(url), jax_to_host(tree))

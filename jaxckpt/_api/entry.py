@@ -335,9 +335,11 @@ def _open_writer(
 
 def _with_objects(plan: GlobalSavePlan, count: int, planner: Any, plain: bool) -> GlobalSavePlan:
     """``plan`` with format v5's data objects (who writes each chunk, from its array plans)
-    where the planner asks for them and the save is ``plain`` (an object store, not
-    compressed, not incremental); else ``plan``."""
-    if not plain or getattr(planner, "layout", "chunks") != "objects":
+    where the save is ``plain`` (an object store, not compressed, not incremental) and the
+    planner does not ask for ``layout="chunks"`` (``DefaultSavePlanner``'s default, ``"auto"``,
+    writes them there); else ``plan``. A planner without ``layout`` (a ``SavePlanner`` of
+    one's own) keeps a file per chunk."""
+    if not plain or getattr(planner, "layout", "chunks") not in ("auto", "objects"):
         return plan
     rows = ((a.entry, a.offsets, a.process) for a in plan.arrays)
     objects = _objects.from_plans(rows, count, planner.object_bytes)

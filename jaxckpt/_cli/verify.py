@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import numpy as np
 import tensorstore as ts
 
 from jaxckpt._cli.text import human_bytes, json_text, one_line, plural, progress_arg
@@ -17,6 +18,7 @@ from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.dtypes import dtype_from_name
 from jaxckpt._format.grid import chunk_key, grid_indices
 from jaxckpt._format.manifest import ArrayEntry, storage_entries
+from jaxckpt._format.objects import Table, table
 from jaxckpt._format.plan import ReadItem
 from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._runtime.progress import Progress
@@ -57,6 +59,7 @@ def run_verify(args: argparse.Namespace) -> int:
     checked = [e for e in stored.values() if e.key not in missing]
     n_jobs = sum(math.prod(e.grid) for e in checked)
     jobs = ((e, idx, item) for e in checked for idx, item in _chunk_items(e))  # lazily
+    records = None if m.objects is None else table(m.objects, {e.path: e for e in checked})
     progress = Progress("verify", sum(e.nbytes for e in checked), progress_arg(args.progress))
 
     def check(job: tuple[ArrayEntry, tuple[int, ...], ReadItem]) -> str | None:
@@ -93,8 +96,8 @@ def run_verify(args: argparse.Namespace) -> int:
             progress.add(math.prod(job_item.sizes) * dtype_from_name(e.dtype).itemsize)
             if problem is not None:
                 chunk = ",".join(map(str, idx))
-                where = e.path if foreign else f"{_where(reader, e.path)}/{chunk_key(idx)}"
-                say(f"DAMAGED {_who(e, members)} chunk ({chunk}) at {where}: {problem}")
+                where = _place(reader, e, idx, foreign, records)
+                say(f"DAMAGED {_who(e, members)} chunk ({chunk}) {where}: {problem}")
                 for k in members.get(e.key, [e.key]):
                     damaged.setdefault(k, []).append(f"({chunk})" if k == e.key else e.path)
                 bad_chunks += 1
@@ -188,6 +191,19 @@ def _where(reader: Any, path: str) -> str:
     if loc is reader.loc:
         return path
     return f"{loc}/{held} (an array this incremental step references)"
+
+
+def _place(
+    reader: Any, e: ArrayEntry, idx: tuple[int, ...], foreign: bool, records: Table | None
+) -> str:
+    """Where chunk ``idx`` of ``e`` is stored, for a message: its file (``at PATH``), or its
+    record's data object in a format v5 checkpoint (``in data object data/P.K``)."""
+    if foreign:
+        return f"at {e.path}"
+    if records is not None and e.path in records.where:
+        flat = int(np.ravel_multi_index(idx, e.grid)) if idx else 0
+        return f"in data object {records.names[records.where[e.path][0][flat]]}"
+    return f"at {_where(reader, e.path)}/{chunk_key(idx)}"
 
 
 def _zarr_json_problem(loc: _location.Location, path: str, e: ArrayEntry) -> str | None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format.manifest import Manifest, storage_entries
-from jaxckpt._format.names import ARRAYS, MANIFEST
+from jaxckpt._format.names import ARRAYS, DATA, MANIFEST, is_own_key
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
 from jaxckpt._storage import objects as _objects
@@ -96,7 +96,7 @@ def _not_found(loc: _location.Location) -> CheckpointNotFoundError:
             f"{path} is a file, not a checkpoint: jaxckpt looked for {_LOOKED_FOR}. Pass the "
             f"folder a save wrote (or the .safetensors file)."
         )
-    if (path / ARRAYS).is_dir():
+    if (path / ARRAYS).is_dir() or (path / DATA).is_dir():
         return CheckpointNotFoundError(
             f"No checkpoint at {path}: {MANIFEST} is missing, so this is an unfinished or failed "
             f"save (a save writes its manifest last). Restore a committed checkpoint instead."
@@ -107,12 +107,17 @@ def _not_found(loc: _location.Location) -> CheckpointNotFoundError:
     )
 
 
+def _is_data_object(key: str) -> bool:
+    """Whether ``key`` is a format v5 data object (``data/P.K``, maybe in a generation)."""
+    return DATA in key.split("/")[:2] and is_own_key(key)
+
+
 def _not_found_in_store(loc: _location.Location) -> CheckpointNotFoundError:
     try:
         keys = _catalog.list_keys(loc)
     except CheckpointError as e:  # no such bucket, no access
         return CheckpointNotFoundError(f"No checkpoint at {loc}: {e}")
-    if any(_catalog.array_of(k) for k in keys):
+    if any(_catalog.array_of(k) or _is_data_object(k) for k in keys):
         return CheckpointNotFoundError(
             f"No checkpoint at {loc}: {MANIFEST} is missing, so this is an unfinished or failed "
             f"save (a save writes its manifest last). Restore a committed checkpoint instead."
