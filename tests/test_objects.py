@@ -182,6 +182,20 @@ def test_local_disks_and_layout_chunks_keep_a_file_per_chunk(tmp_path):
         jaxckpt.DefaultSavePlanner(layout="records")
 
 
+def test_zero_d_and_empty_arrays_in_data_objects():
+    """A 0-d array is one chunk (its one box's writer); an empty one has none."""
+    m = mesh((4, 2), ("data", "model"))
+    tree = {
+        "s": put(np.float32(3.5), m),
+        "e": np.zeros((0, 3), np.float32),
+        "w": put(jnp.arange(64.0).reshape(8, 8), m, "data", "model"),
+    }
+    url = f"memory://v5-0d-{uuid.uuid4().hex}"
+    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
+    assert jaxckpt.metadata(url).version == 5
+    assert_tree_equal(jaxckpt.restore(url), host(tree))
+
+
 def test_a_v5_checkpoint_copied_to_a_local_disk_reads(tmp_path):
     url = f"memory://v5-copy-{uuid.uuid4().hex}"
     tree = many_arrays(2)

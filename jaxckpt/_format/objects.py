@@ -87,7 +87,9 @@ def from_plans(
     for entry, offsets, process in plans:
         grid = grid_shape(entry.shape, entry.chunks)
         who = np.full(grid, -1, np.int64)
-        if len(offsets) and who.size:  # an empty array has no chunks
+        if len(offsets) and not grid:  # a 0-d array: one chunk, one box
+            who[()] = np.asarray(process, np.int64).reshape(-1)[0]
+        elif len(offsets) and who.size:  # an empty array has no chunks
             chunks = np.array(entry.chunks, np.int64)
             corner = np.asarray(offsets, np.int64).reshape(len(offsets), -1) // np.maximum(
                 chunks, 1
