@@ -39,10 +39,11 @@ def state(changed: int | None = None) -> dict[str, np.ndarray]:
 
 
 class KillAfter(jaxckpt.DefaultSavePlanner):
-    """SIGKILLs this process when asked for item ``n + 1``, once the first ``n`` have landed."""
+    """SIGKILLs this process when asked for item ``n + 1``, once the first ``n`` have landed.
+    An object per chunk (``layout="chunks"``): the layout whose failed saves resume."""
 
     def __init__(self, n: int) -> None:
-        super().__init__()
+        super().__init__(layout="chunks")
         self.n, self.asked = n, 0
 
     def resolve_data(self, item):

@@ -234,11 +234,17 @@ def _s3_counts() -> tuple[int, int]:
 
 @pytest.mark.usefixtures("s3")
 def test_s3_save_of_many_leaves_is_a_few_puts(tmp_path):
-    # 300 leaves: unpacked, two PUTs a leaf (what 2,000 show too, in a sixth of the time)
+    # 300 leaves: unpacked, two PUTs a leaf (what 2,000 show too, in a sixth of the time); an
+    # object per chunk, then the default's data objects
     url = f"s3://{BUCKET}/t-pack"
     tree = many(300)
     counts = {}
-    for name, planner in (("v1", jaxckpt.DefaultSavePlanner(pack_bytes=0)), ("packed", None)):
+    planners = {
+        "v1": jaxckpt.DefaultSavePlanner(pack_bytes=0, layout="chunks"),
+        "packed": jaxckpt.DefaultSavePlanner(layout="chunks"),
+        "default": None,
+    }
+    for name, planner in planners.items():
         before = _s3_counts()
         jaxckpt.save(f"{url}/{name}", tree, planner=planner)
         settle()  # the lease's delete runs after the commit, in the background
@@ -249,8 +255,10 @@ def test_s3_save_of_many_leaves_is_a_few_puts(tmp_path):
     (tmp_path / "s3_counts.json").write_text(json.dumps(counts))
     print("s3 (PUTs, HTTP requests) per save:", counts)
     # packed: its zarr.json, its one chunk and the manifest, and the save's lease (writer.json,
-    # written at the start and deleted at the commit)
+    # written at the start and deleted at the commit); the default: one data object instead
+    # of the pack's zarr.json and chunk
     assert counts["v1"][0] >= 601 and counts["packed"][0] == 5, counts
+    assert counts["default"][0] == 4, counts
 
 
 def test_object_store_overwrite_moves_packs_to_the_new_generation():

@@ -20,6 +20,7 @@ from http_proxy import Proxy
 from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto server)
 
 import jaxckpt
+from jaxckpt._planning import save_planner
 from jaxckpt._storage import resume
 
 TOTAL = worker.ARRAYS * worker.ELEMENTS * 4
@@ -103,7 +104,7 @@ def test_an_s3_save_killed_at_90_percent_resumes_sending_10_percent(s3, prefix, 
     proxy = Proxy(os.environ["AWS_ENDPOINT_URL"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
-        h = jaxckpt.save_async(url, worker.state())
+        h = jaxckpt.save_async(url, worker.state(), planner=CHUNKS())
         h.wait()
         sent = sum(r.up for r in proxy.log if r.method == "PUT" and "/c/" in r.path)
         assert sent == (worker.ARRAYS - len(left)) * (CHUNK + 4) <= TOTAL * 0.15
@@ -131,11 +132,11 @@ def test_an_s3_save_the_store_refused_partway_resumes(s3, prefix, monkeypatch): 
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
         with pytest.raises(jaxckpt.CheckpointError, match="403|denied|Forbidden"):
-            jaxckpt.save(url, state)
+            jaxckpt.save(url, state, planner=CHUNKS())
         written = len([k for k in keys(s3, prefix) if "/c/" in k])
         proxy.rule = lambda method, path: "pass"
         proxy.log.clear()
-        h = jaxckpt.save_async(url, state)
+        h = jaxckpt.save_async(url, state, planner=CHUNKS())
         h.wait()
         assert h.nbytes == (worker.ARRAYS - written) * CHUNK and written >= 10
     finally:
@@ -168,6 +169,9 @@ def test_a_manager_reopened_after_a_preemption_resumes_the_step(tmp_path):
 
 
 def test_an_object_store_manager_keeps_a_refused_save_for_its_retry(s3, prefix, monkeypatch):  # noqa: F811
+    # Its steps as an object per chunk: a save into data objects (the default there) does not
+    # resume (docs/object_storage.md, "Resumed saves").
+    monkeypatch.setattr(save_planner, "DEFAULT_LAYOUT", "chunks")
     run = f"s3://{BUCKET}/{prefix}"
     refuse = {"on": True}
 
@@ -191,6 +195,12 @@ def test_an_object_store_manager_keeps_a_refused_save_for_its_retry(s3, prefix, 
     finally:
         proxy.stop()
     _assert_restores(f"{run}/00000001", worker.state())
+
+
+def CHUNKS() -> jaxckpt.DefaultSavePlanner:  # noqa: N802 - a constant's spelling
+    """An object per chunk on object stores: the layout whose failed saves resume there (a save
+    into data objects, the default, does not: docs/object_storage.md, "Resumed saves")."""
+    return jaxckpt.DefaultSavePlanner(layout="chunks")
 
 
 class Throttled(jaxckpt.DefaultSavePlanner):
@@ -252,8 +262,9 @@ def test_a_gcs_save_the_store_failed_partway_resumes(gcs):
 
     url = f"gs://{GCS_BUCKET}/resume-{os.urandom(4).hex()}"
     with pytest.raises(jaxckpt.CheckpointError, match="throttled"):
-        jaxckpt.save(url, worker.state(), planner=Throttled(15))
-    h = jaxckpt.save_async(url, worker.state(changed=0))  # a0 was written; now it differs
+        jaxckpt.save(url, worker.state(), planner=Throttled(15, layout="chunks"))
+    # a0 was written; now it differs
+    h = jaxckpt.save_async(url, worker.state(changed=0), planner=CHUNKS())
     h.wait()
     assert h.resumed_bytes == 14 * CHUNK and h.nbytes == 6 * CHUNK
     _assert_restores(url, worker.state(changed=0))

@@ -120,6 +120,9 @@ class SavePlanner(abc.ABC):
         staging.copy_into(out, self.resolve_data(item))
 
 
+DEFAULT_LAYOUT = "auto"  # DefaultSavePlanner(layout=None): data objects on object stores
+
+
 class DefaultSavePlanner(SavePlanner):
     """Dedups replicated shards, balances writes by bytes, validates, and caches the plan.
 
@@ -138,8 +141,9 @@ class DefaultSavePlanner(SavePlanner):
         or a few per dtype) instead of one zarr array each; ``0``
         stores every array on its own (and writes format version 1). ``None``:
         ``jaxckpt._planning.packing.DEFAULT_PACK_BYTES`` (256 KiB).
-      layout: ``"auto"`` (default): on ``gs://``, ``s3://`` and ``memory://``, each
-        process's chunks as records in a few data objects of about ``object_bytes`` each
+      layout: ``"auto"`` (``None``: ``jaxckpt._planning.save_planner.DEFAULT_LAYOUT``, which
+        is ``"auto"``): on ``gs://``, ``s3://`` and ``memory://``, each process's chunks as
+        records in a few data objects of about ``object_bytes`` each
         (format version 5; docs/format.md), where the save is plain: compressed and
         incremental saves (``base=``, ``digests=True``) keep an object per chunk; local disks
         keep a file per chunk (in-place reads and ``O_DIRECT`` writes, measured faster there).
@@ -157,11 +161,12 @@ class DefaultSavePlanner(SavePlanner):
         max_chunk_bytes: int = 64 << 20,
         enable_plan_caching: bool = True,
         pack_bytes: int | None = None,
-        layout: str = "auto",
+        layout: str | None = None,
         object_bytes: int = _objects.DEFAULT_TARGET,
     ) -> None:
         if dedup not in ("balanced", "lowest"):
             raise InvalidArgumentError(f"dedup must be 'balanced' or 'lowest', got {dedup!r}")
+        layout = DEFAULT_LAYOUT if layout is None else layout
         if (
             layout not in ("auto", "chunks", "objects")
             or not 0 < object_bytes <= _objects.MAX_TARGET
