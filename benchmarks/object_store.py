@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _orbax_gcs  # noqa: E402  (beside this file)
 
 RESTORE_MIB: int | None = None  # --restore-mib: the restores' host budget (None: the default)
-LAYOUT = "chunks"  # --layout: the saves' DefaultSavePlanner(layout=...)
+LAYOUT = "auto"  # --layout: the saves' DefaultSavePlanner(layout=...)
 OBJECT_MIB = 128  # --object-mib: its object_bytes
 
 PHASES = ("manifest", "list", "lease", "open", "markers", "data", "commit", "after", "other")
@@ -359,9 +359,13 @@ def main() -> None:
         "--no-orbax", action="store_true", help="leave out Orbax (run on gcs when gcsfs is there)"
     )
     ap.add_argument(
-        "--layout", default="chunks", help="chunks, or objects (format v5's data objects)"
+        "--layout",
+        default="auto",
+        choices=("auto", "chunks", "objects"),
+        help="auto (the default: format v5's data objects on object stores, except the "
+        "manager's incremental steps), objects (the same), or chunks (an object per chunk)",
     )
-    ap.add_argument("--object-mib", type=int, default=128, help="--layout objects: target MiB")
+    ap.add_argument("--object-mib", type=int, default=128, help="data objects' target MiB")
     args = ap.parse_args()
     global RESTORE_MIB, LAYOUT, OBJECT_MIB
     OBJECT_MIB = args.object_mib
