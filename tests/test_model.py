@@ -97,8 +97,8 @@ class Trip(jaxckpt.DefaultSavePlanner):
 class Throttled(jaxckpt.DefaultSavePlanner):
     """Storage failing a save partway: the items before the ``n + 1``-th are written."""
 
-    def __init__(self, n: int) -> None:
-        super().__init__()
+    def __init__(self, n: int, **kwargs) -> None:
+        super().__init__(**kwargs)
         self.n = n
 
     def resolve_data(self, item):
@@ -339,20 +339,25 @@ class CheckpointModel(RuleBasedStateMachine):
         v=st.integers(0, 7),
         w=st.integers(0, 7),
         written=st.integers(0, 1),
+        objects=st.booleans(),
     )
-    def resumed_save(self, name, v, w, written):
+    def resumed_save(self, name, v, w, written, objects):
         """A save that storage fails after ``written`` items, then its retry with the data of
         ``w`` (the same or changed): the failure changes nothing committed; the retry commits
-        ``w`` whole, keeping what the failed save wrote where it is the same."""
+        ``w`` whole, keeping what the failed save wrote where it is the same. ``objects``:
+        both into format v5's data objects of a record each (object stores; a file per chunk
+        elsewhere), so that an item written makes an object whole."""
         STATS["resumed_save"] += 1
         path = f"{self.base}/plain/{name}"
         overwrite = name in self.plain
+        kw = {"layout": "objects", "object_bytes": 1} if objects else {}
         with pytest.raises(jaxckpt.CheckpointError, match="throttled"):
-            jaxckpt.save(path, state(v), overwrite=overwrite, planner=Throttled(written))
+            jaxckpt.save(path, state(v), overwrite=overwrite, planner=Throttled(written, **kw))
         if name in self.plain:
             want = state(self.plain[name])
             _restores(lambda: jaxckpt.restore(path), want, name in self.plain_broken)
-        handle = jaxckpt.save_async(path, state(w), overwrite=overwrite)
+        planner = jaxckpt.DefaultSavePlanner(**kw)
+        handle = jaxckpt.save_async(path, state(w), overwrite=overwrite, planner=planner)
         handle.wait()
         if written and v == w:
             assert handle.resumed_bytes > 0
