@@ -148,3 +148,26 @@ def test_what_a_failed_save_left_below_a_commit_is_removed_after_it(gcs, run):
         mgr.wait()  # process 0 removes them after step 3's commit
         assert mgr.all_steps() == [1, 3]
     assert not [k for k in gcs.keys(prefix) if k.startswith("00000002")], gcs.keys(prefix)
+
+
+def test_a_groups_manager_steps_list_one_page_per_listing(gcs, tmp_path, monkeypatch):
+    # 2 processes: each lists once per step (its save's check); process 0 also its step's own
+    # prefix, the index (retention) and the deleted step's prefix, the same count at every step.
+    from pathlib import Path
+
+    from groups import run_group
+
+    prefix = f"index-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("INDEX_URL", f"gs://{BUCKET}/{prefix}/run")
+    before = len(gcs.proxy.log)
+    worker = Path(__file__).resolve().parent / "index_worker.py"
+    records = run_group(worker, "index", 2, tmp_path, timeout_s=600)
+    assert all(r["exact"] and r["all_steps"] == [5, 6] for r in records), records
+    first, other = records
+    assert first["open"] <= 2 and other["open"] <= 2, records  # the index, the names after it
+    assert other["steps"] == [1] * 6, records
+    assert max(first["steps"]) <= 4 and first["steps"][2:] == [first["steps"][2]] * 4, records
+    assert first["reopen"] <= 2 and other["reopen"] <= 2, records
+    ranges = _listings(gcs, before, f"{BUCKET}/{prefix}/run")  # each one page (checked there)
+    _one_step_or_index(ranges, 0)
+    assert ("", ":") not in ranges and not [r for r in ranges if r[0] == ""], ranges

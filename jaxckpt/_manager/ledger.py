@@ -216,13 +216,12 @@ class Ledger:
         with self._lock:
             start = min(step, max(self._known) + 1) if self._known else 0
         listing = self.run.after(start)
-        found = {parse_step(n) for n, keys in listing.items() if MANIFEST in keys}
+        named = {n: s for n in listing if (s := parse_step(n)) is not None}
+        found = {s for n, s in named.items() if MANIFEST in listing[n]}
         with self._lock:
-            self._known = {s for s in self._known if s < start} | (found - {None})
+            self._known = {s for s in self._known if s < start} | found
             self.leftovers = {
-                n: keys
-                for n, keys in listing.items()
-                if MANIFEST not in keys and (parse_step(n) or step) < step
+                n: listing[n] for n, s in named.items() if s < step and MANIFEST not in listing[n]
             }
             return sorted(self._known)
 
@@ -312,7 +311,7 @@ class Ledger:
 
     # -- deleting -------------------------------------------------------------------------------
 
-    def delete(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> None:
+    def delete(self, step: int, *, primary: bool, clean_up: Callable[[], object]) -> None:
         """Delete ``step`` from every tier (every process calls it with a local tier); then
         ``clean_up()`` (primary) removes what only the deleted step kept.
 
@@ -330,7 +329,7 @@ class Ledger:
         self._remove([step], primary=primary, clean_up=clean_up)
         self.newest = max((s for s in steps if s != step), default=None)
 
-    def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> list[int]:
+    def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], object]) -> list[int]:
         """Delete every step after ``step`` from every tier; returns them."""
         steps = self.agreed_steps()
         doomed = sorted(
@@ -343,7 +342,7 @@ class Ledger:
             logger.info("rolled back %s to step %d: deleted %s", self.run.directory, step, doomed)
         return doomed
 
-    def _remove(self, doomed: list[int], *, primary: bool, clean_up: Callable[[], None]) -> None:
+    def _remove(self, doomed: list[int], *, primary: bool, clean_up: Callable[[], object]) -> None:
         """Delete ``doomed`` from the local tier (this process's disk), then from the
         persistent directory (the primary), then clean up after them."""
         if self.local is not None:

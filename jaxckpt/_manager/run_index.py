@@ -68,7 +68,8 @@ class Survey:
 
 def read(loc: _location.Location) -> tuple[frozenset[int], frozenset[int]]:
     """The marked and the tombstoned steps of the run at ``loc``: one listing of the index."""
-    marked, deleting = set(), set()
+    marked: set[int] = set()
+    deleting: set[int] = set()
     for key in _catalog.list_keys(loc, _catalog.prefix_range(INDEX)):
         name = key[len(INDEX) :]
         gone = name.endswith(DELETING)
