@@ -318,7 +318,8 @@ class Ledger:
         Raises:
           CheckpointNotFoundError: no tier holds ``step``; nothing was deleted.
         """
-        steps = self.agreed_steps()
+        persistent = self.run.steps()
+        steps = self.agreed_steps(persistent)
         local = self.local is not None and self.local.holds(step)
         if step not in steps and not local:
             raise CheckpointNotFoundError(
@@ -326,33 +327,43 @@ class Ledger:
                 f"{'' if self.local is None else ' or its local tier'}; committed steps: "
                 f"{steps}. Nothing was deleted."
             )
-        self._remove([step], primary=primary, clean_up=clean_up)
+        self._remove([step], persistent, primary=primary, clean_up=clean_up)
         self.newest = max((s for s in steps if s != step), default=None)
 
     def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], object]) -> list[int]:
         """Delete every step after ``step`` from every tier; returns them."""
-        steps = self.agreed_steps()
+        persistent = self.run.steps()
+        steps = self.agreed_steps(persistent)
         doomed = sorted(
             {s for s in steps if s > step}
             | ({s for s in self.local.all_held() if s > step} if self.local is not None else set())
         )
-        self._remove(doomed, primary=primary, clean_up=clean_up)
+        self._remove(doomed, persistent, primary=primary, clean_up=clean_up)
         self.newest = max((s for s in steps if s <= step), default=None)
         if doomed:
             logger.info("rolled back %s to step %d: deleted %s", self.run.directory, step, doomed)
         return doomed
 
-    def _remove(self, doomed: list[int], *, primary: bool, clean_up: Callable[[], object]) -> None:
+    def _remove(
+        self,
+        doomed: list[int],
+        persistent: list[int],
+        *,
+        primary: bool,
+        clean_up: Callable[[], object],
+    ) -> None:
         """Delete ``doomed`` from the local tier (this process's disk), then from the
-        persistent directory (the primary), then clean up after them."""
+        persistent directory (the primary; ``persistent``: its committed steps, listed just
+        before), then clean up after them."""
         if self.local is not None:
             for s in doomed:
                 self.local.delete(s)
         if primary:
-            listed = set(self.run.steps())
-            gone = [s for s in doomed if s in listed]
+            remaining = sorted(persistent)
+            gone = [s for s in doomed if s in remaining]
             for s in reversed(gone):  # newest first: a crash leaves the oldest of the branch
-                self.run.delete(s)
+                self.run.delete(s, remaining)
+                remaining.remove(s)
             if gone:
                 clean_up()
         self.forget(doomed)

@@ -148,15 +148,17 @@ class Run:
         with _location.deadline(self.loc.io_timeout):
             return restore(str(self.path(step)), target, **kwargs), step
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, steps: list[int] | None = None) -> None:
         """Delete the committed ``step`` and its metrics; on object stores what other steps
-        reference stays.
+        reference stays (``steps``: the committed steps, listed just before; ``None``: list
+        them now).
 
         Raises:
           CheckpointNotFoundError: ``step`` is not committed.
         """
         self.require(step, "Nothing was deleted.")
-        others = [step_name(s) for s in self.steps() if s != step]
+        listed = self.steps() if steps is None else steps
+        others = [step_name(s) for s in listed if s != step]
         keep = referenced(self.loc, others)
         metrics, committed = self.metrics.read_all()
         pinned, timings = self.metrics.pinned(), self.metrics.timings()
