@@ -249,7 +249,8 @@ class Ledger:
         missing = [s for s in self.persistent() if s not in indexed and self.run.holds(s)]
         if missing:
             self.run.mark(missing)
-        left, self.leftovers = self.leftovers, {}
+        with self._lock:
+            left, self.leftovers = self.leftovers, {}
         if left:  # failed saves older than the committed step: no retry resumes them now
             clean_listed(self.run.loc, lambda n: referenced(self.run.loc, n), left, step)
         return sorted(indexed | set(missing))

@@ -93,8 +93,7 @@ def after(loc: _location.Location, step: int) -> dict[str, list[str]]:
 def survey(loc: _location.Location) -> Survey:
     """The index and the steps after its newest (all of them where none is marked)."""
     marked, deleting = read(loc)
-    start = max(marked | deleting) + 1 if marked | deleting else 0
-    return Survey(marked, deleting, after(loc, start))
+    return Survey(marked, deleting, after(loc, max(marked) + 1 if marked else 0))
 
 
 def mark(loc: _location.Location, steps: Iterable[int]) -> None:
