@@ -40,7 +40,7 @@ def state(changed: int | None = None) -> dict[str, np.ndarray]:
 
 class KillAfter(jaxckpt.DefaultSavePlanner):
     """SIGKILLs this process when asked for item ``n + 1``, once the first ``n`` have landed.
-    An object per chunk (``layout="chunks"``): the layout whose failed saves resume."""
+    An object per chunk (``layout="chunks"``): the tests count what resumes chunk by chunk."""
 
     def __init__(self, n: int) -> None:
         super().__init__(layout="chunks")

@@ -169,8 +169,8 @@ def test_a_manager_reopened_after_a_preemption_resumes_the_step(tmp_path):
 
 
 def test_an_object_store_manager_keeps_a_refused_save_for_its_retry(s3, prefix, monkeypatch):  # noqa: F811
-    # Its steps as an object per chunk: a save into data objects (the default there) does not
-    # resume (docs/object_storage.md, "Resumed saves").
+    # Its steps as an object per chunk, whose resume keeps chunk by chunk (data objects, the
+    # default there, resume object by object: tests/test_resume_objects.py).
     monkeypatch.setattr(save_planner, "DEFAULT_LAYOUT", "chunks")
     run = f"s3://{BUCKET}/{prefix}"
     refuse = {"on": True}
@@ -198,8 +198,8 @@ def test_an_object_store_manager_keeps_a_refused_save_for_its_retry(s3, prefix, 
 
 
 def CHUNKS() -> jaxckpt.DefaultSavePlanner:  # noqa: N802 - a constant's spelling
-    """An object per chunk on object stores: the layout whose failed saves resume there (a save
-    into data objects, the default, does not: docs/object_storage.md, "Resumed saves")."""
+    """An object per chunk on object stores, whose failed saves resume chunk by chunk (data
+    objects, the default there, resume object by object: tests/test_resume_objects.py)."""
     return jaxckpt.DefaultSavePlanner(layout="chunks")
 
 

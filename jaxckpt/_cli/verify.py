@@ -24,8 +24,8 @@ from jaxckpt._planning.mismatch import check_prng_keys
 from jaxckpt._runtime.progress import Progress
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
-from jaxckpt._storage import writer as _storage
 from jaxckpt._storage.reader import CheckpointReader, Reader
+from jaxckpt._storage.zarr_spec import array_spec
 
 _VERIFY_THREADS = 8
 J = TypeVar("J")
@@ -210,9 +210,7 @@ def _zarr_json_problem(loc: _location.Location, path: str, e: ArrayEntry) -> str
     """Why other zarr readers could not open ``e`` (jaxckpt itself reads by the manifest)."""
     try:
         _location.wait(
-            ts.open(
-                _storage.array_spec(loc.child(path), e), open=True, context=_location.context()
-            ),
+            ts.open(array_spec(loc.child(path), e), open=True, context=_location.context()),
             loc,
             f"opening {path}/zarr.json",
         )

@@ -42,7 +42,8 @@ from jaxckpt._storage.location import (
     wait,
 )
 from jaxckpt._storage.objects import RecordReader
-from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES, array_spec
+from jaxckpt._storage.writer import MAX_INFLIGHT_BYTES
+from jaxckpt._storage.zarr_spec import array_spec
 
 _STAT_ABOVE = 64 << 20  # arrays this big get their chunk files' sizes checked before a read
 

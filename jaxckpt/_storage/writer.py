@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import os
 import queue
 import shutil
@@ -24,8 +23,7 @@ from typing import Any
 import numpy.typing as npt
 import tensorstore as ts
 
-from jaxckpt._format import codecs as _codecs
-from jaxckpt._format.manifest import ArrayEntry, Manifest, dtype_from_name
+from jaxckpt._format.manifest import ArrayEntry, Manifest
 from jaxckpt._format.objects import DataObjects
 from jaxckpt._format.plan import WriteItem
 from jaxckpt._runtime import pools
@@ -35,47 +33,9 @@ from jaxckpt._storage.links import Linker
 from jaxckpt._storage.location import ABSENT, Location, Pending, context, kvstore, wait
 from jaxckpt._storage.messages import lost_error, write_error
 from jaxckpt._storage.objects import RecordWriter
+from jaxckpt._storage.zarr_spec import array_spec, zarr_json
 
 MAX_INFLIGHT_BYTES = 1 << 30
-
-
-def array_spec(kvstore: dict[str, Any], entry: ArrayEntry) -> dict[str, Any]:
-    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if entry.compression is not None:  # the manifest checked the name
-        itemsize = dtype_from_name(entry.storage_dtype).itemsize
-        codecs.append(_codecs.zarr_codec(entry.compression, itemsize))
-    if entry.checksum == "crc32c":
-        codecs.append({"name": "crc32c"})
-    return {
-        "driver": "zarr3",
-        "kvstore": kvstore,
-        "metadata": {
-            "shape": list(entry.shape),
-            "data_type": entry.storage_dtype,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(entry.chunks)}},
-            "codecs": codecs,
-        },
-    }
-
-
-_ZARR_JSON: dict[str, bytes] = {}  # by the array spec's metadata (as JSON)
-
-
-def zarr_json(entry: ArrayEntry) -> bytes:
-    """The ``zarr.json`` tensorstore writes when it creates ``entry``'s array (made once per
-    kind of array, in memory): written beside the data on object stores, where the arrays are
-    opened from the manifest's metadata without a round trip."""
-    spec = array_spec({"driver": "memory"}, entry)
-    key = json.dumps(spec["metadata"], sort_keys=True)
-    data = _ZARR_JSON.get(key)
-    if data is None:
-        scratch = ts.Context()
-        ts.open(spec, create=True, context=scratch).result()
-        got = ts.KvStore.open({"driver": "memory"}, context=scratch).result().read("zarr.json")
-        if len(_ZARR_JSON) >= 4096:  # one per shape: bounded for runs of many shapes
-            _ZARR_JSON.clear()
-        data = _ZARR_JSON[key] = got.result().value
-    return data
 
 
 class Writer:
@@ -172,7 +132,9 @@ class Writer:
         if self.loc.local is not None:
             raise ValueError("data objects are written on object stores only")
         by_path = {e.path: e for e in entries.values()}
-        self._records = RecordWriter(self._root_kv, self.loc, objects, by_path, process)
+        self._records = RecordWriter(
+            self._root_kv, self.loc, objects, by_path, process, self.resumed
+        )
 
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
         """Start creating (coordinator) or opening (others, after it) the zarr arrays, all at
