@@ -1,7 +1,12 @@
-"""One process of a 2-process JAX group for tests/test_shared_failures.py (issue 60, item 3).
+"""One process of a 2-process JAX group for tests/test_shared_failures.py (issue 60, 2 and 3).
 
     python tests/shared_worker.py STAGE PROCESS_ID NUM_PROCESSES PORT WORKDIR
 
+* ``restore``: a restore that fails on process 1 only (a corrupt or a missing chunk only it
+  reads, a shared read of a replicated array, a target only it refuses) fails on both with
+  process 1's error type, naming process 1 and the key; a process reading slowly stops once
+  process 1 has failed; a restore onto the host on process 0 alone needs nobody; restores
+  made together afterwards work, also replicated reads not shared, placed box by box.
 * ``calls``: with a local tier, ``latest_step`` / ``all_steps`` / ``metadata`` /
   ``should_save`` / ``run_table`` on process 0 alone return without the other; the next
   local save and restore made together work (replicated). A ``save_interval_secs`` schedule
@@ -13,6 +18,7 @@ Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``tiers_worker.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -64,6 +70,60 @@ def check(tree: dict) -> None:
     w = tree["w"]
     for s in w.addressable_shards:
         assert np.array_equal(np.asarray(s.data), value()[s.index]), s.index
+
+
+def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
+    good, bad, gone = work / "good", work / "bad", work / "gone"
+    v = value()
+    arr = jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])
+    jaxckpt.save(good, {"w": arr}, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
+    last = str(len(jax.devices()) - 1)  # the last rows' chunk: only process 1's devices hold it
+    if pid == 0:
+        shutil.copytree(good, bad)
+        chunk = bad / "arrays" / "w" / "c" / last / "0"
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        chunk.write_bytes(bytes(raw))
+        shutil.copytree(good, gone)
+        (gone / "arrays" / "w" / "c" / last / "0").unlink()
+    sync("corrupted")
+    rec.failure("corrupt", lambda: jaxckpt.restore(bad, target()))
+    rec.run("after_corrupt", lambda: check(jaxckpt.restore(good, target())))
+    rec.failure("missing", lambda: jaxckpt.restore(gone, target()))
+    # a replicated target: each process reads half of the array, a collective gathers them
+    rec.failure("corrupt_shared", lambda: jaxckpt.restore(bad, target(())))
+    rec.run("after_shared", lambda: check(jaxckpt.restore(good, target(()))))
+    # process 0 reads slowly (3 s a box): it stops reading once process 1 has failed
+    slow = Slow(3.0 if pid == 0 else 0.0)
+    rec.failure("corrupt_slow", lambda: jaxckpt.restore(bad, target(), planner=slow))
+    rec.data["slow_boxes"] = slow.boxes
+    wrong = target(shape=(ROWS, 4)) if pid == 1 else target()
+    rec.failure("refused", lambda: jaxckpt.restore(good, wrong))
+    if pid == 0:  # onto the host, alone: it meets nobody (process 1 does not call it)
+        t0 = time.monotonic()
+        assert np.array_equal(jaxckpt.restore(good)["w"], v)
+        rec.data["alone_secs"] = time.monotonic() - t0
+    rec.run("after_alone", lambda: check(jaxckpt.restore(good, target())))
+
+    def unshared() -> None:  # replicated, read whole by each, placed box by box (no collective)
+        for _ in range(3):
+            planner = jaxckpt.DefaultLoadPlanner(share_reads=False, max_host_bytes=1)
+            check(jaxckpt.restore(good, {"w": sharding(())}, planner=planner))
+
+    rec.run("after_unshared", unshared)
+
+
+class Slow(jaxckpt.DefaultLoadPlanner):
+    """Takes ``secs`` over each box it is given, one box at a time; counts them."""
+
+    def __init__(self, secs: float) -> None:
+        super().__init__(share_reads=False, max_host_bytes=1)
+        self.secs, self.boxes = secs, 0
+
+    def commit_tensor(self, item, array) -> None:
+        self.boxes += 1
+        time.sleep(self.secs)
+        super().commit_tensor(item, array)
 
 
 def stage_calls(rec: Record, work: Path, pid: int, n: int) -> None:
@@ -149,7 +209,7 @@ def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     groups.join(pid, n, port)
     rec = Record(work / f"{stage}-{pid}.json")
-    {"calls": stage_calls}[stage](rec, work, pid, n)
+    {"restore": stage_restore, "calls": stage_calls}[stage](rec, work, pid, n)
     sync("end")  # process 0 hosts the coordination service: nobody exits before the others
     sys.stdout.flush()
     sys.stderr.flush()
