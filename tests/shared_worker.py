@@ -7,6 +7,9 @@
   process 1's error type, naming process 1 and the key; a process reading slowly stops once
   process 1 has failed; a restore onto the host on process 0 alone needs nobody; restores
   made together afterwards work, also replicated reads not shared, placed box by box.
+  Then ``jaxckpt.save`` made on one process alone (each in turn): it logs at once that the
+  call is collective and whom it waits for, and its deadline error says so; the next save
+  made together works.
 * ``calls``: with a local tier, ``latest_step`` / ``all_steps`` / ``metadata`` /
   ``should_save`` / ``run_table`` on process 0 alone return without the other; the next
   local save and restore made together work (replicated). A ``save_interval_secs`` schedule
@@ -17,6 +20,7 @@ Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``tiers_worker.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -111,6 +115,32 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
             check(jaxckpt.restore(good, {"w": sharding(())}, planner=planner))
 
     rec.run("after_unshared", unshared)
+    save_alone(rec, work, pid)
+
+
+def save_alone(rec: Record, work: Path, pid: int) -> None:
+    """``jaxckpt.save`` on one process, the other not calling it (a short deadline)."""
+    v = value()
+    tree = {"w": jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])}
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("jaxckpt").addHandler(handler)
+    os.environ["JAXCKPT_SYNC_TIMEOUT"] = "6"
+    for alone in (0, 1):
+        if pid == alone:
+            rec.failure(f"save_alone_{alone}", lambda: jaxckpt.save(work / "alone", tree))
+            rec.data[f"save_alone_{alone}_log"] = [m for m in lines if "collective" in m]
+            lines.clear()
+        sync(f"alone {alone}")
+    del os.environ["JAXCKPT_SYNC_TIMEOUT"]
+    logging.getLogger("jaxckpt").removeHandler(handler)
+
+    def together() -> None:
+        jaxckpt.save(work / "alone", tree)
+        check(jaxckpt.restore(work / "alone", target()))
+
+    rec.run("save_after_alone", together)
 
 
 class Slow(jaxckpt.DefaultLoadPlanner):

@@ -81,6 +81,26 @@ def test_a_restore_onto_the_host_on_one_process_meets_nobody(restores):
     assert restores[0]["data"]["alone_secs"] < PROMPT_S
 
 
+def test_a_save_made_on_one_process_says_at_once_it_is_collective(restores):
+    p0 = restores[0]["data"]
+    log = p0["save_alone_0_log"]  # process 0 (the coordinator) knows whom it waits for
+    assert log and log[0].startswith("jaxckpt.save("), log
+    want = ") is a collective call: every process must make it; waiting for process 1 to call it"
+    assert want in log[0], log
+    err = p0["save_alone_0"]
+    assert err["type"] == "DistributedError", err
+    assert "process 1 did not reach 'plan'" in err["msg"], err
+    assert "must be called on every process" in err["msg"], err
+    log = restores[1]["data"]["save_alone_1_log"]  # process 1 waits for process 0's answer
+    assert (
+        log
+        and "is a collective call: every process must make it; waiting for process 0" in (log[0])
+    ), log
+    err = restores[1]["data"]["save_alone_1"]
+    assert err["type"] == "DistributedError" and "must be called on every process" in err["msg"]
+    _ok(restores, "save_after_alone")
+
+
 @pytest.fixture(scope="module")
 def calls(tmp_path_factory) -> list[dict]:
     return run_group(WORKER, "calls", 2, tmp_path_factory.mktemp("calls"), GROUP_TIMEOUT_S)

@@ -153,7 +153,12 @@ class RestoreMeeting:
                 kv.key_value_set(f"{self._failed}/{self.process}", mine)
         try:
             verdict = _agreement.decide(
-                "restore", mine, _failures, scope=self._scope, members=self.members
+                "restore",
+                mine,
+                _failures,
+                scope=self._scope,
+                members=self.members,
+                call=f"jaxckpt.restore({self.path})",
             )
         except DistributedError as e:
             if own:  # this process's own error says more
