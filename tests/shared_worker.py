@@ -10,6 +10,9 @@
   Then ``jaxckpt.save`` made on one process alone (each in turn): it logs at once that the
   call is collective and whom it waits for, and its deadline error says so; the next save
   made together works.
+* ``tier``: a local step whose part on process 1 is damaged: the local tier's restore fails
+  there, and both processes restore the persistent step together; a persistent step with a
+  chunk only process 1 reads damaged fails on both, naming process 1.
 * ``calls``: with a local tier, ``latest_step`` / ``all_steps`` / ``metadata`` /
   ``should_save`` / ``run_table`` on process 0 alone return without the other; the next
   local save and restore made together work (replicated). A ``save_interval_secs`` schedule
@@ -156,6 +159,56 @@ class Slow(jaxckpt.DefaultLoadPlanner):
         super().commit_tensor(item, array)
 
 
+def stage_tier(rec: Record, work: Path, pid: int, n: int) -> None:
+    # 2 MiB: not packed, so the last rows' chunk is a file of its own that only process 1 reads
+    v = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)
+    tree = {"w": jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])}
+    want = {"w": jax.ShapeDtypeStruct(v.shape, np.float32, sharding=sharding())}
+
+    def manager() -> jaxckpt.CheckpointManager:
+        return jaxckpt.CheckpointManager(
+            work / "persistent",
+            save_interval_steps=2,
+            local_directory=work / "local" / f"p{pid}",
+            local_save_interval_steps=1,
+            local_replicas=1,
+        )
+
+    def restored(out: dict) -> None:
+        for s in out["w"].addressable_shards:
+            assert np.array_equal(np.asarray(s.data), v[s.index]), s.index
+
+    mgr = manager()
+    for step in range(4):  # persistent: 0 and 2; local: 0 to 3
+        mgr.save(step, tree)
+    mgr.wait()
+    mgr.close()
+    if pid == 1:  # every chunk in process 1's local directory: its own part of step 3 too
+        for f in sorted((work / "local" / "p1").rglob("*")):
+            if f.is_file() and "c" in f.relative_to(work / "local" / "p1").parts:
+                raw = bytearray(f.read_bytes())
+                raw[len(raw) // 2] ^= 1
+                f.write_bytes(bytes(raw))
+    sync("local damaged")
+    mgr = manager()
+
+    def local_fails() -> None:
+        t0 = time.monotonic()
+        restored(mgr.restore(target=want))
+        rec.data["tier_secs"] = time.monotonic() - t0
+        rec.data["tier_from"] = [mgr.restored_from.tier, mgr.restored_from.step]
+
+    rec.run("tier", local_fails)
+    if pid == 0:  # the last rows' chunk of persistent step 2: only process 1 reads it
+        chunk = work / "persistent" / "00000002" / "arrays" / "w" / "c" / "7" / "0"
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        chunk.write_bytes(bytes(raw))
+    sync("persistent damaged")
+    rec.failure("tier_persistent", lambda: mgr.restore(2, target=want))
+    mgr.close()
+
+
 def stage_calls(rec: Record, work: Path, pid: int, n: int) -> None:
     v = value()
     tree = {"w": jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])}
@@ -239,7 +292,7 @@ def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     groups.join(pid, n, port)
     rec = Record(work / f"{stage}-{pid}.json")
-    {"restore": stage_restore, "calls": stage_calls}[stage](rec, work, pid, n)
+    {"restore": stage_restore, "tier": stage_tier, "calls": stage_calls}[stage](rec, work, pid, n)
     sync("end")  # process 0 hosts the coordination service: nobody exits before the others
     sys.stdout.flush()
     sys.stderr.flush()

@@ -102,6 +102,26 @@ def test_a_save_made_on_one_process_says_at_once_it_is_collective(restores):
 
 
 @pytest.fixture(scope="module")
+def tier(tmp_path_factory) -> list[dict]:
+    return run_group(WORKER, "tier", 2, tmp_path_factory.mktemp("tier"), GROUP_TIMEOUT_S)
+
+
+def test_a_local_part_damaged_on_process_1_makes_both_use_the_persistent_step(tier):
+    _ok(tier, "tier")
+    for r in tier:  # the local tier's restores already agree: all fall back together
+        assert r["data"]["tier_from"] == ["persistent", 2], r["data"]
+        assert r["data"]["tier_secs"] < PROMPT_S, r["data"]
+
+
+def test_a_persistent_step_damaged_where_process_1_reads_fails_on_both(tier):
+    for r in tier:
+        got = r["data"]["tier_persistent"]
+        assert got["type"] == "CorruptChunkError", got
+        assert "failed on process 1: Key 'w': chunk (7,0)" in got["msg"], got
+        assert got["secs"] < PROMPT_S, got
+
+
+@pytest.fixture(scope="module")
 def calls(tmp_path_factory) -> list[dict]:
     return run_group(WORKER, "calls", 2, tmp_path_factory.mktemp("calls"), GROUP_TIMEOUT_S)
 
