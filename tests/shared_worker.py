@@ -96,6 +96,16 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
     sync("corrupted")
     rec.failure("corrupt", lambda: jaxckpt.restore(bad, target()))
     rec.run("after_corrupt", lambda: check(jaxckpt.restore(good, target())))
+
+    def counted() -> None:  # the store operations of one restore across processes
+        from jaxckpt._runtime import kvstore
+
+        before = kvstore.operations()
+        check(jaxckpt.restore(good, target()))
+        after = kvstore.operations()
+        rec.data["restore_ops"] = {k: n - before.get(k, 0) for k, n in after.items()}
+
+    rec.run("counted", counted)
     rec.failure("missing", lambda: jaxckpt.restore(gone, target()))
     # a replicated target: each process reads half of the array, a collective gathers them
     rec.failure("corrupt_shared", lambda: jaxckpt.restore(bad, target(())))

@@ -46,6 +46,14 @@ def test_a_chunk_only_process_1_reads_fails_the_restore_on_both(restores, case):
     assert p0["msg"] == p1["msg"]
 
 
+def test_a_restore_across_processes_costs_one_agreement(restores):
+    _ok(restores, "counted")
+    for p, r in enumerate(restores):
+        ops = r["data"]["restore_ops"]
+        # one agreement: a few operations per process, none per box or leaf
+        assert 1 <= ops["total"] <= 12, (p, ops)
+
+
 def test_a_missing_chunk_fails_the_restore_on_both_with_one_error(restores):
     # Every process finds a chunk missing (a listing counts the declared chunks): the error
     # names the first and says the other found it too.
