@@ -109,6 +109,15 @@ def test_a_save_made_on_one_process_says_at_once_it_is_collective(restores):
     _ok(restores, "save_after_alone")
 
 
+def test_a_restore_across_processes_made_on_one_says_it_is_collective(restores):
+    log = restores[0]["data"]["restore_alone_log"]
+    want = ") is a collective call: every process must make it; waiting for process 1 to call it"
+    assert log and log[0].startswith("jaxckpt.restore(") and want in log[0], log
+    err = restores[0]["data"]["restore_alone"]
+    assert err["type"] == "DistributedError", err
+    assert "must be called on every process" in err["msg"] and "[1]" in err["msg"], err
+
+
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory) -> list[dict]:
     return run_group(WORKER, "tier", 2, tmp_path_factory.mktemp("tier"), GROUP_TIMEOUT_S)
