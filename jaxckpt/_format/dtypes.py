@@ -64,6 +64,11 @@ def storage_dtype_name(dtype: np.dtype[Any]) -> str:
 def is_supported_dtype(dtype: Any) -> bool:
     """Whether jaxckpt stores arrays of ``dtype`` (natively or under a carrier)."""
     try:
-        return np.dtype(dtype).name in NATIVE | _CARRIED
+        return _supported(np.dtype(dtype))
     except TypeError:
         return False
+
+
+@functools.lru_cache(maxsize=256)  # a state has a handful of dtypes; .name costs ~10 us a leaf
+def _supported(dtype: np.dtype[Any]) -> bool:
+    return dtype.name in NATIVE or dtype.name in _CARRIED

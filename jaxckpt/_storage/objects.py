@@ -145,8 +145,8 @@ class RecordWriter:
 
     def _start(self, o: int) -> int:
         name = self.table.names[o]
-        value = bytes(self._buf.pop(o))
-        fut = self.kv().write(name, value)
+        value = self._buf.pop(o)  # tensorstore copies it at the call: no copy of ours first
+        fut = self.kv().write(name, value)  # type: ignore[arg-type]
         self.loc.watch(fut)
         self._pending.append((name, fut, len(value)))
         return len(value)
