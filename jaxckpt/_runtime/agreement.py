@@ -46,10 +46,9 @@ from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import heartbeat as _heartbeat
 from jaxckpt._runtime.collective import Notice, must_be_collective, processes
-from jaxckpt._runtime.kvstore import timed_out
+from jaxckpt._runtime.kvstore import Backoff, timed_out
 
 PREFIX = "jaxckpt/decide"
-_POLL_S = 0.2
 PIECE = 1 << 20  # characters of one value in the store: far below its gRPC message limit
 
 # What process 0 computes from every process's value: the verdict for all, and with
@@ -227,7 +226,7 @@ def _collect(
     """The value of each of the ``others`` (on the leader); where ``survivors``, those that
     posted in time, and not waiting for those whose heartbeat says they died
     (``heartbeat.dead``)."""
-    deadline, delay, looked = time.monotonic() + timeout, 0.002, time.monotonic()
+    deadline, slices, looked = time.monotonic() + timeout, Backoff(), time.monotonic()
     while True:
         got = kv.key_value_dir_get(f"{key}/at/")
         posted = {p: v for p, v in ((int(k.rsplit("/", 1)[1]), v) for k, v in got) if p in others}
@@ -250,8 +249,18 @@ def _collect(
             kv.key_value_delete(f"{key}/at")
             _answer(kv, key, posted, "!" + message, {})
             raise DistributedError(message)
-        time.sleep(delay)
-        delay = min(delay * 1.5, _POLL_S)
+        # Block on the first missing value, in slices that grow (a few operations per 4 s
+        # of waiting, not a poll every 0.2 s); at most 1 s where dead peers are looked for.
+        longest = 1.0 if survivors else deadline - time.monotonic()
+        wait = min(slices.next(), deadline - time.monotonic(), notice.left(), longest)
+        try:
+            kv.blocking_key_value_get(f"{key}/at/{missing[0]}", max(1, int(wait * 1000)))
+        except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+            if not timed_out(e):
+                raise DistributedError(
+                    f"agreeing on {name}: lost the JAX distributed service ({e}); process 0, "
+                    f"which hosts it, has probably died: see its log."
+                ) from e
 
 
 def _get(
