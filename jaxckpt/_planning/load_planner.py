@@ -64,7 +64,10 @@ class LoadPlanner(abc.ABC):
 
     Invariants: every array passed to ``commit_tensor`` is owned by the planner (storage keeps
     no reference), so a planner that drops it frees it; nothing is gathered across processes
-    unless the planner shares reads (see :class:`DefaultLoadPlanner`).
+    unless the planner shares reads (see :class:`DefaultLoadPlanner`). Steps 1 to 3 run no
+    jax collective across processes (no ``device_put`` onto a sharding of several processes):
+    where the target spans processes, they all agree that every one has read its share
+    between 3. and 4. (``jaxckpt._runtime.shared_restore``), and only ``finish`` may gather.
     """
 
     #: Bytes storage may read ahead of ``commit_tensor`` (what it holds in flight).
