@@ -10,8 +10,9 @@
   Then ``jaxckpt.save`` made on one process alone (each in turn): it logs at once that the
   call is collective and whom it waits for, and its deadline error says so; the next save
   made together works.
-* ``tier``: a local step whose part on process 1 is damaged: the local tier's restore fails
-  there, and both processes restore the persistent step together; a persistent step with a
+* ``tier``: a local step whose part on process 1 is damaged: the local tier's restore (on its
+  own layout, or elastic onto another) fails there, and both processes restore the persistent
+  step together; a persistent step with a
   chunk only process 1 reads damaged fails on both, naming process 1.
 * ``calls``: with a local tier, ``latest_step`` / ``all_steps`` / ``metadata`` /
   ``should_save`` / ``run_table`` on process 0 alone return without the other; the next
@@ -213,6 +214,13 @@ def stage_tier(rec: Record, work: Path, pid: int, n: int) -> None:
         rec.data["tier_from"] = [mgr.restored_from.tier, mgr.restored_from.step]
 
     rec.run("tier", local_fails)
+
+    def elastic_fails() -> None:  # onto another layout: an elastic restore of the local step
+        replicated = {"w": jax.ShapeDtypeStruct(v.shape, np.float32, sharding=sharding(()))}
+        restored(mgr.restore(target=replicated))
+        rec.data["elastic_from"] = [mgr.restored_from.tier, mgr.restored_from.step]
+
+    rec.run("tier_elastic", elastic_fails)
     if pid == 0:  # the last rows' chunk of persistent step 2: only process 1 reads it
         chunk = work / "persistent" / "00000002" / "arrays" / "w" / "c" / "7" / "0"
         raw = bytearray(chunk.read_bytes())

@@ -130,6 +130,12 @@ def test_a_local_part_damaged_on_process_1_makes_both_use_the_persistent_step(ti
         assert r["data"]["tier_secs"] < PROMPT_S, r["data"]
 
 
+def test_an_elastic_restore_of_a_part_damaged_on_process_1_falls_back_on_both(tier):
+    _ok(tier, "tier_elastic")
+    for r in tier:  # the elastic restore's verdict is the same agreement
+        assert r["data"]["elastic_from"] == ["persistent", 2], r["data"]
+
+
 def test_a_persistent_step_damaged_where_process_1_reads_fails_on_both(tier):
     for r in tier:
         got = r["data"]["tier_persistent"]
