@@ -117,6 +117,9 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
     rec.data["slow_boxes"] = slow.boxes
     wrong = target(shape=(ROWS, 4)) if pid == 1 else target()
     rec.failure("refused", lambda: jaxckpt.restore(good, wrong))
+    # both valid, but different: process 1's replicated one would gather, process 0's not
+    other = target(()) if pid == 1 else target()
+    rec.failure("differ", lambda: jaxckpt.restore(good, other))
     if pid == 0:  # onto the host, alone: it meets nobody (process 1 does not call it)
         t0 = time.monotonic()
         assert np.array_equal(jaxckpt.restore(good)["w"], v)

@@ -80,6 +80,14 @@ def test_a_target_refused_on_process_1_fails_the_restore_on_both(restores):
         assert "failed on process 1: " in p["msg"] and "'w'" in p["msg"], p
 
 
+def test_restores_of_different_targets_fail_on_both_instead_of_hanging(restores):
+    for r in restores:
+        got = r["data"]["differ"]
+        assert got["type"] == "DistributedError", got
+        assert "made different restores (processes [0]; processes [1]" in got["msg"], got
+        assert "must call restore with the same target" in got["msg"], got
+
+
 def test_restores_together_work_after_failed_ones(restores):
     for check in ("after_corrupt", "after_shared", "after_alone", "after_unshared"):
         _ok(restores, check)

@@ -83,14 +83,14 @@ def restore(
         start = time.perf_counter()
         # Where the arrays span processes, every process reads its share or none returns:
         # they agree after reading, before any collective (jaxckpt._runtime.shared_restore).
-        meeting = RestoreMeeting(str(path), target)
+        planner = planner if planner is not None else DefaultLoadPlanner()
+        meeting = RestoreMeeting(str(path), target, _asked(keys, strict, planner))
         with meeting.sharing():
             manifest, reader, loc = _open(path)
             # jax's process numbers only where there are iterators to set
             at = (_distributed.process_index(), _distributed.process_count())
             at = at if iterators else (0, 1)
             set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path), *at)
-            planner = planner if planner is not None else DefaultLoadPlanner()
             planner.set_up_planner(target, manifest, keys=keys, strict=strict)
             progress = _progress.check_arg(progress, "jaxckpt.restore")
             items = planner.create_local_plan().items
@@ -166,6 +166,18 @@ def metadata(path: PathLike) -> CheckpointMetadata:
         secs = time.perf_counter() - start
         _events.record_duration(_events.METADATA_DURATION, secs, store=store)
     return info
+
+
+def _asked(keys: str | Sequence[str] | None, strict: bool, planner: LoadPlanner) -> str:
+    """What a restore asks besides its target, as every process making it names it."""
+    try:
+        chosen = (
+            None if keys is None else sorted(map(str, [keys] if isinstance(keys, str) else keys))
+        )
+    except TypeError:  # not a sequence: set_up_planner says so, on every process alike
+        chosen = [repr(keys)]
+    share = getattr(planner, "share_reads", None)
+    return f"keys={chosen} strict={strict} {type(planner).__qualname__}(share_reads={share})"
 
 
 def _open(path: PathLike) -> tuple[Manifest, Any, _location.Location]:

@@ -13,10 +13,13 @@ caller's first computation) would wait forever for the process that gave up. So:
    it finds one;
 3. (every process) after its own reads and before ``finish`` (the only step of the default
    planner that runs jax collectives), one :func:`jaxckpt._runtime.agreement.decide`: each
-   posts ``""`` or its error, the lowest process answers every process with the failures;
+   posts its error, or a digest of the restore it made (:func:`what_restores`: the target's
+   leaves that span processes, ``keys``, the planner); the lowest process answers every
+   process with the failures, or with the processes whose restores differ;
 4. (every process) raises the same error if any process failed: the first failing process's
    type (a :class:`jaxckpt.CheckpointError` subclass, else ``DistributedError``) and
-   message, prefixed with ``Restore of PATH failed on process N``.
+   message, prefixed with ``Restore of PATH failed on process N``; or a ``DistributedError``
+   naming the processes whose restores differ (their collectives would not match).
 
 So no process ever waits in a jax collective while another waits in the coordination service
 (the agreement comes after every read and before every collective), nor the other way round.
@@ -36,6 +39,7 @@ a process that fails (posting its error, deleting it).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -73,6 +77,28 @@ def spanned(target: Any) -> set[int]:
     return found
 
 
+def what_restores(target: Any, also: str) -> str:
+    """A digest of what a restore asks of the processes it spans: the position, shape, dtype
+    and sharding of each leaf of ``target`` that spans processes, and ``also`` (its ``keys``
+    and planner). Alike on every process that makes the same restore; leaves of this process
+    alone (which may differ between processes) do not count.
+
+    Example:
+      >>> what_restores({"w": None}, "keys=None") == what_restores({"b": None}, "keys=None")
+      True
+    """
+    h = hashlib.sha256(also.encode())
+    names: dict[int, str] = {}  # many leaves share a few shardings: each described once
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(target)):
+        where = leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
+        if not isinstance(where, jax.sharding.Sharding) or where.is_fully_addressable:
+            continue
+        name = names.get(id(where)) or names.setdefault(id(where), repr(where))
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        h.update(f"{i} {shape} {dtype} {name};".encode())
+    return h.hexdigest()[:16]
+
+
 class RestoreMeeting:
     """The agreement of one restore (see the module's docstring); a no-op where the restore
     is this process's alone.
@@ -80,9 +106,10 @@ class RestoreMeeting:
     Args:
       path: the checkpoint as the user gave it (the same on every process).
       target: the restore's target.
+      also: what else every process must give alike (``keys``, the planner).
     """
 
-    def __init__(self, path: str, target: Any) -> None:
+    def __init__(self, path: str, target: Any, also: str = "") -> None:
         self.path = path
         members = spanned(target) if _distributed.process_count() > 1 else set()
         self.process = _distributed.process_index() if members else 0
@@ -92,6 +119,7 @@ class RestoreMeeting:
         self._looked = time.monotonic()
         self._echo: BaseException | None = None  # raised here for another process's failure
         if not self.alone:
+            self._digest = what_restores(target, also)
             self._scope = _agreement.scope_of(path)
             self._failed = f"{_agreement.PREFIX}/{self._scope}/restore-failed"
 
@@ -154,8 +182,8 @@ class RestoreMeeting:
         try:
             verdict = _agreement.decide(
                 "restore",
-                mine,
-                _failures,
+                mine or "=" + self._digest,
+                _verdict,
                 scope=self._scope,
                 members=self.members,
                 call=f"jaxckpt.restore({self.path})",
@@ -172,8 +200,21 @@ class RestoreMeeting:
             if mine:  # read by every process by now (or never to be): the next starts clean
                 with contextlib.suppress(Exception):
                     kv.key_value_delete(f"{self._failed}/{self.process}")
-        failed = {int(p): why for p, why in json.loads(verdict or "{}").items()}
+        said = json.loads(verdict or "{}")
+        if "differ" in said:
+            return error if own else self._differ(said["differ"])
+        failed = {int(p): why for p, why in said.items()}
         return self._error(failed, error if own else None) if failed else None
+
+    def _differ(self, groups: list[list[int]]) -> DistributedError:
+        shown = "; ".join(f"processes {g}" for g in groups[:4])
+        return DistributedError(
+            f"Restore of {self.path}: the processes made different restores ({shown} each gave "
+            f"their own): the leaves of the target that span processes (their shapes, dtypes "
+            f"or shardings), keys= or the planner differ, so their collectives would not "
+            f"match. Every process must call restore with the same target, keys and planner; "
+            f"this process ({self.process}) returns nothing."
+        )
 
     def _error(self, failed: dict[int, list[str]], own: BaseException | None) -> BaseException:
         """The error every process raises: the first failing process's, naming it."""
@@ -210,10 +251,16 @@ def _kinds() -> dict[str, type[CheckpointError]]:
 _KINDS = _kinds()
 
 
-def _failures(posted: dict[int, str]) -> str:
-    """The leader's verdict: the processes that failed and their errors, as JSON ("" if none)."""
-    failed = {str(p): json.loads(why) for p, why in sorted(posted.items()) if why}
-    return json.dumps(failed) if failed else ""
+def _verdict(posted: dict[int, str]) -> str:
+    """The leader's verdict as JSON ("" if all is well): the processes that failed and their
+    errors, else the groups of processes whose restores differ (``"differ"``)."""
+    failed = {str(p): json.loads(v) for p, v in sorted(posted.items()) if not v.startswith("=")}
+    if failed:
+        return json.dumps(failed)
+    groups: dict[str, list[int]] = {}
+    for p, v in sorted(posted.items()):
+        groups.setdefault(v, []).append(p)
+    return json.dumps({"differ": sorted(groups.values())}) if len(groups) > 1 else ""
 
 
 def _describe(error: BaseException) -> str:
