@@ -211,8 +211,8 @@ def model(
         save_pages=1,
         restore_pages=0,
         step_pages=1,
-        # The run listed whole (kept + 1 steps), then the deleted step's objects.
-        retention_pages=math.ceil((kept + 1) * objects / PAGE) + math.ceil(objects / PAGE),
+        # The run's index (kept + 1 markers), then the deleted step's objects.
+        retention_pages=math.ceil((kept + 1) / PAGE) + math.ceil(objects / PAGE),
         coordination_ops=coordination,
     )
 

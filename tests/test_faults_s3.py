@@ -125,6 +125,9 @@ def _check_bucket(s3, run: str) -> dict[str, dict]:  # noqa: F811
             metrics = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{run}/{name}")["Body"].read())
             assert set(metrics["steps"]) <= {str(int(n)) for n in manifests}, metrics
             continue
+        if name == ".steps":  # the run's index: a marker per committed step, nothing else
+            assert set(rest) <= set(manifests), (rest, sorted(manifests))
+            continue
         folders = allowed.get(name, set())
         orphans = [
             r
@@ -160,14 +163,19 @@ def _check_after_crash(s3, url: str, run: str, lines: list[str]) -> str:  # noqa
                 phase = "deleting"
     for step in committed:  # before any clean-up: each committed step is whole
         assert_tree_equal(jaxckpt.restore(f"{url}/{step:08d}"), fw3.host_state(step))
-    needed = {  # what those restores read: manifests, own and referenced arrays
+    # What those restores read (manifests, own and referenced arrays), but for a step whose
+    # delete wrote its tombstone in the run's index: the clean-up finishes that delete.
+    doomed = {r.split(".")[0] for r in stored.get(".steps", []) if r.endswith(".deleting")}
+    kept = _allowed({n: m for n, m in _manifests(s3, run, stored).items() if n not in doomed})
+    needed = {
         f"{name}/{r}"
         for name, rest in stored.items()
         for r in rest
-        if r == MANIFEST or r.startswith(tuple(f + "/" for f in allowed.get(name, ())))
+        if (r == MANIFEST and name.isdigit() and name not in doomed)
+        or r.startswith(tuple(f + "/" for f in kept.get(name, ())))
     }
     mgr = jaxckpt.CheckpointManager(url, max_to_keep=2, incremental=True)  # cleans up
-    assert mgr.all_steps() == committed
+    assert mgr.all_steps() == [s for s in committed if f"{s:08d}" not in doomed]
     lost = needed - set(keys(s3, run))
     assert not lost, f"the clean-up deleted what committed steps need: {sorted(lost)}"
     latest = mgr.latest_step()

@@ -413,8 +413,8 @@ with jaxckpt.CheckpointManager(run) as mgr:
         mgr.save(step, {"w": np.full(4, step, np.float32)})
     mgr.wait()
 real = Run.delete
-def delete_then_die(self, step):  # the process dies right after deleting the newest step
-    real(self, step)
+def delete_then_die(self, step, *steps):  # the process dies right after deleting the newest step
+    real(self, step, *steps)
     os._exit(17)
 Run.delete = delete_then_die
 mgr = jaxckpt.CheckpointManager(run)

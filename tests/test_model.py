@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
+from jaxckpt._manager import run_index
 from jaxckpt._manager.retention import MetricsFile, first_at_or_after_multiples, steps_to_delete
 from jaxckpt._runtime import agreement
 from jaxckpt._storage import local_commit
@@ -97,8 +98,8 @@ class Trip(jaxckpt.DefaultSavePlanner):
 class Throttled(jaxckpt.DefaultSavePlanner):
     """Storage failing a save partway: the items before the ``n + 1``-th are written."""
 
-    def __init__(self, n: int) -> None:
-        super().__init__()
+    def __init__(self, n: int, **kwargs) -> None:
+        super().__init__(**kwargs)
         self.n = n
 
     def resolve_data(self, item):
@@ -251,6 +252,9 @@ class CheckpointModel(RuleBasedStateMachine):
         name = f"{self.run}/{step:08d}"
         self.broken |= self._referencing(step)
         _remove_by_hand(name)
+        loc = Location(self.run)
+        if loc.local is None:  # and its marker (docs/manager.md, *Steps on object stores*)
+            kvstore(loc.kvstore, loc).write(f".steps/{step:08d}", None).result()
         del self.steps[step]
         self.scored.discard(step)
 
@@ -269,6 +273,8 @@ class CheckpointModel(RuleBasedStateMachine):
         STATS["second_manager_during_a_save"] += 1
         if step in self.steps:
             return
+        if Location(self.run).local is None and step < max(self.steps, default=-1):
+            return  # unindexed, below the index's newest: not seen (run_index's docstring)
         pause, errors = Pause(), []
 
         def save() -> None:
@@ -339,20 +345,25 @@ class CheckpointModel(RuleBasedStateMachine):
         v=st.integers(0, 7),
         w=st.integers(0, 7),
         written=st.integers(0, 1),
+        objects=st.booleans(),
     )
-    def resumed_save(self, name, v, w, written):
+    def resumed_save(self, name, v, w, written, objects):
         """A save that storage fails after ``written`` items, then its retry with the data of
         ``w`` (the same or changed): the failure changes nothing committed; the retry commits
-        ``w`` whole, keeping what the failed save wrote where it is the same."""
+        ``w`` whole, keeping what the failed save wrote where it is the same. ``objects``:
+        both into format v5's data objects of a record each (object stores; a file per chunk
+        elsewhere), so that an item written makes an object whole."""
         STATS["resumed_save"] += 1
         path = f"{self.base}/plain/{name}"
         overwrite = name in self.plain
+        kw = {"layout": "objects", "object_bytes": 1} if objects else {}
         with pytest.raises(jaxckpt.CheckpointError, match="throttled"):
-            jaxckpt.save(path, state(v), overwrite=overwrite, planner=Throttled(written))
+            jaxckpt.save(path, state(v), overwrite=overwrite, planner=Throttled(written, **kw))
         if name in self.plain:
             want = state(self.plain[name])
             _restores(lambda: jaxckpt.restore(path), want, name in self.plain_broken)
-        handle = jaxckpt.save_async(path, state(w), overwrite=overwrite)
+        planner = jaxckpt.DefaultSavePlanner(**kw)
+        handle = jaxckpt.save_async(path, state(w), overwrite=overwrite, planner=planner)
         handle.wait()
         if written and v == w:
             assert handle.resumed_bytes > 0
@@ -378,6 +389,7 @@ class CheckpointModel(RuleBasedStateMachine):
         if self.mgr is None:
             return
         assert self.mgr.all_steps() == sorted(self.steps)
+        _index_matches(self.run, set(self.steps))
         for step, v in self.steps.items():
             _restores(lambda s=step: self.mgr.restore(s), state(v), step in self.broken)
         for name, v in self.plain.items():
@@ -708,11 +720,14 @@ class RunModel(RuleBasedStateMachine):
         for s in self.persistent:  # arrays of other steps that listed steps reference
             for t in jaxckpt.metadata(f"{self.run}/{s:08d}").refs.values():
                 kept.add(t.split("/")[1])
+        _index_matches(self.run, set(self.persistent))
         found = _top_level(self.run)
-        extra = found - kept - {"metrics.json", "local-tier.json"}
+        extra = found - kept - {"metrics.json", "local-tier.json", ".steps"}
         assert not extra, f"{self.run} holds {sorted(extra)} beyond steps {sorted(kept)}"
         for name in (
-            found - {f"{s:08d}" for s in self.persistent} - {"metrics.json", "local-tier.json"}
+            found
+            - {f"{s:08d}" for s in self.persistent}
+            - {"metrics.json", "local-tier.json", ".steps"}
         ):
             assert not _exists(f"{self.run}/{name}")  # kept arrays only, no checkpoint
         if self.local_on:
@@ -739,6 +754,18 @@ class _alone:
 
     def __exit__(self, *exc) -> None:
         agreement.decide = self.decide
+
+
+def _index_matches(run: str, steps: set[int]) -> None:
+    """Object stores: the run's index names the committed ``steps`` (no tombstone left, no
+    marker of a step gone), but for the newest ones a process saved unmarked."""
+    loc = Location(run)
+    if loc.local is not None:
+        return
+    found = run_index.survey(loc)
+    assert not found.deleting, sorted(found.deleting)
+    assert set(found.marked) | set(found.unmarked) == steps, (found, sorted(steps))
+    assert all(s > max(found.marked, default=-1) for s in found.unmarked), found
 
 
 def _top_level(run: str) -> set[str]:

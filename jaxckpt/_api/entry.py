@@ -316,10 +316,12 @@ def _open_writer(
     """The save's ``Writer`` (its staging directory or generation, leased), writing format v5's
     data objects where the plan has them. A failed save of this same plan is resumed
     (``_storage.resume``), unless this one is incremental (its boxes are linked or referenced,
-    never compared with leftovers) or writes data objects."""
+    never compared with leftovers)."""
     resume = None
-    if increment is None and not plan.manifest.objects:
-        resume = _resume.plan_id(f"{plan.digest}:{compression}", entries.values())
+    if increment is None:
+        objects = plan.manifest.objects
+        layout = "chunks" if objects is None else f"objects:{objects.processes}:{objects.target}"
+        resume = _resume.plan_id(f"{plan.digest}:{compression}:{layout}", entries.values())
     writer = sync.run(
         "open",
         lambda: _storage.Writer(

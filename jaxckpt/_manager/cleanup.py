@@ -6,7 +6,10 @@ stores). A crash leaves the same behind, and an interrupted delete or overwrite 
 ``-deleted`` and ``-old`` siblings. :func:`clean_up` removes what dead saves left and never a
 live save's data: a save holds a lease until it commits (``jaxckpt._storage.lease``), so a
 second manager opened on a run while another process saves (an evaluator) changes nothing.
-On object stores the arrays other steps reference stay (``jaxckpt._storage.holds``).
+On object stores the arrays other steps reference stay (``jaxckpt._storage.holds``), and what
+is looked at comes from the run's index (``jaxckpt._manager.run_index``): the deletes it
+names unfinished and the steps after its newest one, never a listing of the whole run
+(except ``whole=True``, after an incremental step's delete).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections.abc import Callable, Iterable
 
 from jaxckpt._errors import CheckpointError
 from jaxckpt._format.manifest import Manifest
-from jaxckpt._format.names import MANIFEST, parse_staging, parse_step
+from jaxckpt._format.names import MANIFEST, parse_staging, parse_step, step_name
+from jaxckpt._manager import run_index as _index
 from jaxckpt._manager.retention import METRICS
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import generations as _generations
@@ -34,11 +38,22 @@ METRICS_TMP = re.compile(re.escape(f".{METRICS}.tmp-") + r"[0-9a-f]+")
 Referenced = Callable[[Iterable[str]], dict[str, set[str]]]
 
 
-def clean_up(run: _location.Location, referenced: Referenced) -> None:
-    """Remove what dead saves and interrupted deletes left in the run directory ``run``."""
+def clean_up(
+    run: _location.Location, referenced: Referenced, *, whole: bool = False
+) -> list[int] | None:
+    """Remove what dead saves and interrupted deletes left in the run directory ``run``.
+
+    Object stores: what the run's index (``jaxckpt._manager.run_index``) says is left: the
+    deletes it names unfinished, and the steps after its newest one (a listing of those
+    only; ``whole``: of the whole run, which also finds what an interrupted incremental
+    delete left in older steps); the committed steps found there without a marker are added
+    to the index.
+
+    Returns:
+      Object stores: the committed steps, as found; ``None`` on a local directory.
+    """
     if run.local is None:
-        _clean_up_objects(run, referenced)
-        return
+        return _clean_up_objects(run, referenced, whole)
     names = [p.name for p in run.local.iterdir()]
     newest = _newest(n for n in names if (run.local / n / MANIFEST).is_file())
     for p in run.local.iterdir():
@@ -53,23 +68,50 @@ def clean_up(run: _location.Location, referenced: Referenced) -> None:
         else:
             continue
         logger.info("cleaned up %s (left by an interrupted save or delete)", p)
+    return None
 
 
-def _clean_up_objects(run: _location.Location, referenced: Referenced) -> None:
-    """Object stores: the prefixes of steps without a manifest whose save is not live (arrays
+def _clean_up_objects(run: _location.Location, referenced: Referenced, whole: bool) -> list[int]:
+    """Object stores: finish the deletes the index names unfinished, then clean the steps
+    :func:`_clean_listed` is given (the index's tail, or the whole run), then index the
+    committed ones the index lacks. Returns the committed steps."""
+    found = _index.survey(run)
+    if found.deleting:
+        keep = referenced(step_name(s) for s in found.steps)
+        for step in sorted(found.deleting):
+            _index.delete_step(run, step, keep=keep.get(step_name(step), ()))
+            logger.info("cleaned up step %d of %s (its delete was interrupted)", step, run)
+    listing = _catalog.listing(run) if whole else dict(found.tail)
+    for step in found.deleting:
+        listing.pop(step_name(step), None)
+    committed = clean_listed(run, referenced, listing, max(found.steps, default=None))
+    steps = set(found.steps) | {s for s in map(parse_step, committed) if s is not None}
+    missing = sorted(steps - found.marked)
+    if missing:
+        _index.mark(run, missing)
+    return sorted(steps)
+
+
+def clean_listed(
+    run: _location.Location,
+    referenced: Referenced,
+    listing: dict[str, list[str]],
+    newest: int | None,
+) -> set[str]:
+    """The prefixes of ``listing``'s steps without a manifest whose save is not live (arrays
     other steps reference stay), what a save that died right after its commit left in its
-    step, and the markers of steps that no longer exist."""
-    listing = _catalog.listing(run)
+    step, and the markers of steps that no longer exist; ``newest``: the newest committed
+    step of the run. Returns the names of the committed steps listed."""
     committed = {n for n, keys in listing.items() if MANIFEST in keys}
     steps = [n for n in listing if parse_step(n) is not None]
     keep = referenced(n for n in steps if n in committed)
     live = {n for n in steps if _writing(run.join(n), listing[n])}
-    newest = _newest(committed)
+    newest = max(newest or -1, _newest(committed) or -1)
     live |= {  # a failed save of the next step, kept: its retry resumes it
         n
         for n in steps
         if n not in committed
-        and _for_retry(n, newest)
+        and _for_retry(n, None if newest < 0 else newest)
         and _resume.resumable(run.join(n), listing[n])
     }
     for name in steps:
@@ -88,6 +130,7 @@ def _clean_up_objects(run: _location.Location, referenced: Referenced) -> None:
                 logger.info("cleaned up %s (left by an interrupted save or delete)", loc)
         except CheckpointError as e:  # holds objects jaxckpt did not write: keep
             logger.warning("not cleaning up %s: %s", loc, e)
+    return {n for n in committed if parse_step(n) is not None}
 
 
 def _newest(names: Iterable[str]) -> int | None:

@@ -26,13 +26,19 @@ commits (a plain ``jaxckpt.save`` into the run) show up; ``save`` lists the dire
 (on object stores, only from its own step on: see below).
 
 Cost, local directories: a listing of the run (O(steps) directory entries) per save, delete
-and ``all_steps``. Object stores, where a listing returns every object of what it lists
-(O(objects of the run) keys, in pages of 1,000, on every process that sends it): a save lists
-only the key range of its own step and the newer ones (:meth:`Run.steps_from`: nothing there
-when the step is new, so one page), and the older committed steps come from what the ledger
-knows (:meth:`Ledger.persistent`: the listing when it opened, plus each commit, minus each
-delete); ``all_steps``, delete, rollback and retention (process 0, in the background) list
-the run whole. With a local tier one agreement of all processes (O(processes x local steps)
+and ``all_steps``. Object stores, where a listing returns every object of what it lists, never
+list the run: the committed steps come from the run's index (``jaxckpt._manager.run_index``:
+one marker per step, one page per 1,000 steps) and the key range of the step names after its
+newest step (one page, empty unless steps were saved there unindexed), when the manager opens
+(every process), for ``all_steps``, delete and rollback; retention (process 0, in the
+background) lists the index alone, after writing the committed step's marker (and any the
+index lacks of the steps this process knows), then each deleted step's own prefix. A save
+lists only the key range of the step names after the newest step it knows (:meth:`Run.after`:
+nothing there but what other processes saved since, so one page), and the older committed steps come from what the
+ledger knows (:meth:`Ledger.persistent`: the listing when it opened, plus each commit, minus
+each delete). The rule for steps without a marker (a run older than the index, plain
+``jaxckpt.save`` steps) is ``run_index``'s: those after the newest marked step are found,
+those below it are not. With a local tier one agreement of all processes (O(processes x local steps)
 through process 0) when the manager opens and per delete and rollback (collective calls, as
 ``save``); nothing per ``should_save``. ``all_steps`` and ``latest_step`` ask no other
 process, so one process may call them alone: they list the local steps this process holds
@@ -49,6 +55,9 @@ from typing import Any, Literal
 
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._format.iterators import Checkpointable
+from jaxckpt._format.names import MANIFEST, parse_step
+from jaxckpt._manager.cleanup import clean_listed
+from jaxckpt._manager.retention import referenced
 from jaxckpt._manager.run import Run
 from jaxckpt._planning.load_planner import LoadPlanner
 from jaxckpt._tiers.local_tier import LocalTier
@@ -65,9 +74,17 @@ class Ledger:
       run: the persistent directory.
       local: the local tier, or ``None``.
       read_only: a reader's ledger lists afresh at every question (another process saves).
+      listed: the committed persistent steps, just listed (``None``: list them now).
     """
 
-    def __init__(self, run: Run, local: LocalTier | None, *, read_only: bool = False) -> None:
+    def __init__(
+        self,
+        run: Run,
+        local: LocalTier | None,
+        *,
+        read_only: bool = False,
+        listed: list[int] | None = None,
+    ) -> None:
         self.run, self.local, self.read_only = run, local, read_only
         self.newest: int | None = None
         self._before: int | None = None  # ``newest`` before the save in flight began
@@ -75,8 +92,10 @@ class Ledger:
         # Object stores: the committed persistent steps as this process knows them (see the
         # module's docstring).
         self._known: set[int] = set()
+        # What the last save's listing found uncommitted below its step: {name: its keys}.
+        self.leftovers: dict[str, list[str]] = {}
         self._lock = threading.Lock()
-        self.refresh()
+        self.refresh(listed)
 
     # -- what the run holds ---------------------------------------------------------------------
 
@@ -92,10 +111,11 @@ class Ledger:
             return persistent
         return sorted(set(persistent) | set(self.local.known_whole()))
 
-    def agreed_steps(self) -> list[int]:
-        """The persistent steps and the local ones some tier holds whole, agreed by all
-        processes (with a local tier every process calls it: at start, delete, rollback)."""
-        persistent = self.run.steps()
+    def agreed_steps(self, listed: list[int] | None = None) -> list[int]:
+        """The persistent steps (``listed``, else listed now) and the local ones some tier
+        holds whole, agreed by all processes (with a local tier every process calls it: at
+        start, delete, rollback)."""
+        persistent = self.run.steps() if listed is None else listed
         with self._lock:
             self._known = set(persistent)
         if self.local is None:
@@ -103,9 +123,9 @@ class Ledger:
         agreed = self.local.agree(None, persistent, None)["local_steps"]
         return sorted(set(persistent) | set(agreed))
 
-    def refresh(self) -> None:
+    def refresh(self, listed: list[int] | None = None) -> None:
         """Read :attr:`newest` again from both tiers (agreed by all processes)."""
-        self.newest = max(self.agreed_steps(), default=None)
+        self.newest = max(self.agreed_steps(listed), default=None)
 
     def newer(self, step: int) -> list[int]:
         """The steps after ``step`` in any tier, as this process sees them (for messages)."""
@@ -187,13 +207,22 @@ class Ledger:
         raise CheckpointExistsError(_refusal(step, directory, saved, newer, back, doomed))
 
     def _listed_for(self, step: int) -> list[int]:
-        """The committed persistent steps before a save of ``step``: listed afresh from
-        ``step`` on (there the listing is the truth), known below it (object stores)."""
+        """The committed persistent steps before a save of ``step``: listed afresh after the
+        newest step this process knows (there the listing is the truth: it also finds steps
+        other processes saved since), known below (object stores). What that listing finds
+        uncommitted below ``step`` (a failed save) process 0 removes after the next commit."""
         if self.run.loc.local is not None:
             return self.run.steps()
-        found = self.run.steps_from(step)
         with self._lock:
-            self._known = {s for s in self._known if s < step} | set(found)
+            start = min(step, max(self._known) + 1) if self._known else 0
+        listing = self.run.after(start)
+        named = {n: s for n in listing if (s := parse_step(n)) is not None}
+        found = {s for n, s in named.items() if MANIFEST in listing[n]}
+        with self._lock:
+            self._known = {s for s in self._known if s < start} | found
+            self.leftovers = {
+                n: listing[n] for n, s in named.items() if s < step and MANIFEST not in listing[n]
+            }
             return sorted(self._known)
 
     def persistent(self) -> list[int]:
@@ -207,6 +236,24 @@ class Ledger:
         """The persistent save of ``step`` committed (every process)."""
         with self._lock:
             self._known.add(step)
+
+    def index(self, step: int) -> list[int]:
+        """(process 0, after ``step``'s commit) Add ``step`` to the run's index, and any
+        committed step this process knows of that the index lacks (a plain ``jaxckpt.save``
+        of a newer step, a marker whose write failed); returns the committed persistent steps
+        as the index now says (object stores; listed on a local directory)."""
+        if self.run.loc.local is not None:
+            return self.run.steps()
+        self.run.mark([step])
+        indexed = set(self.run.indexed()) | {step}
+        missing = [s for s in self.persistent() if s not in indexed and self.run.holds(s)]
+        if missing:
+            self.run.mark(missing)
+        with self._lock:
+            left, self.leftovers = self.leftovers, {}
+        if left:  # failed saves older than the committed step: no retry resumes them now
+            clean_listed(self.run.loc, lambda n: referenced(self.run.loc, n), left, step)
+        return sorted(indexed | set(missing))
 
     def forget(self, steps: list[int]) -> None:
         """``steps`` were deleted from the persistent directory."""
@@ -265,14 +312,15 @@ class Ledger:
 
     # -- deleting -------------------------------------------------------------------------------
 
-    def delete(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> None:
+    def delete(self, step: int, *, primary: bool, clean_up: Callable[[], object]) -> None:
         """Delete ``step`` from every tier (every process calls it with a local tier); then
         ``clean_up()`` (primary) removes what only the deleted step kept.
 
         Raises:
           CheckpointNotFoundError: no tier holds ``step``; nothing was deleted.
         """
-        steps = self.agreed_steps()
+        persistent = self.run.steps()
+        steps = self.agreed_steps(persistent)
         local = self.local is not None and self.local.holds(step)
         if step not in steps and not local:
             raise CheckpointNotFoundError(
@@ -280,33 +328,43 @@ class Ledger:
                 f"{'' if self.local is None else ' or its local tier'}; committed steps: "
                 f"{steps}. Nothing was deleted."
             )
-        self._remove([step], primary=primary, clean_up=clean_up)
+        self._remove([step], persistent, primary=primary, clean_up=clean_up)
         self.newest = max((s for s in steps if s != step), default=None)
 
-    def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], None]) -> list[int]:
+    def rollback(self, step: int, *, primary: bool, clean_up: Callable[[], object]) -> list[int]:
         """Delete every step after ``step`` from every tier; returns them."""
-        steps = self.agreed_steps()
+        persistent = self.run.steps()
+        steps = self.agreed_steps(persistent)
         doomed = sorted(
             {s for s in steps if s > step}
             | ({s for s in self.local.all_held() if s > step} if self.local is not None else set())
         )
-        self._remove(doomed, primary=primary, clean_up=clean_up)
+        self._remove(doomed, persistent, primary=primary, clean_up=clean_up)
         self.newest = max((s for s in steps if s <= step), default=None)
         if doomed:
             logger.info("rolled back %s to step %d: deleted %s", self.run.directory, step, doomed)
         return doomed
 
-    def _remove(self, doomed: list[int], *, primary: bool, clean_up: Callable[[], None]) -> None:
+    def _remove(
+        self,
+        doomed: list[int],
+        persistent: list[int],
+        *,
+        primary: bool,
+        clean_up: Callable[[], object],
+    ) -> None:
         """Delete ``doomed`` from the local tier (this process's disk), then from the
-        persistent directory (the primary), then clean up after them."""
+        persistent directory (the primary; ``persistent``: its committed steps, listed just
+        before), then clean up after them."""
         if self.local is not None:
             for s in doomed:
                 self.local.delete(s)
         if primary:
-            listed = set(self.run.steps())
-            gone = [s for s in doomed if s in listed]
+            remaining = sorted(persistent)
+            gone = [s for s in doomed if s in remaining]
             for s in reversed(gone):  # newest first: a crash leaves the oldest of the branch
-                self.run.delete(s)
+                self.run.delete(s, remaining)
+                remaining.remove(s)
             if gone:
                 clean_up()
         self.forget(doomed)

@@ -28,14 +28,15 @@ from typing import Any, Literal
 
 from jaxckpt._api.entry import SaveHandle, save_async
 from jaxckpt._api.staged import BudgetError, budget_arg
-from jaxckpt._errors import CheckpointError, InvalidArgumentError
+from jaxckpt._errors import CheckpointError
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
+from jaxckpt._manager import options as _options
 from jaxckpt._manager import retention as _retention
 from jaxckpt._manager.ledger import Ledger
 from jaxckpt._manager.reading import RunReader
-from jaxckpt._manager.retention import Policy, json_metrics, referenced
+from jaxckpt._manager.retention import json_metrics, referenced
 from jaxckpt._manager.run import Run, step_arg
 from jaxckpt._manager.schedule import Schedule, check
 from jaxckpt._runtime import distributed as _distributed
@@ -45,7 +46,6 @@ from jaxckpt._runtime import staging as _staging
 from jaxckpt._runtime.preemption import PreemptionWatcher
 from jaxckpt._storage import directwrite as _directwrite
 from jaxckpt._storage import location as _location
-from jaxckpt._tiers.local_tier import LocalTier
 from jaxckpt._tiers.tier_choice import RestoredFrom
 
 logger = logging.getLogger("jaxckpt")
@@ -161,20 +161,19 @@ class CheckpointManager(RunReader):
         keep_checkpoints_without_metrics: bool = True,
         compression: str | None = None,
     ) -> None:
-        _check_counts(
-            local_save_interval_steps=local_save_interval_steps, local_max_to_keep=local_max_to_keep
-        )
-        _check_options(best_mode, local_replicas, read_only=read_only, local=local_directory)
+        counts = {"local_save_interval_steps": local_save_interval_steps}
+        counts["local_max_to_keep"] = local_max_to_keep
+        _options.check_options(best_mode, local_replicas, read_only, local_directory, counts)
         self.directory = os.path.expanduser(os.fspath(directory))  # as Location reads it
         keep = (max_to_keep, keep_every_n_steps, best_fn, best_mode, keep_every_n_secs)
-        self.policy = _policy(*keep, keep_without_metrics=keep_checkpoints_without_metrics)
+        self.policy = _options.policy(*keep, keep_without_metrics=keep_checkpoints_without_metrics)
         self.save_interval_steps = check(save_interval_steps, save_interval_secs)
         self._schedule = Schedule(self.save_interval_steps, save_interval_secs, self.directory)
         self.async_save = async_save
         self.max_host_bytes = budget_arg(max_host_bytes)
         self.compression = _codecs.check_arg(compression, "CheckpointManager")
         self.last_save: SaveHandle | None = None
-        self.io_timeout = _timeout_arg(io_timeout)
+        self.io_timeout = _options.timeout_arg(io_timeout)
         with _location.deadline(io_timeout):
             self._loc = _location.Location(self.directory)
         self._run = Run(self._loc, self.directory)
@@ -185,18 +184,18 @@ class CheckpointManager(RunReader):
         self._retiring: Future[None] | None = None  # the retention after the last commit
         self._error: BaseException | None = None
         self._closed = False
-        self.read_only = read_only
+        self.read_only, self.incremental = read_only, incremental
+        listed = None  # the committed steps, where the clean-up listed them
         if not read_only:
             self._run.make()
             if self._primary:
-                self._clean_up()
+                listed = self._clean_up()
         self._watcher = PreemptionWatcher() if save_on_preemption else None
-        self.incremental = incremental
         self.restored_from: RestoredFrom | None = None  # set by restore()
-        self._local = _local_tier(
+        self._local = _options.local_tier(
             local_directory, self._loc, local_save_interval_steps, local_max_to_keep, local_replicas
         )
-        self._ledger = Ledger(self._run, self._local, read_only=read_only)
+        self._ledger = Ledger(self._run, self._local, read_only=read_only, listed=listed)
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -277,8 +276,9 @@ class CheckpointManager(RunReader):
         loc = self._run.path(step)
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
         if base is not None and not _location.exists(self._run.path(max(steps))):
-            # Object stores know older steps from the ledger: one deleted by hand is listed out.
-            steps = self._run.steps()
+            # Object stores know older steps from the ledger: one deleted by hand is listed
+            # out, and its marker dropped from the run's index.
+            steps = self._run.held(self._run.steps(), primary=self._primary)
             base = str(self._run.path(max(steps))) if steps else None
         began = self._schedule.clock()
         try:
@@ -354,7 +354,7 @@ class CheckpointManager(RunReader):
         if before is not None:
             before.result()  # never raises: see below
         try:
-            steps = self._run.steps()  # listed whole: steps saved or deleted by others too
+            steps = self._ledger.index(step)  # marks the step; what the index holds
             deleted = _retention.after_commit(
                 self._loc, self.policy, self._metrics, step, record, steps, timings
             )
@@ -536,8 +536,13 @@ class CheckpointManager(RunReader):
         except Exception:  # do not hide the error already on its way out
             logger.error("while closing %s after an error", self.directory, exc_info=True)
 
-    def _clean_up(self) -> None:
-        _cleanup.clean_up(self._loc, lambda names: referenced(self._loc, names))
+    def _clean_up(self) -> list[int] | None:
+        """Remove what dead saves left (``opening``: when the manager opens); the committed
+        steps, if listed. Incremental steps on object stores: from the whole run (what only a
+        deleted or crashed step held in older steps)."""
+        return _cleanup.clean_up(
+            self._loc, lambda n: referenced(self._loc, n), whole=self.incremental
+        )
 
     def _check_open(self) -> None:
         if self.read_only:
@@ -562,58 +567,3 @@ def step_timings(handle: SaveHandle) -> dict[str, Any]:
     if handle.slowest:
         out["slowest"] = handle.slowest
     return out
-
-
-def _local_tier(
-    directory: str | os.PathLike[str] | None,
-    loc: _location.Location,
-    interval: int,
-    max_to_keep: int,
-    replicas: int,
-) -> LocalTier | None:
-    if directory is None:
-        return None
-    return LocalTier(directory, loc, interval=interval, max_to_keep=max_to_keep, replicas=replicas)
-
-
-def _timeout_arg(seconds: float | None) -> float | None:
-    return None if seconds is None else _location.positive_seconds(seconds, "io_timeout")
-
-
-def _policy(
-    max_to_keep: int | None,
-    keep_every_n_steps: int | None,
-    best_fn: Callable[[Mapping[str, Any]], float] | None,
-    best_mode: Literal["min", "max"],
-    keep_every_n_secs: float | None,
-    *,
-    keep_without_metrics: bool,
-) -> Policy:
-    _check_counts(max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps)
-    return Policy(
-        max_to_keep,
-        keep_every_n_steps,
-        best_fn,
-        best_mode,
-        keep_every_n_secs,
-        keep_without_metrics=bool(keep_without_metrics),
-    )
-
-
-def _check_counts(**counts: int | None) -> None:
-    for name, value in counts.items():
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise InvalidArgumentError(f"{name} must be a positive int or None, got {value!r}")
-
-
-def _check_options(best_mode: str, local_replicas: int, *, read_only: bool, local: object) -> None:
-    if not isinstance(local_replicas, int) or local_replicas < 0:
-        raise InvalidArgumentError(
-            f"local_replicas must be a non-negative int, got {local_replicas!r}"
-        )
-    if best_mode not in ("min", "max"):
-        raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-    if read_only and local is not None:
-        raise InvalidArgumentError(
-            "a read_only manager has no local tier: pass local_directory=None"
-        )

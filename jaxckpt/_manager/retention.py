@@ -49,7 +49,7 @@ from jaxckpt._errors import (
 )
 from jaxckpt._format.manifest import Manifest
 from jaxckpt._format.names import step_name
-from jaxckpt._storage import catalog as _catalog
+from jaxckpt._manager import run_index as _index
 from jaxckpt._storage import lease as _lease
 from jaxckpt._storage import location as _location
 
@@ -291,7 +291,7 @@ def apply(
         )
     deleted = []
     for step in doomed:
-        if _catalog.delete(run.join(step_name(step)), keep=keep.get(step_name(step), ())):
+        if _index.delete_step(run, step, keep=keep.get(step_name(step), ())):
             logger.info("deleted step %d from %s (retention)", step, run)
             deleted.append(step)
     return deleted

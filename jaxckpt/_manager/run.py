@@ -4,15 +4,16 @@ What a ``CheckpointManager`` knows about the directory it saves into, read-only 
 included: the steps are the sub-directories (or sub-prefixes) whose name is a step name
 (``jaxckpt._format.names.step_name``) and that hold a manifest; metrics live in
 ``metrics.json`` (``jaxckpt._manager.retention``). Every call lists afresh, so steps that
-another process commits show up at once: :meth:`Run.steps` the whole directory, and
-:meth:`Run.steps_from` only the names from one step on (a save's check on object stores,
-where a listing of the run returns every object of every step).
+another process commits show up at once: :meth:`Run.steps` the whole directory (object
+stores: its index, ``jaxckpt._manager.run_index``, and the names after the index's newest
+step), and :meth:`Run.after` only the names from one step on (a save's check).
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,8 @@ from jaxckpt._errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
 )
-from jaxckpt._format.names import MANIFEST, parse_step, step_name
+from jaxckpt._format.names import parse_step, step_name
+from jaxckpt._manager import run_index as _index
 from jaxckpt._manager.retention import MetricsFile, referenced
 from jaxckpt._storage import catalog as _catalog
 from jaxckpt._storage import location as _location
@@ -59,27 +61,48 @@ class Run:
         return self.loc.join(step_name(step))
 
     def steps(self) -> list[int]:
-        """The committed steps, ascending; none where the local directory does not exist."""
-        if self.loc.local is not None and not self.loc.local.exists():
+        """The committed steps, ascending; none where the local directory does not exist.
+        Object stores: from the run's index (:meth:`survey`), never a listing of the run."""
+        if self.loc.local is None:
+            return self.survey().steps
+        if not self.loc.local.exists():
             return []  # e.g. an evaluator started before the trainer made the directory
         found = (parse_step(n) for n, committed in _catalog.children(self.loc) if committed)
         return sorted(s for s in found if s is not None)
 
-    def steps_from(self, step: int) -> list[int]:
-        """The committed steps at or after ``step``, ascending.
+    def survey(self) -> _index.Survey:
+        """Object stores: the run's index and the steps after its newest
+        (``jaxckpt._manager.run_index``)."""
+        return _index.survey(self.loc)
 
-        Object stores: one listing of the key range of step names from ``step``'s on, which
-        holds only the objects of those steps (none, when ``step`` is a new one: one page).
-        Names sort as numbers among steps below 10**7 (``00000100``); from there on a longer
-        name can sort lower, so the range starts at ``1`` and holds every such step.
-        """
+    def indexed(self) -> list[int]:
+        """The committed steps as the index alone says (object stores: one listing of the
+        index); the listed steps on a local directory."""
         if self.loc.local is not None:
-            return [s for s in self.steps() if s >= step]
-        name = step_name(step)
-        low = name if name.startswith("0") else "1"
-        found = _catalog.listing(self.loc, (low, ":")).items()  # ":" follows "9"
-        steps = (parse_step(n) for n, keys in found if MANIFEST in keys)
-        return sorted(s for s in steps if s is not None and s >= step)
+            return self.steps()
+        marked, deleting = _index.read(self.loc)
+        return sorted(marked - deleting)
+
+    def mark(self, steps: Iterable[int]) -> None:
+        """(process 0) Add the committed ``steps`` to the index (object stores only)."""
+        if self.loc.local is None:
+            _index.mark(self.loc, steps)
+
+    def held(self, steps: list[int], *, primary: bool) -> list[int]:
+        """``steps`` less the newest ones whose manifest is gone (deleted by hand, marker
+        and all but the marker): one read each, from the newest down to one that is there;
+        ``primary``: drop the markers of those gone from the index."""
+        steps, gone = sorted(steps), []
+        while steps and not self.holds(steps[-1]):
+            gone.append(steps.pop())
+        if gone and primary and self.loc.local is None:
+            _index.unmark(self.loc, gone)
+        return steps
+
+    def after(self, step: int) -> dict[str, list[str]]:
+        """Object stores: the keys of the steps at or after ``step`` (by name), from one
+        listing of the key range of their names (``jaxckpt._manager.run_index.after``)."""
+        return _index.after(self.loc, step)
 
     def make(self) -> None:
         """Create the (local) directory if it is missing."""
@@ -93,9 +116,13 @@ class Run:
                 f"its parents are directories and writable, or pass another directory."
             ) from e
 
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` is committed (its manifest is there: one read)."""
+        return _location.exists(self.path(step))
+
     def require(self, step: int, then: str) -> None:
         """Raise ``CheckpointNotFoundError`` (ending in ``then``) unless ``step`` is committed."""
-        if not _location.exists(self.path(step)):
+        if not self.holds(step):
             raise CheckpointNotFoundError(
                 f"Step {step} is not in {self.directory}; committed steps: {self.steps()}. {then}"
             )
@@ -121,15 +148,17 @@ class Run:
         with _location.deadline(self.loc.io_timeout):
             return restore(str(self.path(step)), target, **kwargs), step
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, steps: list[int] | None = None) -> None:
         """Delete the committed ``step`` and its metrics; on object stores what other steps
-        reference stays.
+        reference stays (``steps``: the committed steps, listed just before; ``None``: list
+        them now).
 
         Raises:
           CheckpointNotFoundError: ``step`` is not committed.
         """
         self.require(step, "Nothing was deleted.")
-        others = [step_name(s) for s in self.steps() if s != step]
+        listed = self.steps() if steps is None else steps
+        others = [step_name(s) for s in listed if s != step]
         keep = referenced(self.loc, others)
         metrics, committed = self.metrics.read_all()
         pinned, timings = self.metrics.pinned(), self.metrics.timings()
@@ -138,7 +167,7 @@ class Run:
             timings.pop(str(step), None)
             rest = {k: v for k, v in metrics.items() if k != str(step)}
             self.metrics.write(rest, committed, [p for p in pinned if p != step], timings)
-        _catalog.delete(self.path(step), keep=keep.get(step_name(step), ()))
+        _index.delete_step(self.loc, step, keep=keep.get(step_name(step), ()))
         logger.info("deleted step %d from %s", step, self.directory)
 
     def pin(self, step: int, pinned: bool) -> None:

@@ -27,6 +27,7 @@ from jaxckpt._format.plan import WriteItem
 from jaxckpt._storage.crc import crc32c
 from jaxckpt._storage.location import Location, Pending, kvstore, wait
 from jaxckpt._storage.messages import write_error
+from jaxckpt._storage.resume import Present
 
 # (object index, first byte, end byte, [(chunk index, offset in the read, record length)])
 _Read = tuple[int, int, int, list[tuple[tuple[int, ...], int, int]]]
@@ -58,6 +59,11 @@ class RecordWriter:
       loc: where the save goes (deadlines, messages).
       objects: the save's layout; ``entries`` its stored arrays by storage path.
       process: this process's index: it writes the objects named for it.
+      present: a failed save of the same plan whose generation this save adopted
+        (``jaxckpt._storage.resume``): an object it already holds with exactly the bytes
+        this save would write is not written again. Each of the object's records is checked
+        by its CRC-32C trailer (a ranged read of 4 bytes each, all at once; an object is
+        written whole or not at all), as chunk files are.
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class RecordWriter:
         objects: DataObjects,
         entries: dict[str, ArrayEntry],
         process: int,
+        present: Present | None = None,
     ) -> None:
         self.kv, self.loc, self.objects = kv, loc, objects
         self.table: Table = table(objects, entries)
@@ -78,7 +85,12 @@ class RecordWriter:
         self._size = {o: int(sizes[o]) for o in range(len(names)) if names[o].startswith(mine)}
         self._left = collections.Counter(self._size)  # bytes each object still awaits
         self._buf: dict[int, bytearray] = {}
-        self._pending: collections.deque[tuple[str, Pending[Any], int]] = collections.deque()
+        # (name, size, its write; or, resuming, its records' checks, and its bytes and ends)
+        self._pending: collections.deque[tuple[str, int, Any, tuple[bytearray, Any] | None]] = (
+            collections.deque()
+        )
+        self._present = present
+        self._ends = _record_ends(self.table, entries, self._size) if present else {}
 
     def write(
         self,
@@ -87,8 +99,10 @@ class RecordWriter:
         max_inflight_bytes: int,
     ) -> int:
         """Copy each item's chunks into their records, writing each object once whole; at most
-        ``max_inflight_bytes`` of objects in flight. Returns the bytes of the items."""
+        ``max_inflight_bytes`` of objects in flight. Returns the bytes written: the items'
+        bytes, less those a resumed save found already written."""
         total = inflight = 0
+        kept = self._present.kept if self._present is not None else 0
         try:
             for item, data in items:
                 entry = entries[item.key]
@@ -116,7 +130,7 @@ class RecordWriter:
                 f"written (a planner yielded fewer boxes than it planned). Nothing was committed; "
                 f"report this with the planner used."
             )
-        return total
+        return total - (self._present.kept - kept if self._present is not None else 0)
 
     def _add(
         self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], data: Any
@@ -145,20 +159,63 @@ class RecordWriter:
 
     def _start(self, o: int) -> int:
         name = self.table.names[o]
-        value = self._buf.pop(o)  # tensorstore copies it at the call: no copy of ours first
-        fut = self.kv().write(name, value)  # type: ignore[arg-type]
-        self.loc.watch(fut)
-        self._pending.append((name, fut, len(value)))
+        value = self._buf.pop(o)
+        ends = self._ends.get(o)
+        if ends is not None and len(ends):  # resuming: its records are checked first
+            kv = self.kv()
+            checks = [kv.read(name, byte_range=slice(int(e) - 4, int(e))) for e in ends]
+            self._pending.append((name, len(value), checks, (value, ends)))
+        else:
+            self._pending.append((name, len(value), self._write(name, value), None))
         return len(value)
 
+    def _write(self, name: str, value: bytearray) -> Pending[Any]:
+        fut = self.kv().write(name, value)  # type: ignore[arg-type]  # copied at the call
+        self.loc.watch(fut)
+        return fut
+
     def _finish(self) -> int:
-        name, fut, n = self._pending.popleft()
+        name, n, fut, resumed = self._pending.popleft()
+        if resumed is not None:  # kept if every record's trailer is this save's
+            value, ends = resumed
+            if self._holds(name, fut, value, ends):
+                assert self._present is not None
+                self._present.keep(n - 4 * len(ends))
+                return n
+            fut = self._write(name, value)
         what = f"writing data object {name}"
         try:
             wait(fut, self.loc, what, n)
         except (ValueError, OSError) as e:
             raise write_error(self.loc, what, e) from e
         return n
+
+    def _holds(self, name: str, checks: list[Any], value: bytearray, ends: Any) -> bool:
+        """Whether the stored object ``name`` ends each record with ``value``'s trailer."""
+        for fut, e in zip(checks, ends):
+            try:
+                got = wait(fut, self.loc, f"reading data object {name}")
+            except ValueError:  # shorter: not this save's object
+                return False
+            if got.state != "value" or bytes(got.value) != value[int(e) - 4 : int(e)]:
+                return False
+        return True
+
+
+def _record_ends(
+    t: Table, entries: dict[str, ArrayEntry], objects: Iterable[int]
+) -> dict[int, npt.NDArray[np.int64]]:
+    """The end offset of each record of ``objects`` (those with a CRC-32C trailer in every
+    record only: the others cannot be checked, and are written again)."""
+    ends: dict[int, list[npt.NDArray[np.int64]]] = {o: [] for o in objects}
+    unchecked: set[int] = set()
+    for path, (obj, off, length) in t.where.items():
+        crc = entries[path].checksum == "crc32c"
+        for o in ends.keys() & set(np.unique(obj).tolist()):
+            if not crc:
+                unchecked.add(o)
+            ends[o].append((off + length)[obj == o])
+    return {o: np.concatenate(e) for o, e in ends.items() if e and o not in unchecked}
 
 
 class RecordReader:

@@ -164,6 +164,12 @@ class Present:
         self.kept = 0  # chunk bytes found written and kept by this save
         self._lock = threading.Lock()
 
+    def keep(self, nbytes: int) -> None:
+        """Count ``nbytes`` of stored data (checksums excluded) found written and kept."""
+        with self._lock:
+            self.kept += nbytes
+        _count(nbytes)
+
     def ahead(
         self,
         entries: dict[str, ArrayEntry],

@@ -172,7 +172,9 @@ class Writer:
         if self.loc.local is not None:
             raise ValueError("data objects are written on object stores only")
         by_path = {e.path: e for e in entries.values()}
-        self._records = RecordWriter(self._root_kv, self.loc, objects, by_path, process)
+        self._records = RecordWriter(
+            self._root_kv, self.loc, objects, by_path, process, self.resumed
+        )
 
     def open_arrays(self, entries: Iterable[ArrayEntry], *, create: bool) -> None:
         """Start creating (coordinator) or opening (others, after it) the zarr arrays, all at
