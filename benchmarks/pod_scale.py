@@ -244,12 +244,16 @@ SAVE_FIXED_COORDINATOR = {
 }
 # (and, once per process and store, a write that checks the store honours preconditions)
 # jax.distributed key-value operations (sets, gets, directory reads, deletes) of one save,
-# per process: process 0 and the others; a restore does none. Counted by the groups test at
+# per process: process 0 and the others. Counted by the groups test at
 # 2 and 4 processes: independent of processes, leaves and bytes (process 0 reads all the
 # arrivals of a sync point in one directory read). A process that waits longer at a sync
 # point polls again (every jaxckpt._runtime.distributed._POLL_S), so these are typical
 # counts, and the test allows twice as many.
 COORDINATION_PER_SAVE = (11, 9)
+# One restore onto arrays of several processes: one agreement (every process's read error
+# shared; jaxckpt._runtime.shared_restore): process 0 makes this many plus one answer per
+# other process, each other process the second figure. Typical, as above.
+COORDINATION_PER_RESTORE = (4, 6)
 
 
 def model(

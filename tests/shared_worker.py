@@ -1,7 +1,19 @@
-"""One process of a 2-process JAX group for tests/test_shared_failures.py (issue 60, item 3).
+"""One process of a 2-process JAX group for tests/test_shared_failures.py (issue 60, 2 and 3).
 
     python tests/shared_worker.py STAGE PROCESS_ID NUM_PROCESSES PORT WORKDIR
 
+* ``restore``: a restore that fails on process 1 only (a corrupt or a missing chunk only it
+  reads, a shared read of a replicated array, a target only it refuses) fails on both with
+  process 1's error type, naming process 1 and the key; a process reading slowly stops once
+  process 1 has failed; a restore onto the host on process 0 alone needs nobody; restores
+  made together afterwards work, also replicated reads not shared, placed box by box.
+  Then ``jaxckpt.save`` made on one process alone (each in turn): it logs at once that the
+  call is collective and whom it waits for, and its deadline error says so; the next save
+  made together works.
+* ``tier``: a local step whose part on process 1 is damaged: the local tier's restore (on its
+  own layout, or elastic onto another) fails there, and both processes restore the persistent
+  step together; a persistent step with a
+  chunk only process 1 reads damaged fails on both, naming process 1.
 * ``calls``: with a local tier, ``latest_step`` / ``all_steps`` / ``metadata`` /
   ``should_save`` / ``run_table`` on process 0 alone return without the other; the next
   local save and restore made together work (replicated). A ``save_interval_secs`` schedule
@@ -12,7 +24,9 @@ Records go to ``WORKDIR/STAGE-PID.json`` after each check, as in ``tiers_worker.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -64,6 +78,160 @@ def check(tree: dict) -> None:
     w = tree["w"]
     for s in w.addressable_shards:
         assert np.array_equal(np.asarray(s.data), value()[s.index]), s.index
+
+
+def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
+    good, bad, gone = work / "good", work / "bad", work / "gone"
+    v = value()
+    arr = jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])
+    jaxckpt.save(good, {"w": arr}, planner=jaxckpt.DefaultSavePlanner(pack_bytes=0))
+    last = str(len(jax.devices()) - 1)  # the last rows' chunk: only process 1's devices hold it
+    if pid == 0:
+        shutil.copytree(good, bad)
+        chunk = bad / "arrays" / "w" / "c" / last / "0"
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        chunk.write_bytes(bytes(raw))
+        shutil.copytree(good, gone)
+        (gone / "arrays" / "w" / "c" / last / "0").unlink()
+    sync("corrupted")
+    rec.failure("corrupt", lambda: jaxckpt.restore(bad, target()))
+    rec.run("after_corrupt", lambda: check(jaxckpt.restore(good, target())))
+
+    def counted() -> None:  # the store operations of one restore across processes
+        from jaxckpt._runtime import kvstore
+
+        before = kvstore.operations()
+        check(jaxckpt.restore(good, target()))
+        after = kvstore.operations()
+        rec.data["restore_ops"] = {k: n - before.get(k, 0) for k, n in after.items()}
+
+    rec.run("counted", counted)
+    rec.failure("missing", lambda: jaxckpt.restore(gone, target()))
+    # a replicated target: each process reads half of the array, a collective gathers them
+    rec.failure("corrupt_shared", lambda: jaxckpt.restore(bad, target(())))
+    rec.run("after_shared", lambda: check(jaxckpt.restore(good, target(()))))
+    # process 0 reads slowly (3 s a box): it stops reading once process 1 has failed
+    slow = Slow(3.0 if pid == 0 else 0.0)
+    rec.failure("corrupt_slow", lambda: jaxckpt.restore(bad, target(), planner=slow))
+    rec.data["slow_boxes"] = slow.boxes
+    wrong = target(shape=(ROWS, 4)) if pid == 1 else target()
+    rec.failure("refused", lambda: jaxckpt.restore(good, wrong))
+    # both valid, but different: process 1's replicated one would gather, process 0's not
+    other = target(()) if pid == 1 else target()
+    rec.failure("differ", lambda: jaxckpt.restore(good, other))
+    if pid == 0:  # onto the host, alone: it meets nobody (process 1 does not call it)
+        t0 = time.monotonic()
+        assert np.array_equal(jaxckpt.restore(good)["w"], v)
+        rec.data["alone_secs"] = time.monotonic() - t0
+    rec.run("after_alone", lambda: check(jaxckpt.restore(good, target())))
+
+    def unshared() -> None:  # replicated, read whole by each, placed box by box (no collective)
+        for _ in range(3):
+            planner = jaxckpt.DefaultLoadPlanner(share_reads=False, max_host_bytes=1)
+            check(jaxckpt.restore(good, {"w": sharding(())}, planner=planner))
+
+    rec.run("after_unshared", unshared)
+    save_alone(rec, work, pid)
+
+
+def save_alone(rec: Record, work: Path, pid: int) -> None:
+    """``jaxckpt.save`` on one process, the other not calling it (a short deadline)."""
+    v = value()
+    tree = {"w": jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])}
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("jaxckpt").addHandler(handler)
+    os.environ["JAXCKPT_SYNC_TIMEOUT"] = "6"
+    for alone in (0, 1):
+        if pid == alone:
+            rec.failure(f"save_alone_{alone}", lambda: jaxckpt.save(work / "alone", tree))
+            rec.data[f"save_alone_{alone}_log"] = [m for m in lines if "collective" in m]
+            lines.clear()
+        sync(f"alone {alone}")
+    if pid == 0:  # a restore onto arrays of both processes, alone: it waits in an agreement
+        rec.failure("restore_alone", lambda: jaxckpt.restore(work / "good", target()))
+        rec.data["restore_alone_log"] = [m for m in lines if "collective" in m]
+    sync("restore alone")
+    del os.environ["JAXCKPT_SYNC_TIMEOUT"]
+    logging.getLogger("jaxckpt").removeHandler(handler)
+
+    def together() -> None:
+        jaxckpt.save(work / "alone", tree)
+        check(jaxckpt.restore(work / "alone", target()))
+
+    rec.run("save_after_alone", together)
+
+
+class Slow(jaxckpt.DefaultLoadPlanner):
+    """Takes ``secs`` over each box it is given, one box at a time; counts them."""
+
+    def __init__(self, secs: float) -> None:
+        super().__init__(share_reads=False, max_host_bytes=1)
+        self.secs, self.boxes = secs, 0
+
+    def commit_tensor(self, item, array) -> None:
+        self.boxes += 1
+        time.sleep(self.secs)
+        super().commit_tensor(item, array)
+
+
+def stage_tier(rec: Record, work: Path, pid: int, n: int) -> None:
+    # 2 MiB: not packed, so the last rows' chunk is a file of its own that only process 1 reads
+    v = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)
+    tree = {"w": jax.make_array_from_callback(v.shape, sharding(), lambda i: v[i])}
+    want = {"w": jax.ShapeDtypeStruct(v.shape, np.float32, sharding=sharding())}
+
+    def manager() -> jaxckpt.CheckpointManager:
+        return jaxckpt.CheckpointManager(
+            work / "persistent",
+            save_interval_steps=2,
+            local_directory=work / "local" / f"p{pid}",
+            local_save_interval_steps=1,
+            local_replicas=1,
+        )
+
+    def restored(out: dict) -> None:
+        for s in out["w"].addressable_shards:
+            assert np.array_equal(np.asarray(s.data), v[s.index]), s.index
+
+    mgr = manager()
+    for step in range(4):  # persistent: 0 and 2; local: 0 to 3
+        mgr.save(step, tree)
+    mgr.wait()
+    mgr.close()
+    if pid == 1:  # every chunk in process 1's local directory: its own part of step 3 too
+        for f in sorted((work / "local" / "p1").rglob("*")):
+            if f.is_file() and "c" in f.relative_to(work / "local" / "p1").parts:
+                raw = bytearray(f.read_bytes())
+                raw[len(raw) // 2] ^= 1
+                f.write_bytes(bytes(raw))
+    sync("local damaged")
+    mgr = manager()
+
+    def local_fails() -> None:
+        t0 = time.monotonic()
+        restored(mgr.restore(target=want))
+        rec.data["tier_secs"] = time.monotonic() - t0
+        rec.data["tier_from"] = [mgr.restored_from.tier, mgr.restored_from.step]
+
+    rec.run("tier", local_fails)
+
+    def elastic_fails() -> None:  # onto another layout: an elastic restore of the local step
+        replicated = {"w": jax.ShapeDtypeStruct(v.shape, np.float32, sharding=sharding(()))}
+        restored(mgr.restore(target=replicated))
+        rec.data["elastic_from"] = [mgr.restored_from.tier, mgr.restored_from.step]
+
+    rec.run("tier_elastic", elastic_fails)
+    if pid == 0:  # the last rows' chunk of persistent step 2: only process 1 reads it
+        chunk = work / "persistent" / "00000002" / "arrays" / "w" / "c" / "7" / "0"
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        chunk.write_bytes(bytes(raw))
+    sync("persistent damaged")
+    rec.failure("tier_persistent", lambda: mgr.restore(2, target=want))
+    mgr.close()
 
 
 def stage_calls(rec: Record, work: Path, pid: int, n: int) -> None:
@@ -149,7 +317,7 @@ def main(argv: list[str]) -> None:
     stage, pid, n, port, work = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     groups.join(pid, n, port)
     rec = Record(work / f"{stage}-{pid}.json")
-    {"calls": stage_calls}[stage](rec, work, pid, n)
+    {"restore": stage_restore, "tier": stage_tier, "calls": stage_calls}[stage](rec, work, pid, n)
     sync("end")  # process 0 hosts the coordination service: nobody exits before the others
     sys.stdout.flush()
     sys.stderr.flush()

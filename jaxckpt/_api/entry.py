@@ -257,7 +257,8 @@ def _start_save(
     """Plan on every process, stage (if ``stage``: all at once, or streaming within
     ``budget`` host bytes), then write and commit: in the background when staged, else here."""
     # Made first, so that a failure on any process from here on reaches all of them.
-    sync = _distributed.SaveSync(os.fspath(path))
+    call = "jaxckpt.save_async" if stage else "jaxckpt.save"
+    sync = _distributed.SaveSync(os.fspath(path), call=call)
     clock = _events.Clock({}, lambda: sync.waited(here=True))
     loc = sync.run("open", lambda: _location.Location(path, one_operation=True))
     sync.path = str(loc)

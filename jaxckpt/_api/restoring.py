@@ -25,6 +25,7 @@ from jaxckpt._runtime import collector
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import events as _events
 from jaxckpt._runtime import progress as _progress
+from jaxckpt._runtime.shared_restore import RestoreMeeting
 from jaxckpt._sources import detect as _sources
 from jaxckpt._storage import location as _location
 
@@ -80,16 +81,21 @@ def restore(
     """
     with collector.paused():
         start = time.perf_counter()
-        manifest, reader, loc = _open(path)
-        # jax's process numbers only where there are iterators to set
-        at = (_distributed.process_index(), _distributed.process_count()) if iterators else (0, 1)
-        set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path), *at)
+        # Where the arrays span processes, every process reads its share or none returns:
+        # they agree after reading, before any collective (jaxckpt._runtime.shared_restore).
         planner = planner if planner is not None else DefaultLoadPlanner()
-        planner.set_up_planner(target, manifest, keys=keys, strict=strict)
-        progress = _progress.check_arg(progress, "jaxckpt.restore")
-        items = planner.create_local_plan().items
+        meeting = RestoreMeeting(str(path), target, _asked(keys, strict, planner))
+        with meeting.sharing():
+            manifest, reader, loc = _open(path)
+            # jax's process numbers only where there are iterators to set
+            at = (_distributed.process_index(), _distributed.process_count())
+            at = at if iterators else (0, 1)
+            set_iterators = _iterators.restore_states(iterators, manifest.iterators, str(path), *at)
+            planner.set_up_planner(target, manifest, keys=keys, strict=strict)
+            progress = _progress.check_arg(progress, "jaxckpt.restore")
+            items = planner.create_local_plan().items
         timings = {"open": time.perf_counter() - start}
-        tree, nbytes = _read_into(planner, manifest, reader, items, progress, timings)
+        tree, nbytes = _read_into(planner, manifest, reader, items, progress, timings, meeting)
         set_iterators()  # only now: a restore refused on the way moves no iterator
         timings["total"] = time.perf_counter() - start
         _reports.restored(loc, timings, nbytes)
@@ -103,10 +109,12 @@ def _read_into(
     items: Sequence[ReadItem],
     progress: _progress.ProgressArg,
     timings: dict[str, float],
+    meeting: RestoreMeeting,
 ) -> tuple[Any, int]:
-    """Read ``items`` and hand each box to ``planner``; the tree it builds of them and the
-    bytes read. Adds to ``timings`` the seconds of ``read`` (waiting for the reader) and of
-    ``place`` (the planner's: transforming, placing onto devices, building the tree)."""
+    """Read ``items`` and hand each box to ``planner``; once ``meeting`` agrees that every
+    process read its share, the tree it builds of them and the bytes read. Adds to
+    ``timings`` the seconds of ``read`` (waiting for the reader) and of ``place`` (the
+    planner's: transforming, placing onto devices, building the tree)."""
     arrays = [e for e in manifest.entries.values() if isinstance(e, ArrayEntry)]
     size = {e.key: dtype_from_name(e.dtype).itemsize for e in arrays}
     total = sum(math.prod(i.sizes) * size[i.key] for i in items)
@@ -116,13 +124,16 @@ def _read_into(
         ahead = max(ahead, planner.max_host_bytes // 2)
     start, place, nbytes = time.perf_counter(), 0.0, 0
     with _progress.Progress("restore", total, progress) as bar:
-        for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
-            t = time.perf_counter()
-            bar.add(data.nbytes)
-            nbytes += data.nbytes
-            planner.commit_tensor(item, planner.transform_tensor(item, data))
-            del data  # the planner owns the box now: dropping it frees it once placed
-            place += time.perf_counter() - t
+        with meeting.sharing():
+            for item, data in reader.read(manifest.entries, items, max_inflight_bytes=ahead):
+                meeting.watch()  # another process failed: stop reading, fail together
+                t = time.perf_counter()
+                bar.add(data.nbytes)
+                nbytes += data.nbytes
+                planner.commit_tensor(item, planner.transform_tensor(item, data))
+                del data  # the planner owns the box now: dropping it frees it once placed
+                place += time.perf_counter() - t
+        meeting.agree()  # before finish(): it may run jax collectives (shared reads)
         t = time.perf_counter()
         tree = planner.finish()
         bar.finish()
@@ -155,6 +166,18 @@ def metadata(path: PathLike) -> CheckpointMetadata:
         secs = time.perf_counter() - start
         _events.record_duration(_events.METADATA_DURATION, secs, store=store)
     return info
+
+
+def _asked(keys: str | Sequence[str] | None, strict: bool, planner: LoadPlanner) -> str:
+    """What a restore asks besides its target, as every process making it names it."""
+    try:
+        chosen = (
+            None if keys is None else sorted(map(str, [keys] if isinstance(keys, str) else keys))
+        )
+    except TypeError:  # not a sequence: set_up_planner says so, on every process alike
+        chosen = [repr(keys)]
+    share = getattr(planner, "share_reads", None)
+    return f"keys={chosen} strict={strict} {type(planner).__qualname__}(share_reads={share})"
 
 
 def _open(path: PathLike) -> tuple[Manifest, Any, _location.Location]:

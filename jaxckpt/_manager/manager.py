@@ -309,9 +309,14 @@ class CheckpointManager(RunReader):
         if self.async_save and not preempted:
             # On the save threads: at exit Python waits for it, so the last step is committed.
             self._pending = pools.in_background(self._finish, step, handle, record)
-        else:
+        elif preempted:  # the job exits next: all of it lands first
             self._finish(step, handle, record)
             self.wait()
+        else:  # committed on return; retention stays off its path (the readers wait for it)
+            self._finish(step, handle, record)
+            self._wait_persistent()
+            if self._local is not None:
+                self._local.wait()
 
     def _in_flight(self) -> bool:
         return self._pending is not None and not self._pending.done()
@@ -340,8 +345,8 @@ class CheckpointManager(RunReader):
         # Off the next save's path: save() waits for the commit only; wait() and close()
         # wait for this too. One retention at a time, in the order of the commits.
         before, self._retiring = self._retiring, None
-        timings = step_timings(handle)
-        self._retiring = pools.in_background(self._retire, step, record, timings, before)
+        timings, at = step_timings(handle), _retention.now()  # committed at
+        self._retiring = pools.in_background(self._retire, step, record, timings, before, at)
 
     def _retire(
         self,
@@ -349,14 +354,16 @@ class CheckpointManager(RunReader):
         record: dict[str, Any] | None,
         timings: dict[str, Any],
         before: Future[None] | None,
+        at: float,
     ) -> None:
-        """(primary, in the background) Metrics and retention after ``step``'s commit."""
+        """(primary, in the background) Metrics and retention after ``step``'s commit (at
+        ``at``, seconds since the epoch)."""
         if before is not None:
             before.result()  # never raises: see below
         try:
             steps = self._ledger.index(step)  # marks the step; what the index holds
             deleted = _retention.after_commit(
-                self._loc, self.policy, self._metrics, step, record, steps, timings
+                self._loc, self.policy, self._metrics, step, record, steps, timings, at
             )
             self._ledger.forget(deleted)
             if deleted and self._loc.local is None and self.incremental:
@@ -455,12 +462,6 @@ class CheckpointManager(RunReader):
         self._wait_retiring()  # it writes metrics.json too
         if self._primary:
             self._run.pin(step, False)
-
-    def _wait_retiring(self) -> None:
-        """Wait for the retention after the last commit (it writes metrics.json, deletes)."""
-        retiring, self._retiring = self._retiring, None
-        if retiring is not None:
-            retiring.result()  # never raises: _retire logs its errors
 
     def _wait_persistent(self) -> None:
         pending, self._pending = self._pending, None

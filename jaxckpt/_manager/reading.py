@@ -34,6 +34,14 @@ class RunReader:
     _pending: Any
     policy: Policy
     restored_from: RestoredFrom | None
+    _retiring: Any = None  # the retention after the last commit (a saving manager's primary)
+
+    def _wait_retiring(self) -> None:
+        """Wait for the retention after the last commit (it writes metrics.json, deletes), so
+        that what this manager reports follows its own saves (a reader has none)."""
+        retiring, self._retiring = self._retiring, None
+        if retiring is not None:
+            retiring.result()  # never raises: _retire logs its errors
 
     def all_steps(self, tier: Literal["local", "persistent"] | None = None) -> list[int]:
         """The committed steps, in ascending order (saves in flight are not listed yet).
@@ -46,6 +54,7 @@ class RunReader:
         """
         if tier not in (None, "local", "persistent"):
             raise InvalidArgumentError(f"tier must be 'local', 'persistent' or None, got {tier!r}")
+        self._wait_retiring()
         return self._ledger.steps(tier)
 
     def latest_step(self, tier: Literal["local", "persistent"] | None = None) -> int | None:
@@ -54,12 +63,14 @@ class RunReader:
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step`` (``None`` if none were)."""
+        self._wait_retiring()
         return self._metrics.read().get(str(step_arg(step, "metrics(step)")))
 
     def best_step(self) -> int | None:
         """The best committed step by ``best_fn`` (NaN and infinite metrics rank below every
         finite one, steps without metrics last; ties go to the newer step); the latest step
         without ``best_fn``; ``None`` if there is none."""
+        self._wait_retiring()
         steps = self._run.steps()
         if self.policy.best_fn is None or not steps:
             return max(steps, default=None)
@@ -69,6 +80,7 @@ class RunReader:
 
     def pinned_steps(self) -> list[int]:
         """The steps ``pin()`` keeps from retention, ascending."""
+        self._wait_retiring()
         return self._metrics.pinned()
 
     def _record(self, name: str, start: float) -> None:

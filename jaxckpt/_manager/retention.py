@@ -265,10 +265,11 @@ def apply(
     changed: bool,
     committed: dict[str, float],
     timings: dict[str, Any] | None = None,
+    pinned: list[int] | None = None,
 ) -> list[int]:
     """Delete the steps ``policy`` dooms among the committed ``steps`` of ``run``, after
     writing ``metrics``, ``committed`` and ``timings`` (``None``: those stored) without them
-    (``changed``: write them even if none goes).
+    (``changed``: write them even if none goes); ``pinned``: the pinned steps, if read already.
 
     Metrics go first: a crash before the deletes leaves doomed steps without metrics, which
     rank last and go at the next save; never a kept step without its metrics. What the kept
@@ -277,7 +278,7 @@ def apply(
     Returns:
       The steps deleted.
     """
-    pinned = metrics_file.pinned()
+    pinned = metrics_file.pinned() if pinned is None else pinned
     doomed = policy.doomed(steps, metrics, committed, pinned)
     keep = referenced(run, [step_name(s) for s in steps if s not in doomed]) if doomed else {}
     timings = metrics_file.timings() if timings is None else timings
@@ -305,20 +306,23 @@ def after_commit(
     record: dict[str, Any] | None,
     steps: list[int],
     timings: dict[str, Any] | None = None,
+    at: float | None = None,
 ) -> list[int]:
     """(primary) Once ``step`` is committed: record its metrics, its save's ``timings`` and,
-    with ``keep_every_n_secs``, its commit time (now), then :func:`apply` the policy.
+    with ``keep_every_n_secs``, its commit time (``at``, from :func:`now` when it committed;
+    default now), then :func:`apply` the policy.
 
     Returns:
       The steps deleted.
     """
-    metrics, committed = metrics_file.read_all()
+    doc = metrics_file.doc()  # one read of metrics.json for all of it
+    metrics, committed = metrics_file.read_all(doc)
     if record is not None:
         metrics[str(step)] = record
     timed = policy.keep_every_n_secs is not None
     if timed:
-        committed[str(step)] = time.time()
-    stored = metrics_file.timings()
+        committed[str(step)] = now() if at is None else at
+    stored = metrics_file.timings(doc)
     if timings is not None:
         stored[str(step)] = timings
     changed = record is not None or timed or timings is not None
@@ -331,7 +335,13 @@ def after_commit(
         changed=changed,
         committed=committed,
         timings=stored,
+        pinned=metrics_file.pinned(doc),
     )
+
+
+def now() -> float:
+    """The time a commit is recorded at: seconds since the Unix epoch."""
+    return time.time()
 
 
 def _is_time(step: str, t: Any) -> bool:
@@ -375,30 +385,33 @@ class MetricsFile:
         """Every step's metrics, keyed by the step as a string; ``{}`` if none are stored."""
         return self.read_all()[0]
 
-    def read_all(self) -> tuple[dict[str, Any], dict[str, float]]:
+    def read_all(
+        self, doc: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, float]]:
         """Every step's metrics and every recorded commit time (seconds since the epoch),
-        both keyed by the step as a string."""
-        doc = self._doc()
+        both keyed by the step as a string (of ``doc``, what :meth:`doc` read, if given)."""
+        doc = self.doc() if doc is None else doc
         steps, committed = doc.get("steps", {}), doc.get("committed", {})
         times = committed if isinstance(committed, dict) else {}
         return steps, {k: float(t) for k, t in times.items() if _is_time(k, t)}
 
-    def timings(self) -> dict[str, Any]:
+    def timings(self, doc: dict[str, Any] | None = None) -> dict[str, Any]:
         """Every step's save timings (see the module's docstring), keyed by the step as a
-        string; ``{}`` if none are stored."""
-        got = self._doc().get("timings", {})
+        string; ``{}`` if none are stored (of ``doc``, if given)."""
+        got = (self.doc() if doc is None else doc).get("timings", {})
         return (
             {k: v for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
         )
 
-    def pinned(self) -> list[int]:
-        """The pinned steps, ascending."""
-        pins = self._doc().get("pinned", [])
+    def pinned(self, doc: dict[str, Any] | None = None) -> list[int]:
+        """The pinned steps, ascending (of ``doc``, if given)."""
+        pins = (self.doc() if doc is None else doc).get("pinned", [])
         ok = isinstance(pins, list) and all(type(p) is int and p >= 0 for p in pins)
         return sorted(set(pins)) if ok else []
 
-    def _doc(self) -> dict[str, Any]:
-        """The file's JSON object (``{}`` if absent or not a jaxckpt metrics file)."""
+    def doc(self) -> dict[str, Any]:
+        """The file's JSON object (``{}`` if absent or not a jaxckpt metrics file): one read,
+        which the other readers take so as not to read it again."""
         if self.loc.local is not None:
             path = self.loc.local / METRICS
             raw = path.read_bytes() if path.is_file() else None

@@ -160,8 +160,9 @@ class Run:
         listed = self.steps() if steps is None else steps
         others = [step_name(s) for s in listed if s != step]
         keep = referenced(self.loc, others)
-        metrics, committed = self.metrics.read_all()
-        pinned, timings = self.metrics.pinned(), self.metrics.timings()
+        doc = self.metrics.doc()
+        metrics, committed = self.metrics.read_all(doc)
+        pinned, timings = self.metrics.pinned(doc), self.metrics.timings(doc)
         if str(step) in {*metrics, *committed, *timings} or step in pinned:
             committed.pop(str(step), None)
             timings.pop(str(step), None)
@@ -178,10 +179,12 @@ class Run:
         """
         if pinned:
             self.require(step, "Pin one of those.")
-        pins = set(self.metrics.pinned())
+        doc = self.metrics.doc()
+        pins = set(self.metrics.pinned(doc))
         if (step in pins) != pinned:
-            metrics, committed = self.metrics.read_all()
-            self.metrics.write(metrics, committed, pins | {step} if pinned else pins - {step})
+            metrics, committed = self.metrics.read_all(doc)
+            pins = pins | {step} if pinned else pins - {step}
+            self.metrics.write(metrics, committed, pins, self.metrics.timings(doc))
 
     def explain(self, step: int, path: str, e: BaseException) -> BaseException:
         """The error a failed save of ``step`` raises: specific errors (exists, distributed,

@@ -91,7 +91,11 @@ class Schedule:
         if _distributed.process_count() == 1:
             return self._decide(step, in_flight)[0]
         verdict = _agreement.decide(
-            "due", "", lambda _: json.dumps(self._decide(step, in_flight)), scope=self.scope
+            "due",
+            "",
+            lambda _: json.dumps(self._decide(step, in_flight)),
+            scope=self.scope,
+            call=f"CheckpointManager.save({step})",
         )
         answer, self.next_ask = json.loads(verdict)
         return bool(answer)

@@ -80,10 +80,11 @@ def run_table(
     loc = _location.Location(directory)
     listed = _listed(loc, hidden)
     stored = MetricsFile(loc)
-    metrics, committed_at = stored.read_all()
-    timings = stored.timings()
+    doc = stored.doc()
+    metrics, committed_at = stored.read_all(doc)
+    timings = stored.timings(doc)
     local = _local_steps(loc, local_directory)
-    pins = set(stored.pinned())
+    pins = set(stored.pinned(doc))
     rows = []
     for row in _stored_rows(loc, listed):
         step = row.step

@@ -64,7 +64,10 @@ class LoadPlanner(abc.ABC):
 
     Invariants: every array passed to ``commit_tensor`` is owned by the planner (storage keeps
     no reference), so a planner that drops it frees it; nothing is gathered across processes
-    unless the planner shares reads (see :class:`DefaultLoadPlanner`).
+    unless the planner shares reads (see :class:`DefaultLoadPlanner`). Steps 1 to 3 run no
+    jax collective across processes (no ``device_put`` onto a sharding of several processes):
+    where the target spans processes, they all agree that every one has read its share
+    between 3. and 4. (``jaxckpt._runtime.shared_restore``), and only ``finish`` may gather.
     """
 
     #: Bytes storage may read ahead of ``commit_tensor`` (what it holds in flight).
@@ -309,19 +312,19 @@ class DefaultLoadPlanner(LoadPlanner):
         prng = isinstance(entry, ArrayEntry) and entry.prng_impl  # the plan reads arrays only
         if where is _HOST or where is _UNCOMMITTED or prng:
             self.results.setdefault(item.key, []).append((item, array))  # the result, or small
-        elif item.key in self._whole:  # the whole array on every local device: one put
-            self.placement.add((item.key, _WHOLE), array, [where])
+        elif item.key in self._whole and where.is_fully_addressable:  # every local device
+            self.placement.add((item.key, _WHOLE), array, [where])  # one put
         else:
-            devices = _devices()
-            kind = where.memory_kind
-            targets = [
-                jax.sharding.SingleDeviceSharding(devices[d], memory_kind=kind)
-                for d in item.devices
-            ]
-            self.placement.add(item.key, array, targets)
+            # A put onto a sharding of several processes would be a jax collective (jax
+            # checks the value is alike on each): none runs before finish (see its comment).
+            self.placement.add(item.key, array, _on_devices(item.devices, where.memory_kind))
 
     # 4.
     def finish(self) -> Any:
+        # The first jax collectives of a restore run here, never in commit_tensor: a restore
+        # across processes agrees that every process has read its share before this
+        # (jaxckpt._runtime.shared_restore), so no process waits in a collective for one
+        # that failed, nor in the agreement for one that waits in a collective.
         self.placement.flush()
         placed = self.placement.placed
         values: dict[str, Any] = {}
@@ -343,7 +346,7 @@ class DefaultLoadPlanner(LoadPlanner):
                 values[key] = parts[0][1]
             elif where is _UNCOMMITTED:
                 values[key] = jax.device_put(parts[0][1])
-            elif key in self._whole:
+            elif key in self._whole and where.is_fully_addressable:
                 values[key] = placed[(key, _WHOLE)][0]  # put with the target sharding itself
             elif key in self.placement.whole:
                 values[key] = placed[key][0]  # its boxes went in one call (Placement)
@@ -396,3 +399,9 @@ def _even(sharding: Any, shape: tuple[int, ...], boxes: Any) -> bool:
 @functools.cache
 def _devices() -> dict[int, Any]:
     return {d.id: d for d in jax.devices()}
+
+
+def _on_devices(ids: Sequence[int], kind: str | None) -> list[Any]:
+    """A single-device sharding of memory ``kind`` on each device of ``ids``."""
+    devices = _devices()
+    return [jax.sharding.SingleDeviceSharding(devices[d], memory_kind=kind) for d in ids]

@@ -4,7 +4,8 @@ Owns the distributed agreement of a save (``distributed``: barriers, deadlines, 
 broadcast; ``kvstore``: the coordination service's key-value store, counted), moving bytes between processes (``streams``: bulk bytes peer to peer through each
 process's ``jax.experimental.transfer`` server, ``transfer``, or relayed by the key-value store
 where there is none; ``replication``: a local part's directory over a stream), one decision for
-all of them (``agreement``), the ``jax.monitoring`` events and a save's timings across processes
+all of them (``agreement``; ``shared_restore``: a restore across processes fails on all or
+none; ``collective``: a collective call made alone says so), the ``jax.monitoring`` events and a save's timings across processes
 (``events``), preemption notices (``preemption``), the host staging arenas of
 async saves (``staging``) and the bounded buffer a budgeted one streams through (``ring``),
 placement of host boxes onto devices (``placement``), the library's thread pools (``pools``, the

@@ -45,9 +45,10 @@ from collections.abc import Callable, Sequence
 from jaxckpt._errors import DistributedError
 from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._runtime import heartbeat as _heartbeat
+from jaxckpt._runtime.collective import Notice, must_be_collective, processes
+from jaxckpt._runtime.kvstore import Backoff, timed_out
 
 PREFIX = "jaxckpt/decide"
-_POLL_S = 0.2
 PIECE = 1 << 20  # characters of one value in the store: far below its gRPC message limit
 
 # What process 0 computes from every process's value: the verdict for all, and with
@@ -75,6 +76,7 @@ def decide(
     scope: str = "",
     timeout: float | None = None,
     members: Sequence[int] | None = None,
+    call: str = "",
 ) -> str:
     """``fn`` of every process's ``value``, computed on process 0, returned on every process.
 
@@ -84,7 +86,10 @@ def decide(
     as one that failed). ``scope``: what the decision is about (:func:`scope_of`), so that
     decisions of one name about different things do not meet. ``timeout``: the seconds to
     wait for the others (default ``JAXCKPT_SYNC_TIMEOUT``). ``members``: the processes that
-    take part, this one among them (default: all); the lowest of them decides.
+    take part, this one among them (default: all); the lowest of them decides. ``call``: the
+    public call that makes this decision (``CheckpointManager.save(7)``), named in the log line
+    of a process that waits for the others more than a moment
+    (``jaxckpt._runtime.collective``).
 
     Raises:
       DistributedError: a process did not post its value in time (not ``survivors``), or
@@ -101,6 +106,7 @@ def decide(
         survivors,
         timeout,
         members,
+        call,
     )
     return verdict
 
@@ -117,7 +123,7 @@ def decide_each(
       >>> decide_each("example", "x", lambda posted: ("all", {0: posted[0] * 2}))
       ('all', 'xx')
     """
-    return _agree(f"{scope}/{name}" if scope else name, value, fn, survivors, None, None)
+    return _agree(f"{scope}/{name}" if scope else name, value, fn, survivors, None, None, "")
 
 
 def _agree(
@@ -127,6 +133,7 @@ def _agree(
     survivors: bool,
     timeout: float | None,
     members: Sequence[int] | None,
+    call: str,
 ) -> tuple[str, str]:
     process = _distributed.process_index()
     group = sorted(set(range(_distributed.process_count()) if members is None else members))
@@ -136,10 +143,11 @@ def _agree(
     kv = _distributed.kv_client()
     timeout = _distributed.sync_timeout() if timeout is None else timeout
     key = f"{PREFIX}/{name}"
+    notice = Notice(call or f"jaxckpt's agreement on {name.rsplit('/', 1)[-1]!r}", timeout)
     if process != group[0]:
         wait = (3 if survivors else 1) * timeout + 5
-        return _ask(kv, key, name, process, group[0], value, wait)
-    posted = _collect(kv, key, name, set(group[1:]), timeout, survivors)
+        return _ask(kv, key, name, process, group[0], value, wait, notice)
+    posted = _collect(kv, key, name, set(group[1:]), timeout, survivors, notice)
     posted[process] = value
     kv.key_value_delete(f"{key}/at")  # before any answer: see the module's docstring
     try:
@@ -159,6 +167,7 @@ def _ask(
     leader: int,
     value: str,
     wait: float,
+    notice: Notice,
 ) -> tuple[str, str]:
     """Post ``value`` and return the ``leader``'s answer to this process (another one): the
     verdict and this process's own value. ``wait``: the leader may itself have waited a
@@ -168,7 +177,7 @@ def _ask(
     kv.key_value_delete(f"{key}/at/{process}")  # posted by a round process 0 never joined
     kv.key_value_set(f"{key}/at/{process}", value)
     try:
-        got = json.loads(_get(kv, f"{key}/go/{process}", wait, name, leader))
+        got = json.loads(_get(kv, f"{key}/go/{process}", wait, name, leader, notice))
     except DistributedError:
         kv.key_value_delete(f"{key}/at/{process}")  # withdrawn: a later round won't count it
         raise
@@ -212,16 +221,19 @@ def _collect(
     others: set[int],
     timeout: float,
     survivors: bool,
+    notice: Notice,
 ) -> dict[int, str]:
     """The value of each of the ``others`` (on the leader); where ``survivors``, those that
     posted in time, and not waiting for those whose heartbeat says they died
     (``heartbeat.dead``)."""
-    deadline, delay, looked = time.monotonic() + timeout, 0.002, time.monotonic()
+    deadline, slices, looked = time.monotonic() + timeout, Backoff(), time.monotonic()
     while True:
         got = kv.key_value_dir_get(f"{key}/at/")
         posted = {p: v for p, v in ((int(k.rsplit("/", 1)[1]), v) for k, v in got) if p in others}
         if set(posted) >= others:
             return posted
+        missing = sorted(others - set(posted))
+        notice.check(f"{processes(missing)} to call it")
         if survivors and time.monotonic() - looked >= 1:
             looked = time.monotonic()
             if set(posted) | set(_heartbeat.dead(others - set(posted))) >= others:
@@ -229,26 +241,51 @@ def _collect(
         if time.monotonic() > deadline:
             if survivors:
                 return posted
-            missing = sorted(others - set(posted))
             message = (
                 f"agreeing on {name}: processes {missing} did not answer in {timeout:g} s. "
-                f"Every process must make this call (it is collective); a process crashed, "
-                f"hangs, or did not call it"
+                f"{must_be_collective(notice.call)}; a process crashed, hangs, or did not "
+                f"call it"
             )
             kv.key_value_delete(f"{key}/at")
             _answer(kv, key, posted, "!" + message, {})
             raise DistributedError(message)
-        time.sleep(delay)
-        delay = min(delay * 1.5, _POLL_S)
+        # Block on the first missing value, in slices that grow (a few operations per 4 s
+        # of waiting, not a poll every 0.2 s); at most 1 s where dead peers are looked for.
+        longest = 1.0 if survivors else deadline - time.monotonic()
+        wait = min(slices.next(), deadline - time.monotonic(), notice.left(), longest)
+        try:
+            kv.blocking_key_value_get(f"{key}/at/{missing[0]}", max(1, int(wait * 1000)))
+        except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+            if not timed_out(e):
+                raise DistributedError(
+                    f"agreeing on {name}: lost the JAX distributed service ({e}); process 0, "
+                    f"which hosts it, has probably died: see its log."
+                ) from e
 
 
-def _get(kv: _distributed.KeyValueClient, key: str, timeout: float, name: str, leader: int) -> str:
-    try:
-        return kv.blocking_key_value_get(key, max(1, int(timeout * 1000)))
-    except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
-        raise DistributedError(
-            f"agreeing on {name}: no answer from process {leader} within {timeout:g} s ({key}: "
-            f"{str(e).splitlines()[0][:200]}). Every process must make this call (it is "
-            f"collective); process {leader} crashed, hangs, did not call it, or is slow: raise "
-            f"JAXCKPT_SYNC_TIMEOUT=SECONDS if it is just slow."
-        ) from e
+def _get(
+    kv: _distributed.KeyValueClient,
+    key: str,
+    timeout: float,
+    name: str,
+    leader: int,
+    notice: Notice | None = None,
+) -> str:
+    """``key``'s value once set; ``notice``: logged if it takes more than a moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            held = min(left, notice.left()) if notice is not None else left
+            return kv.blocking_key_value_get(key, max(1, int(held * 1000)))
+        except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+            if notice is not None and timed_out(e) and time.monotonic() < deadline:
+                notice.check(f"process {leader} to answer (it answers once all call it)")
+                continue
+            call = notice.call if notice is not None else f"agreeing on {name}"
+            raise DistributedError(
+                f"agreeing on {name}: no answer from process {leader} within {timeout:g} s "
+                f"({key}: {str(e).splitlines()[0][:200]}). {must_be_collective(call)}; process "
+                f"{leader} crashed, hangs, did not call it, or is slow: raise "
+                f"JAXCKPT_SYNC_TIMEOUT=SECONDS if it is just slow."
+            ) from e

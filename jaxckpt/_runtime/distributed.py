@@ -48,12 +48,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TypeVar, cast
 
 import jax
 
 from jaxckpt._errors import CheckpointError, DistributedError
+from jaxckpt._runtime.collective import Notice, must_be_collective
+from jaxckpt._runtime.collective import processes as _procs
 from jaxckpt._runtime.kvstore import Backoff, timed_out
 from jaxckpt._runtime.kvstore import KeyValueClient as KeyValueClient
 from jaxckpt._runtime.kvstore import coordinator_address as coordinator_address
@@ -137,10 +139,14 @@ class SaveSync:
     Args:
       path: the checkpoint path as the user passed it; every process must pass the same.
       timeout: seconds to wait at each step; default :func:`sync_timeout`.
+      call: the public call, for messages: a process that waits at the first step says it is
+        collective (``jaxckpt._runtime.collective``).
     """
 
-    def __init__(self, path: str, *, timeout: float | None = None) -> None:
-        self.path = path
+    def __init__(
+        self, path: str, *, timeout: float | None = None, call: str = "jaxckpt.save"
+    ) -> None:
+        self.path, self.call = path, call
         self.process = process_index()
         self.count = process_count()
         self.is_coordinator = self.process == 0
@@ -312,14 +318,17 @@ class SaveSync:
         token, go = os.urandom(4).hex(), f"{self._door}/go/{self.process}"
         self._kv.key_value_set(f"{self._door}/at/{self.process}", f"{token} {value}", True)
         waited = self.timeout + self._grace
-        deadline = time.monotonic() + waited
+        deadline, notice = time.monotonic() + waited, Notice(f"{self.call}({self.path})", waited)
         while True:
-            left = deadline - time.monotonic()
+            left = min(deadline - time.monotonic(), notice.left())
             try:
                 got = self._kv.blocking_key_value_get(go, max(1, int(left * 1000)))
             except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
                 if not timed_out(e):
                     raise self._lost("plan", e) from e
+                if time.monotonic() < deadline:  # the notice's slice ended: log it, wait on
+                    notice.check("process 0 to answer (it answers once every process calls it)")
+                    continue
                 self._kv.key_value_delete(f"{self._door}/at/{self.process}")  # not answered
                 raise self._timeout("plan", set(), waited, on_coordinator=True) from None
             self._kv.key_value_delete(go)
@@ -359,6 +368,7 @@ class SaveSync:
         ``watch``: raise as soon as a process reports a failure. Logs a long wait."""
         start = time.monotonic()
         deadline, slices, report = start + self.timeout, Backoff(), start + FIRST_REPORT_S
+        notice = Notice(f"{self.call}({self.path})", self.timeout, quiet=name != "plan")
         while True:
             got = {int(k.rsplit("/", 1)[1]): v for k, v in self._dir(folder)}
             missing = expect - set(got)
@@ -380,7 +390,8 @@ class SaveSync:
                     now - start,
                     self.timeout,
                 )
-            wait = min(slices.next(), deadline - now, report - now)
+            notice.check(f"{_procs(missing)} to call it")  # the first step: called at all?
+            wait = min(slices.next(), deadline - now, report - now, notice.left())
             self._block(folder + str(min(missing)), name, max(wait, 0.001))
 
     def _block(self, key: str, name: str, seconds: float) -> None:
@@ -453,9 +464,9 @@ class SaveSync:
             done = "The save did not complete on this process."
         return DistributedError(
             f"Save to {self.path}: {what} within {waited:g} s (seen from process "
-            f"{self.process}). A process crashed, hangs, or did not call save with this same "
-            f"path (every process must). Check the logs; if saves are just slow, raise the deadline with "
-            f"JAXCKPT_SYNC_TIMEOUT=SECONDS. {done}"
+            f"{self.process}). {must_be_collective(self.call)}, with the same path: a process "
+            f"crashed, hangs, or did not call it. Check the logs; if saves are just slow, raise "
+            f"the deadline with JAXCKPT_SYNC_TIMEOUT=SECONDS. {done}"
         )
 
     def _lost(self, name: str, error: Exception) -> DistributedError:
@@ -493,12 +504,6 @@ def _compare_plans(plans: dict[int, str], path: str) -> str:
         f"Every process must call save with the same path and a tree of the same structure, "
         f"shapes, dtypes and shardings, and the same planner options and compression."
     )
-
-
-def _procs(procs: Iterable[int]) -> str:
-    procs = sorted(procs)
-    shown = ", ".join(map(str, procs[:16])) + (", ..." if len(procs) > 16 else "")
-    return f"process {shown}" if len(procs) == 1 else f"processes [{shown}]"
 
 
 def _describe(error: BaseException) -> str:
