@@ -23,6 +23,7 @@ from http_proxy import Proxy
 from test_s3 import BUCKET, keys, s3  # noqa: F401 (fixtures)
 
 import jaxckpt
+from jaxckpt._manager import run_index
 from jaxckpt._runtime.pools import settle
 from jaxckpt._storage import catalog, local_commit
 from jaxckpt._storage.location import Location
@@ -75,8 +76,9 @@ def test_rollback_on_an_object_store_keeps_every_committed_step(store, policy):
     mgr.save(2, _frozen_and_moving(2.0), metrics={"loss": 4.0})
     mgr.save(3, _frozen_and_moving(3.0), metrics={"loss": 3.0})
     assert _refs(store, 3) == ["../00000001/arrays/frozen"]  # no copy: step 1 holds it
-    if policy == "keep-all":  # step 1 retired by hand, as retention does: its manifest goes
-        catalog.delete(Location(f"{store}/00000001"))
+    if policy == "keep-all":  # step 1 retired by hand, as retention does: its manifest goes,
+        catalog.delete(Location(f"{store}/00000001"))  # and its marker in the run's index
+        run_index.unmark(Location(store), [1])
     assert 1 not in mgr.all_steps()
     mgr.restore(3)  # resume from step 3 but save step 1 again: into the prefix with kept arrays
     with pytest.raises(jaxckpt.CheckpointExistsError, match=r"older than steps.*3\].*rollback"):
@@ -84,6 +86,8 @@ def test_rollback_on_an_object_store_keeps_every_committed_step(store, policy):
     # An operator's plain save into the run: the prefix holds arrays step 3 references.
     path = f"{store}/00000001"
     jaxckpt.save(path, _frozen_and_moving(9.0), base=f"{store}/00000003", digests=True)
+    assert 1 not in mgr.all_steps()  # below the run index's newest step: not in it
+    mgr.reload()  # lists the run whole once and indexes it
     assert 1 in mgr.all_steps()
     assert not any(t.startswith("../00000001/") for t in _refs(store, 1))  # never itself
     for step in mgr.all_steps():

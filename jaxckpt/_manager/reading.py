@@ -90,8 +90,16 @@ class RunReader:
             _events.record_duration(name, secs, store=_events.store_kind(self._run.loc))
 
     def reload(self) -> None:
-        """See the steps other processes committed since: nothing is cached, every listing
-        reads the directory afresh, so this only exists for code written for Orbax."""
+        """See the steps committed since by other processes or by hand. Every listing reads
+        the directory afresh, so on a local directory this does nothing (it exists for code
+        written for Orbax). On an object store a manager finds its steps from the run's index
+        (docs/manager.md, *Steps on object stores*): a step saved by hand with a plain
+        ``jaxckpt.save`` below the newest indexed step is not in it. On process 0 of a
+        manager that saves, ``reload()`` lists the run whole once (O(objects of the run)) and
+        indexes such steps; other processes and read-only managers see them once it has."""
+        self._wait_retiring()
+        if getattr(self, "_primary", False) and not getattr(self, "read_only", True):
+            self._run.rescan()
 
     def metadata(self, step: int) -> CheckpointMetadata:
         """The manifest of ``step`` (``.abstract()`` for a restore target); no array data read.

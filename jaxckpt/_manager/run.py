@@ -83,6 +83,13 @@ class Run:
         marked, deleting = _index.read(self.loc)
         return sorted(marked - deleting)
 
+    def rescan(self) -> None:
+        """(process 0 of a saving manager) Object stores: list the run whole once and add to
+        the index the committed steps it lacks (saved by hand below its newest step)."""
+        if self.loc.local is None:
+            marked, _ = _index.read(self.loc)
+            _index.mark(self.loc, set(_index.rescan(self.loc)) - marked)
+
     def mark(self, steps: Iterable[int]) -> None:
         """(process 0) Add the committed ``steps`` to the index (object stores only)."""
         if self.loc.local is None:

@@ -96,6 +96,14 @@ def survey(loc: _location.Location) -> Survey:
     return Survey(marked, deleting, after(loc, max(marked) + 1 if marked else 0))
 
 
+def rescan(loc: _location.Location) -> list[int]:
+    """The committed steps of the run found by listing it whole (O(objects of the run): only
+    on request, ``CheckpointManager.reload``), tombstoned ones left out."""
+    _, deleting = read(loc)
+    found = (parse_step(n) for n, keys in after(loc, 0).items() if MANIFEST in keys)
+    return sorted(s for s in found if s is not None and s not in deleting)
+
+
 def mark(loc: _location.Location, steps: Iterable[int]) -> None:
     """Write the markers of the committed ``steps`` (process 0), all at once."""
     kv = _location.kvstore(loc.kvstore, loc)
