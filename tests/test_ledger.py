@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
+from jaxckpt._runtime.pools import settle
 from jaxckpt._storage.catalog import list_keys
 from jaxckpt._storage.location import Location
 from jaxckpt._tiers import tier_choice
@@ -208,6 +209,21 @@ def test_retention_and_rollback_of_an_incremental_run_leave_only_listed_steps(st
         assert mgr.all_steps() == [4]
         mgr.delete(4)
     assert _left(store) == []
+
+
+def test_a_clean_up_never_deletes_a_step_committed_after_its_listing(store):
+    """The clean-up after a retention (in the background) lists the steps after the index's
+    newest, then judges each one without a manifest by its save's lease. A save that commits
+    in between lets its lease go after its commit: the step must be read as committed, not
+    as a dead save's leftovers (its manifest is looked for again before anything goes)."""
+    from jaxckpt._manager import cleanup
+
+    path = f"{store}/00000005"
+    jaxckpt.save(path, _frozen_and_moving(5))
+    settle()  # its lease let go, as once its commit's clean-up ran
+    listed = {"00000005": [k for k in list_keys(Location(path)) if k != "manifest.json"]}
+    cleanup.clean_listed(Location(store), lambda names: {}, listed, 4)
+    assert jaxckpt.restore(path)["moving"][0] == 5
 
 
 def test_an_overwritten_base_leaves_nothing_once_its_referrer_is_deleted(store):

@@ -125,6 +125,8 @@ def clean_listed(
             if _stale(listing[name]):  # its save died after the commit, or it kept old arrays
                 _tidy(loc)
             continue
+        if _location.exists(loc):  # committed since the listing: its lease was let go after
+            continue
         try:
             if _catalog.delete(loc, keep=keep.get(name, ())):
                 logger.info("cleaned up %s (left by an interrupted save or delete)", loc)
