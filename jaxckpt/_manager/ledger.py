@@ -86,7 +86,8 @@ class Ledger:
         listed: list[int] | None = None,
     ) -> None:
         self.run, self.local, self.read_only = run, local, read_only
-        self.newest: int | None = None
+        self._newest: int | None = None
+        self._stale = False  # restored: ``newest`` is listed again where it is next needed
         self._before: int | None = None  # ``newest`` before the save in flight began
         self._warned = False  # logged once that an older step is not saved
         # Object stores: the committed persistent steps as this process knows them (see the
@@ -122,6 +123,17 @@ class Ledger:
             return persistent
         agreed = self.local.agree(None, persistent, None)["local_steps"]
         return sorted(set(persistent) | set(agreed))
+
+    @property
+    def newest(self) -> int | None:
+        """The newest step saved in any tier (see the module's docstring)."""
+        if self._stale:
+            self.refresh()
+        return self._newest
+
+    @newest.setter
+    def newest(self, step: int | None) -> None:
+        self._newest, self._stale = step, False
 
     def refresh(self, listed: list[int] | None = None) -> None:
         """Read :attr:`newest` again from both tiers (agreed by all processes)."""
@@ -293,7 +305,7 @@ class Ledger:
             tree, got = self.run.restore(
                 step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
             )
-            self.refresh()
+            self._stale = True  # listed when next needed, not on the restore's path
             return tree, RestoredFrom("persistent", got)
         self.local.settle()
         restored = self.local.restore_newest(

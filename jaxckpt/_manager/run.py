@@ -127,12 +127,12 @@ class Run:
         """Whether ``step`` is committed (its manifest is there: one read)."""
         return _location.exists(self.path(step))
 
-    def require(self, step: int, then: str) -> None:
+    def require(self, step: int, then: str, cause: BaseException | None = None) -> None:
         """Raise ``CheckpointNotFoundError`` (ending in ``then``) unless ``step`` is committed."""
         if not self.holds(step):
             raise CheckpointNotFoundError(
                 f"Step {step} is not in {self.directory}; committed steps: {self.steps()}. {then}"
-            )
+            ) from cause
 
     def restore(self, step: int | None, target: Any, **kwargs: Any) -> tuple[Any, int]:
         """Restore ``step`` (``None``: the newest); returns the tree and the step.
@@ -150,10 +150,14 @@ class Run:
                     f"fresh state (check latest_step() is None first), or point at the right "
                     f"directory."
                 )
-        else:
-            self.require(step, "Pick one of those (or None for the latest).")
         with _location.deadline(self.loc.io_timeout):
-            return restore(str(self.path(step)), target, **kwargs), step
+            try:  # a step named: its manifest is read once, by the restore
+                return restore(str(self.path(step)), target, **kwargs), step
+            except CheckpointNotFoundError as e:
+                if self.holds(step):
+                    raise
+                self.require(step, "Pick one of those (or None for the latest).", e)
+                raise
 
     def delete(self, step: int, steps: list[int] | None = None) -> None:
         """Delete the committed ``step`` and its metrics; on object stores what other steps
