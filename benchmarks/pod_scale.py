@@ -19,7 +19,7 @@ per save and restore:
   ``CheckpointManager`` step;
 - coordination-service operations per process (``jax.distributed``'s key-value store).
 
-``tests/test_pod_scale_groups.py`` measures the same counts with real groups of 2 and 4
+``tests/test_pod_scale_groups.py`` measures the same counts with real groups of 2, 4 and 8
 processes against fake-gcs-server and checks them against :func:`model` (the default layout)
 for its toy state, so the table's model is the one the code follows. docs/object_storage.md ("Pod scale") has the
 table and how each count grows.
