@@ -29,11 +29,14 @@ ARRAYS = 20  # one item each: 90% is 18 items
 ELEMENTS = 1 << 17  # float32: 512 KiB per array, one chunk each
 
 
-def state(changed: int | None = None) -> dict[str, np.ndarray]:
-    """The state saved; ``changed``: that array's data differs (a retry after the data moved)."""
+def state(
+    changed: int | None = None, arrays: int = ARRAYS, elements: int = ELEMENTS
+) -> dict[str, np.ndarray]:
+    """The state saved (``arrays`` float32 arrays of ``elements``); ``changed``: that array's
+    data differs (a retry after the data moved)."""
     out = {}
-    for i in range(ARRAYS):
-        a = np.arange(ELEMENTS, dtype=np.float32) * (i + 1)
+    for i in range(arrays):
+        a = np.arange(elements, dtype=np.float32) * (i + 1)
         out[f"a{i:02d}"] = a + 1 if i == changed else a
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
+import partial_save_worker as worker
 import pytest
 from http_proxy import Proxy
 from test_resume_save import Throttled
@@ -25,12 +25,8 @@ RECORD = CHUNK + 4  # a chunk's bytes, then its CRC-32C
 PLANNER = {"layout": "objects", "object_bytes": 2 * RECORD, "pack_bytes": 0}
 
 
-def state(changed: int | None = None) -> dict[str, np.ndarray]:
-    out = {}
-    for i in range(ARRAYS):
-        a = np.arange(ELEMENTS, dtype=np.float32) * (i + 1)
-        out[f"a{i:02d}"] = a + 1 if i == changed else a
-    return out
+def state(changed: int | None = None) -> dict:
+    return worker.state(changed, ARRAYS, ELEMENTS)
 
 
 def _assert_restores(url: str, want: dict) -> None:
