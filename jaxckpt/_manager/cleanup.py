@@ -104,8 +104,11 @@ def clean_listed(
     step of the run. Returns the names of the committed steps listed."""
     committed = {n for n, keys in listing.items() if MANIFEST in keys}
     steps = [n for n in listing if parse_step(n) is not None]
-    keep = referenced(n for n in steps if n in committed)
     live = {n for n in steps if _writing(run.join(n), listing[n])}
+    # A save that committed after the listing has let its lease go since: its manifest is
+    # looked for again, before its markers or its prefix are taken for a dead save's.
+    committed |= {n for n in steps if n not in committed | live and _location.exists(run.join(n))}
+    keep = referenced(n for n in steps if n in committed)
     newest = max(newest or -1, _newest(committed) or -1)
     live |= {  # a failed save of the next step, kept: its retry resumes it
         n
@@ -124,8 +127,6 @@ def clean_listed(
         if name in committed:
             if _stale(listing[name]):  # its save died after the commit, or it kept old arrays
                 _tidy(loc)
-            continue
-        if _location.exists(loc):  # committed since the listing: its lease was let go after
             continue
         try:
             if _catalog.delete(loc, keep=keep.get(name, ())):
