@@ -291,6 +291,31 @@ def test_should_save_answers_for_both_tiers_and_reads(tmp_path):
     plain.close()
 
 
+@pytest.mark.parametrize("where", ["local", "memory", "tiered"])
+def test_after_reload_should_save_knows_a_step_saved_by_hand_after_the_newest(tmp_path, where):
+    """A plain ``jaxckpt.save`` of a step after the manager's newest, then ``reload()``:
+    ``save`` refuses the steps up to it, so ``should_save`` answers ``False`` for them too
+    (before, it answered ``True`` from the newest step the manager had saved itself)."""
+    if where == "tiered":
+        mgr, run = _tiered(tmp_path), str(tmp_path / "ckpt")
+    else:
+        run = str(tmp_path) if where == "local" else f"memory://reload-{uuid.uuid4().hex[:8]}"
+        mgr = jaxckpt.CheckpointManager(run, save_interval_steps=1)
+    with mgr:
+        mgr.save(5, _state(5), force=True)
+        mgr.wait()
+        jaxckpt.save(f"{run}/00000009", _state(9))  # an operator's step, after the newest
+        mgr.reload()
+        assert mgr.all_steps() == [5, 9] and mgr.latest_step() == 9
+        for step in (7, 9):
+            assert not mgr.should_save(step), step
+            with pytest.raises(jaxckpt.CheckpointExistsError, match=r"rollback"):
+                mgr.save(step, _state(step), force=True)
+        assert mgr.should_save(10) and mgr.save(10, _state(10))
+        mgr.wait()
+        assert mgr.all_steps() == [5, 9, 10]
+
+
 def test_a_resumed_should_save_loop_never_raises(tmp_path):
     with jaxckpt.CheckpointManager(tmp_path, save_interval_steps=2) as mgr:
         for step in range(7):

@@ -139,6 +139,16 @@ class Ledger:
         """Read :attr:`newest` again from both tiers (agreed by all processes)."""
         self.newest = max(self.agreed_steps(listed), default=None)
 
+    def reload(self) -> None:
+        """Raise :attr:`newest` to the newest persistent step listed now (one saved by hand
+        after it: ``CheckpointManager.reload``), asking no other process: steps after the
+        newest are listed alike by every process."""
+        found = max(self.steps("persistent"), default=None)
+        if self._stale or found is None:
+            return  # a stale ``newest`` is listed again where it is next needed
+        if self._newest is None or found > self._newest:
+            self.newest = found
+
     def newer(self, step: int) -> list[int]:
         """The steps after ``step`` in any tier, as this process sees them (for messages)."""
         found = set(self.persistent())

@@ -35,6 +35,8 @@ class RunReader:
     policy: Policy
     restored_from: RestoredFrom | None
     _retiring: Any = None  # the retention after the last commit (a saving manager's primary)
+    _primary: bool = False  # this is process 0 (CheckpointManager sets both)
+    read_only: bool = True
 
     def _wait_retiring(self) -> None:
         """Wait for the retention after the last commit (it writes metrics.json, deletes), so
@@ -96,10 +98,17 @@ class RunReader:
         (docs/manager.md, *Steps on object stores*): a step saved by hand with a plain
         ``jaxckpt.save`` below the newest indexed step is not in it. On process 0 of a
         manager that saves, ``reload()`` lists the run whole once (O(objects of the run)) and
-        indexes such steps; other processes and read-only managers see them once it has."""
+        indexes such steps; other processes and read-only managers see them once it has.
+
+        On a manager that saves, a step saved by hand after its newest one then counts as
+        its newest: ``should_save`` answers ``False`` up to it, as ``save`` refuses those
+        steps (every process lists the run's newest steps alike; no agreement)."""
         self._wait_retiring()
-        if getattr(self, "_primary", False) and not getattr(self, "read_only", True):
+        if self.read_only:
+            return
+        if self._primary:
             self._run.rescan()
+        self._ledger.reload()
 
     def metadata(self, step: int) -> CheckpointMetadata:
         """The manifest of ``step`` (``.abstract()`` for a restore target); no array data read.
@@ -155,9 +164,4 @@ class RunReader:
             step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
         )
         self._record(_events.MANAGER_DURATIONS["restore"], start)
-        return tree
-        tree, step = self._run.restore(
-            step, target, keys=keys, strict=strict, planner=planner, iterators=iterators
-        )
-        self.restored_from = RestoredFrom("persistent", step)
         return tree
