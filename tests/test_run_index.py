@@ -104,6 +104,23 @@ def test_a_run_without_an_index_opens_and_lists_right(gcs, run):
     assert sorted(marked) == [40, 41]
 
 
+def test_step_0_without_a_marker_is_listed_and_indexed():
+    """Step 0 saved unmarked (an old run, a plain save, one by hand) is a step like any other:
+    the listing of the names after the index's newest step and ``reload()``'s whole listing
+    find it (they took its number for none)."""
+    url = f"memory://index-{uuid.uuid4().hex[:8]}/run"
+    jaxckpt.save(f"{url}/00000000", TREE)  # a run without an index: step 0 alone
+    with jaxckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [0]
+        mgr.save(1, TREE)
+        mgr.wait()
+        mgr.delete(0)
+        jaxckpt.save(f"{url}/00000000", TREE)  # by hand, below the index's newest
+        mgr.reload()
+        assert mgr.all_steps() == [0, 1]
+    assert sorted(run_index.read(Location(url))[0]) == [0, 1]
+
+
 def test_a_committed_step_whose_marker_is_missing_stays_listed(gcs, run):
     url = f"gs://{run}"
     with jaxckpt.CheckpointManager(url) as mgr:

@@ -87,7 +87,8 @@ def after(loc: _location.Location, step: int) -> dict[str, list[str]]:
     name = step_name(step)
     low = name if name.startswith("0") else "1"
     found = _catalog.listing(loc, (low, ":"))  # ":" follows "9"
-    return {n: keys for n, keys in found.items() if (parse_step(n) or -1) >= step}
+    steps = {n: parse_step(n) for n in found}
+    return {n: keys for n, keys in found.items() if (s := steps[n]) is not None and s >= step}
 
 
 def survey(loc: _location.Location) -> Survey:
