@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from test_s3 import BUCKET, s3  # noqa: F401 (fixture)
 
 import jaxckpt
+from jaxckpt._format.names import step_name
 from jaxckpt._manager import run_index
 from jaxckpt._manager.retention import MetricsFile, first_at_or_after_multiples, steps_to_delete
 from jaxckpt._runtime import agreement
@@ -439,7 +440,9 @@ TARGET = {
 class RunModel(RuleBasedStateMachine):
     """A training run through one ``CheckpointManager`` and its restarts: both tiers,
     data iterators, step/time/continuous schedules under a fake clock, best-N with and without
-    metrics (NaN and infinite losses among them), deletes, rollbacks (and forgotten ones), a wiped local disk, read-only readers.
+    metrics (NaN and infinite losses among them), deletes, rollbacks (and forgotten ones), a
+    wiped local disk, read-only readers (one kept open that calls ``reload()``), and steps
+    saved by hand into the run (below or after the newest) followed by ``reload()``.
 
     The model: the persistent steps and the local steps (each with its value and the order it
     was saved in), and the iterator position saved with each step. After every rule: every
@@ -461,6 +464,8 @@ class RunModel(RuleBasedStateMachine):
         self.order, self.now = 0, 0.0
         self.floor: int | None = None  # the ledger's newest: a lost step counts until re-read
         self.mgr: jaxckpt.CheckpointManager | None = None
+        self.evaluator: jaxckpt.CheckpointManager | None = None  # a reader kept open
+        self.evaluated: set[int] = set()  # the steps it listed last
 
     @initialize(
         local=st.booleans(),
@@ -504,6 +509,7 @@ class RunModel(RuleBasedStateMachine):
         self.codecs: dict[int, str | None] = {}  # step -> the compression it was saved with
         self.pinned: set[int] = set()
         self.released: set[int] = set()  # unpinned since the last retention (kept until it)
+        self.unretained: set[int] = set()  # saved by hand since: no retention counted them yet
         if local:
             self.cfg.update(
                 local_directory=self.local_dir,
@@ -554,6 +560,9 @@ class RunModel(RuleBasedStateMachine):
     def _persistent_saved(self, step: int, v: int, scored: bool) -> None:
         self.persistent[step] = v
         self.released.clear()
+        if self.unretained:
+            STATS["retention over hand-saved steps"] += 1
+        self.unretained.clear()
         self.codecs[step] = self.cfg["compression"]
         if scored:
             self.scored.add(step)
@@ -612,6 +621,7 @@ class RunModel(RuleBasedStateMachine):
             self.local.pop(s, None)
             self.scored.discard(s)
             self.pinned.discard(s)
+            self.unretained.discard(s)
 
     @precondition(lambda self: self.persistent)
     @rule(data=st.data(), pin=st.booleans())
@@ -654,6 +664,58 @@ class RunModel(RuleBasedStateMachine):
         if self.persistent:
             assert reader.restore()["v"] == self.persistent[max(self.persistent)]
         reader.close()
+
+    @rule(above=st.booleans(), v=st.integers(0, 7), data=st.data())
+    def hand_save(self, above, v, data):
+        """An operator saves a step into the run by hand (``jaxckpt.save`` to its step path,
+        with an iterator position), after the newest step or into a gap below it, then calls
+        ``reload()``. Documented (``CheckpointManager.reload``; docs/manager.md, *Steps on
+        object stores*): before ``reload()``, a step below the newest is listed on a local
+        directory, not on an object store; after it, the manager and any reader list it,
+        without metrics (best-N ranks it last, or keeps it for good with
+        ``keep_checkpoints_without_metrics``); retention counts it from the next commit; one
+        after the newest becomes the newest (``save`` and ``should_save`` refuse it)."""
+        STATS["hand_save"] += 1
+        top = max(self.floor or 0, self._newest() or 0)
+        if above:
+            step = top + data.draw(st.integers(1, 2), label="after the newest by")
+        else:
+            held = {*self.persistent, *self.local}
+            free = [s for s in range(top) if s not in held]
+            if not free:
+                return
+            step = data.draw(st.sampled_from(free), label="step")
+        it = Counter(10 * step + v)
+        jaxckpt.save(f"{self.run}/{step_name(step)}", tiered_state(v), iterators={"it": it})
+        # Unindexed below the newest indexed step (every step the manager saved is indexed).
+        hidden = Location(self.run).local is None and step < max(self.persistent, default=-1)
+        assert (step in self.mgr.all_steps("persistent")) != hidden, (step, hidden)
+        self.mgr.reload()
+        STATS["hand_save below" if step < top else "hand_save after"] += 1
+        self.persistent[step], self.positions[step], self.codecs[step] = v, it.position, None
+        self.unretained.add(step)
+        if self.floor is None or step > self.floor:
+            self.floor = step
+        assert self.mgr.metrics(step) is None
+        assert not self.mgr.should_save(step)  # saved: save(step) refuses it
+
+    @rule()
+    def evaluator_reloads(self):
+        """An evaluator kept open beside the trainer calls ``reload()`` (the writer saved,
+        deleted, rolled back or saved by hand since): it lists the persistent steps and
+        restores the newest."""
+        STATS["evaluator_reloads"] += 1
+        if self.evaluator is None:
+            self.evaluator = jaxckpt.CheckpointManager(self.run, read_only=True)
+        else:
+            self.evaluator.reload()
+        steps = self.evaluator.all_steps()
+        assert steps == sorted(self.persistent), (steps, sorted(self.persistent))
+        if set(steps) - self.evaluated:
+            STATS["evaluator saw new steps"] += 1
+        self.evaluated = set(steps)
+        if steps:
+            assert self.evaluator.restore()["v"] == self.persistent[max(steps)]
 
     # -- what must hold after every rule ------------------------------------------------------------
 
@@ -700,9 +762,9 @@ class RunModel(RuleBasedStateMachine):
         them kept with a NaN or an infinite loss (but the newest) means that fewer than
         ``max_to_keep`` steps with a finite loss are left to keep."""
         n = self.cfg["max_to_keep"]
-        if self.mgr is None or not self.best or n is None or not self.persistent:
+        steps = set(self.persistent) - self.unretained  # as the last retention saw them
+        if self.mgr is None or not self.best or n is None or not steps:
             return
-        steps = set(self.persistent)
         forever = first_at_or_after_multiples(steps, self.cfg["keep_every_n_steps"])
         candidates = steps - forever - self.pinned - self.released
         if self.cfg["keep_checkpoints_without_metrics"]:
@@ -741,6 +803,8 @@ class RunModel(RuleBasedStateMachine):
     def teardown(self):
         if self.mgr is not None:
             self.mgr.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         shutil.rmtree(self.local_dir, ignore_errors=True)
 
 
