@@ -102,7 +102,8 @@ class RunReader:
 
         On a manager that saves, a step saved by hand after its newest one then counts as
         its newest: ``should_save`` answers ``False`` up to it, as ``save`` refuses those
-        steps (every process lists the run's newest steps alike; no agreement)."""
+        steps. That costs every process one listing of the steps, as ``all_steps``: the
+        steps after the newest are listed alike everywhere, so no process asks another."""
         self._wait_retiring()
         if self.read_only:
             return
