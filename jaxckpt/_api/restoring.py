@@ -79,12 +79,13 @@ def restore(
       >>> jaxckpt.restore(d, {"w": s})["w"].sharding == s
       True
     """
-    with collector.paused():
-        start = time.perf_counter()
-        # Where the arrays span processes, every process reads its share or none returns:
-        # they agree after reading, before any collective (jaxckpt._runtime.shared_restore).
-        planner = planner if planner is not None else DefaultLoadPlanner()
-        meeting = RestoreMeeting(str(path), target, _asked(keys, strict, planner))
+    start = time.perf_counter()
+    # Where the arrays span processes, every process reads its share or none returns: they
+    # agree after reading, before any collective (jaxckpt._runtime.shared_restore); a watcher
+    # thread of the meeting, ended with it, stops the reading once another process failed.
+    planner = planner if planner is not None else DefaultLoadPlanner()
+    meeting = RestoreMeeting(str(path), target, _asked(keys, strict, planner))
+    with collector.paused(), meeting:
         with meeting.sharing():
             manifest, reader, loc = _open(path)
             # jax's process numbers only where there are iterators to set
