@@ -121,6 +121,16 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
         rec.data["slow_read_boxes"] = slow.boxes
 
     rec.run("slow_counted", slow_counted)
+    # a failure left posted by a restore whose agreement never finished (a process crashed):
+    # the next restore of the path stops on it, says so on both, and clears it
+    if pid == 0:
+        from jaxckpt._runtime import agreement, kvstore
+
+        key = f"{agreement.PREFIX}/{agreement.scope_of(str(good))}/restore-failed"
+        kvstore.kv_client().key_value_set(key, "1")
+    sync("stale failure posted")
+    rec.failure("stale", lambda: jaxckpt.restore(good, target(), planner=Slow(0.5)))
+    rec.run("after_stale", lambda: check(jaxckpt.restore(good, target())))
     rec.failure("missing", lambda: jaxckpt.restore(gone, target()))
     # a replicated target: each process reads half of the array, a collective gathers them
     rec.failure("corrupt_shared", lambda: jaxckpt.restore(bad, target(())))

@@ -69,6 +69,16 @@ def test_a_slow_readers_store_operations_do_not_grow_with_its_reading_time(resto
     assert p1.get("key_value_dir_get", 0) == 0 and p1["total"] <= 12, p1
 
 
+def test_a_failure_left_by_an_unfinished_restore_is_reported_as_such_and_cleared(restores):
+    for p, r in enumerate(restores):
+        got = r["data"]["stale"]
+        assert got["type"] == "DistributedError", got
+        assert f"this process ({p}) stopped reading as a failure was posted" in got["msg"], got
+        assert "left by an earlier restore of this path" in got["msg"], got
+        assert "Restore again on every process" in got["msg"], got
+    _ok(restores, "after_stale")
+
+
 def test_no_restore_leaves_its_watcher_thread_running(restores):
     # failed restores, restores agreed and a restore made alone alike
     for r in restores:
