@@ -30,9 +30,10 @@ So no process ever waits in a jax collective while another waits in the coordina
 The scope is what every process derives from the path (``agreement.scope_of``), never a count
 of restores, so a restore one process skipped does not put later ones out of step. The next
 restore of the same path watches the same key, so it must find it absent: the leader deletes it
-before it answers (step 3), and every process gets its answer only after that. A process whose
-watcher has not returned once it has its answer (its get reached the store after the delete), or
-whose agreement failed, sets the key to ``done`` itself, joins its watcher and deletes the key
+before it answers (step 3), and every process gets its answer only after that. A process posts
+in step 3 only once its watcher has sent its get, so the leader's ``done`` finds it waiting. A
+process whose watcher has not returned once it has its answer (its get reached the store after
+the delete nonetheless), or whose agreement failed, sets the key to ``done`` itself, joins its watcher and deletes the key
 again (:meth:`RestoreMeeting.close`): no watcher outlives its restore, as a thread still
 blocked in the store when the interpreter exits aborts the process. (A next restore begun
 meanwhile on another process may then see ``done`` and watch no more: it still fails together,
@@ -146,9 +147,9 @@ class RestoreMeeting:
     def __enter__(self) -> RestoreMeeting:
         """Start watching for another process's failure (step 2 of the module's docstring)."""
         if not self.alone:
-            self._over = threading.Event()
+            self._armed, self._over = threading.Event(), threading.Event()
             kv = _distributed.kv_client()
-            watch = _watch, kv, self._failed, self._over
+            watch = _watch, kv, self._failed, self._armed, self._over
             self._watcher = pools.abandonable(*watch, name=WATCHER)
         return self
 
@@ -222,6 +223,8 @@ class RestoreMeeting:
             with contextlib.suppress(Exception):
                 kv, key = _distributed.kv_client(), self._failed
                 kv.key_value_set(key, str(self.process), allow_overwrite=True)
+        if self._watcher is not None:  # its get goes out before this process's post (step 3)
+            self._armed.wait(JOIN_S)
         try:
             verdict = _agreement.decide(
                 "restore",
@@ -333,11 +336,13 @@ def _describe(error: BaseException) -> str:
     return json.dumps([type(error).__name__, text])
 
 
-def _watch(kv: KeyValueClient, key: str, over: threading.Event) -> bool:
+def _watch(kv: KeyValueClient, key: str, armed: threading.Event, over: threading.Event) -> bool:
     """(a restore's watcher thread) Wait for ``key``: whether another process failed (its
-    value is not ``done``). Returns once it is set, or where the store is lost (the agreement
-    reports that), or once ``over`` is set after a get timed out."""
+    value is not ``done``). Sets ``armed`` as it sends its first get. Returns once ``key`` is
+    set, or where the store is lost (the agreement reports that), or once ``over`` is set
+    after a get timed out."""
     while not over.is_set():
+        armed.set()
         try:
             return kv.blocking_key_value_get(key, int(WAIT_S * 1000)) != DONE
         except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
