@@ -33,11 +33,13 @@ restore of the same path watches the same key, so it must find it absent: the le
 before it answers (step 3), and every process gets its answer only after that. A process posts
 in step 3 only once its watcher has sent its get, so the leader's ``done`` finds it waiting. A
 process whose watcher has not returned once it has its answer (its get reached the store after
-the delete nonetheless), or whose agreement failed, sets the key to ``done`` itself, joins its watcher and deletes the key
-again (:meth:`RestoreMeeting.close`): no watcher outlives its restore, as a thread still
-blocked in the store when the interpreter exits aborts the process. (A next restore begun
-meanwhile on another process may then see ``done`` and watch no more: it still fails together,
-at its agreement.)
+the delete nonetheless), or whose agreement failed, sets the key to ``done`` itself, joins its
+watcher and deletes the key again (:meth:`RestoreMeeting.close`): no watcher outlives its
+restore, as a thread still blocked in the store when the interpreter exits aborts the process.
+(A next restore begun meanwhile on another process may then see ``done`` and watch no more: it
+still fails together, at its agreement.) A failure left posted by a restore whose agreement
+never finished (a process crashed) stops the next restore of the path on every process, which
+then raises a ``DistributedError`` that says so; that restore's leader clears it.
 
 A restore whose target is all on this process's devices (or on the host) needs nobody else:
 it meets no one, so one process may call it alone (an evaluator reading a checkpoint), and a
