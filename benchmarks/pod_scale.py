@@ -95,7 +95,7 @@ class Counts:
     restore_requests_mean: float
     save_pages: int  # listing pages per process: process 0 (the others: 0)
     restore_pages: int  # per process
-    step_pages: int  # per process, a CheckpointManager step besides its save
+    step_pages: int  # process 0 (the others: 0), a CheckpointManager step besides its save
     retention_pages: int  # process 0, in the background: the run, then the deleted step
     coordination_ops: tuple[int, int]  # per save: process 0's, each other process's
 
