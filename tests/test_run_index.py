@@ -8,9 +8,9 @@ run of plain ``jaxckpt.save`` steps) open and list right; an interrupted delete 
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.parse
-import re
 import uuid
 
 import numpy as np
