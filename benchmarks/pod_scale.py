@@ -95,7 +95,7 @@ class Counts:
     restore_requests_mean: float
     save_pages: int  # listing pages per process: process 0 (the others: 0)
     restore_pages: int  # per process
-    step_pages: int  # per process, a CheckpointManager step besides its save
+    step_pages: int  # process 0 (the others: 0), a CheckpointManager step besides its save
     retention_pages: int  # process 0, in the background: the run, then the deleted step
     coordination_ops: tuple[int, int]  # per save: process 0's, each other process's
 
@@ -252,8 +252,10 @@ SAVE_FIXED_COORDINATOR = {
 COORDINATION_PER_SAVE = (11, 9)
 # One restore onto arrays of several processes: one agreement (every process's read error
 # shared; jaxckpt._runtime.shared_restore): process 0 makes this many plus one answer per
-# other process, each other process the second figure. Typical, as above.
-COORDINATION_PER_RESTORE = (4, 6)
+# other process, each other process the second figure. Typical, as above. Each includes the
+# watch for another process's failure: one blocking get, whatever the time spent reading (and
+# on process 0 two more: waking the watchers, deleting their key).
+COORDINATION_PER_RESTORE = (7, 7)
 
 
 def model(

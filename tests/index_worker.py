@@ -74,6 +74,13 @@ def main() -> None:
         for k, v in state(6).items()
         for a, b in zip(v.addressable_shards, got[k].addressable_shards)
     )
+    # A step saved into the run by hand, newer than the one asked for: only process 0 lists
+    # the names after the newest step it knows, and its refusal is raised on every process.
+    jaxckpt.save(f"{url}/00000008", state(8))
+    try:
+        again.save(7, state(7))
+    except jaxckpt.CheckpointExistsError as e:
+        counts["refused"] = str(e)
     again.close()
     Path(work, f"{stage}-{pid}.json").write_text(json.dumps(counts))
 

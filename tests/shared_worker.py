@@ -6,7 +6,8 @@
   reads, a shared read of a replicated array, a target only it refuses) fails on both with
   process 1's error type, naming process 1 and the key; a process reading slowly stops once
   process 1 has failed; a restore onto the host on process 0 alone needs nobody; restores
-  made together afterwards work, also replicated reads not shared, placed box by box.
+  made together afterwards work, also replicated reads not shared, placed box by box. A
+  restore in which process 0 reads slowly costs it as many store operations as a quick one.
   Then ``jaxckpt.save`` made on one process alone (each in turn): it logs at once that the
   call is collective and whom it waits for, and its deadline error says so; the next save
   made together works.
@@ -28,6 +29,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +109,28 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
         rec.data["restore_ops"] = {k: n - before.get(k, 0) for k, n in after.items()}
 
     rec.run("counted", counted)
+
+    def slow_counted() -> None:  # process 0 reads for 8 s: its store operations do not grow
+        from jaxckpt._runtime import kvstore
+
+        slow = Slow(2.0 if pid == 0 else 0.0)
+        before = kvstore.operations()
+        check(jaxckpt.restore(good, target(), planner=slow))
+        after = kvstore.operations()
+        rec.data["slow_ops"] = {k: n - before.get(k, 0) for k, n in after.items()}
+        rec.data["slow_read_boxes"] = slow.boxes
+
+    rec.run("slow_counted", slow_counted)
+    # a failure left posted by a restore whose agreement never finished (a process crashed):
+    # the next restore of the path stops on it, says so on both, and clears it
+    if pid == 0:
+        from jaxckpt._runtime import agreement, kvstore
+
+        key = f"{agreement.PREFIX}/{agreement.scope_of(str(good))}/restore-failed"
+        kvstore.kv_client().key_value_set(key, "1")
+    sync("stale failure posted")
+    rec.failure("stale", lambda: jaxckpt.restore(good, target(), planner=Slow(0.5)))
+    rec.run("after_stale", lambda: check(jaxckpt.restore(good, target())))
     rec.failure("missing", lambda: jaxckpt.restore(gone, target()))
     # a replicated target: each process reads half of the array, a collective gathers them
     rec.failure("corrupt_shared", lambda: jaxckpt.restore(bad, target(())))
@@ -133,6 +157,9 @@ def stage_restore(rec: Record, work: Path, pid: int, n: int) -> None:
 
     rec.run("after_unshared", unshared)
     save_alone(rec, work, pid)
+    # every restore's watcher ended with it (one blocked at exit would abort the process)
+    rec.data["watchers_left"] = [t.name for t in threading.enumerate() if "watcher" in t.name]
+    rec.flush()
 
 
 def save_alone(rec: Record, work: Path, pid: int) -> None:

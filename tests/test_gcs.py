@@ -273,6 +273,36 @@ def test_save_and_restore_wait_on_a_few_round_trips_whatever_the_leaf_count(gcs,
         assert_tree_equal(got[-1], tree)
 
 
+def test_a_manager_step_waits_on_three_round_trips_besides_its_data(gcs, prefix):
+    """Issue 63.4: an incremental ``CheckpointManager`` step on an object store: the check
+    of the run's newer steps (one listing page), then the lease with the base's manifest read
+    beside it, then the data with the base's held-by marker beside it, then the commit; the
+    metrics and the run index after it, off the call. Counts of requests that waited one on
+    another (a latency on the link keeps them apart), never times."""
+    run = f"gs://{BUCKET}/{prefix}/run"
+    mgr = jaxckpt.CheckpointManager(run, incremental=True, async_save=False)
+    tree = _frozen_and_moving(0, 1)  # "frozen" is referenced by step 2, the rest written
+    mgr.save(1, tree)
+    mgr.wait()
+    gcs.proxy.shaping = Shaping(latency=0.05)
+    new = _frozen_and_moving(0, 2)
+    saved = _requests_of(gcs, lambda: mgr.save(2, new))
+    mgr.close()
+    data = [r for r in saved if _is_data(r)]
+    first = min(r.start for r in data)
+    before = sequential_round_trips([r for r in saved if r.end <= first])
+    assert len(before) == 2, [(r.method, r.path) for r in before]  # the listing, the lease
+    name = "%2F00000001%2Fmanifest.json"
+    (base,) = [r for r in saved if r.method == "GET" and name in r.path]
+    (lease,) = [r for r in saved if r.method == "POST" and "writer.json" in r.path]
+    assert base.start < lease.end and lease.start < base.end  # one round trip for both
+    (marker,) = [r for r in saved if "held-by" in r.path and r.method == "POST"]
+    assert marker.start < max(r.end for r in data)  # sent with the data, not after it
+    after = [r for r in saved if r.start >= max(r.end for r in data + [marker])]
+    assert [r.method for r in after] == ["POST"] and "manifest.json" in after[0].path
+    assert_tree_equal(jaxckpt.CheckpointManager(run, read_only=True).restore(2, target=tree), new)
+
+
 # Races (an overwrite refused, then done: tests/test_object_stores.py) ----------------------------------------------------------------------------
 
 

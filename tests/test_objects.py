@@ -13,6 +13,7 @@ import json
 import re
 import uuid
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -286,3 +287,33 @@ def test_convert_diff_and_export_read_data_objects(tmp_path):
     assert main(["export", url, str(tmp_path / "out.npz")]) == 0
     with np.load(tmp_path / "out.npz") as z:
         np.testing.assert_array_equal(z["w1"], np.asarray(tree["w1"]))
+
+
+def test_records_longer_than_a_request_are_read_in_parts(store: Store):  # noqa: F811
+    """A range longer than ``PART_BYTES`` is read as several requests: the box comes back
+    whole and writable, resharded boxes too, and a bad byte in a later part is still named."""
+    from jaxckpt._storage.objects import PART_BYTES
+
+    rows = 2 * PART_BYTES // (64 * 4) + 16  # a chunk of (rows/2, 64) float32: > PART_BYTES
+    m = mesh((2, 4), ("data", "model"))
+    tree = {"w": put(jnp.arange(rows * 64.0).reshape(rows, 64), m, "data")}
+    url = f"{store.url}/parts"
+    jaxckpt.save(url, tree, planner=jaxckpt.DefaultSavePlanner(layout="objects", pack_bytes=0))
+    got = jaxckpt.restore(url)
+    assert_tree_equal(got, host(tree))
+    assert got["w"].flags.writeable
+    other = jax.sharding.NamedSharding(mesh((4, 2), ("a", "b")), jax.sharding.PartitionSpec("a"))
+    assert_tree_equal(jaxckpt.restore(url, {"w": other}), host(tree))  # a box inside a chunk
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert_tree_equal(jaxckpt.restore(url, {"w": one}), host(tree))  # a box of both chunks
+    obj = sorted(data_objects(store.keys(f"{store.prefix}/parts")))[0]  # chunk (0,0) first
+    data = bytearray(store.get(f"{store.prefix}/parts/{obj}"))
+    data[PART_BYTES + 8] ^= 0xFF  # in the second request of the first record
+    store.put(f"{store.prefix}/parts/{obj}", bytes(data))
+    with pytest.raises(
+        jaxckpt.CorruptChunkError, match=rf"Key 'w'.*chunk \(0,0\).*{obj}.*checksum"
+    ):
+        jaxckpt.restore(url)
+    store.put(f"{store.prefix}/parts/{obj}", bytes(data[: PART_BYTES + 16]))
+    with pytest.raises(jaxckpt.CorruptChunkError, match=rf"Key 'w'.*{obj}.*(shorter|answered)"):
+        jaxckpt.restore(url)

@@ -44,6 +44,8 @@ def test_a_groups_counts_match_the_model(gcs, tmp_path, monkeypatch, processes):
     before = len(gcs.proxy.seen)
     records = run_group(WORKER, "pod", processes, tmp_path, timeout_s=600)
     assert all(r["exact"] for r in records), records
+    assert all(r["incremental_exact"] for r in records), records
+    assert records[0]["referenced"] > 0, records  # step 2 holds step 1's arrays: marked
     # in the saved order (a dict's keys sorted): a process's records fill its objects in order
     state = [a for _, a in sorted(pod_scale.toy_transformer().items())]
     want = pod_scale.model(state, devices=4 * processes, per_process=4)

@@ -18,6 +18,7 @@ import uuid
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 from helpers import assert_tree_equal, one_array_per_leaf  # noqa: F401 (autouse)
 from http_proxy import Proxy
 from test_s3 import BUCKET, keys, s3  # noqa: F401 (fixtures)
@@ -26,7 +27,7 @@ import jaxckpt
 from jaxckpt._manager import run_index
 from jaxckpt._runtime.pools import settle
 from jaxckpt._storage import catalog, local_commit
-from jaxckpt._storage.location import Location
+from jaxckpt._storage.location import Location, kvstore
 
 
 def _frozen_and_moving(k: float) -> dict:
@@ -94,6 +95,24 @@ def test_rollback_on_an_object_store_keeps_every_committed_step(store, policy):
         want = 9.0 if step == 1 else float(step)
         assert_tree_equal(mgr.restore(step), _host(_frozen_and_moving(want)))
     assert 3 in mgr.all_steps()
+
+
+def test_an_incremental_step_whose_base_was_deleted_by_hand_saves_on_an_older_one(store):
+    """The manager takes its newest step as the base without looking first (its manifest is
+    read beside the save's lease); one whose objects an operator deleted is found missing
+    there, and the step is saved again on the newest step still listed."""
+    mgr = jaxckpt.CheckpointManager(store, incremental=True, async_save=False)
+    mgr.save(1, _frozen_and_moving(1.0))
+    mgr.save(2, _frozen_and_moving(2.0))
+    mgr.wait()
+    loc = Location(store)
+    gone = ts.KvStore.KeyRange("00000002/", "00000002/\xff")  # an operator's delete
+    kvstore(loc.kvstore, loc).delete_range(gone).result()
+    mgr.save(3, _frozen_and_moving(3.0))  # no error: based on step 1
+    assert _refs(store, 3) == ["../00000001/arrays/frozen"]
+    assert_tree_equal(mgr.restore(3), _host(_frozen_and_moving(3.0)))
+    assert 2 not in mgr.all_steps()
+    mgr.close()
 
 
 def _refs(store: str, step: int) -> list[str]:

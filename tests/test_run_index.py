@@ -8,6 +8,7 @@ run of plain ``jaxckpt.save`` steps) open and list right; an interrupted delete 
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.parse
 import uuid
@@ -168,8 +169,9 @@ def test_what_a_failed_save_left_below_a_commit_is_removed_after_it(gcs, run):
 
 
 def test_a_groups_manager_steps_list_one_page_per_listing(gcs, tmp_path, monkeypatch):
-    # 2 processes: each lists once per step (its save's check); process 0 also its step's own
-    # prefix, the index (retention) and the deleted step's prefix, the same count at every step.
+    # 2 processes: process 0 alone lists for each step (the save's check, agreed with the
+    # others; its step's own prefix; the index (retention) and the deleted step's prefix), the
+    # same count at every step; process 1 lists nothing.
     from pathlib import Path
 
     from groups import run_group
@@ -182,7 +184,9 @@ def test_a_groups_manager_steps_list_one_page_per_listing(gcs, tmp_path, monkeyp
     assert all(r["exact"] and r["all_steps"] == [5, 6] for r in records), records
     first, other = records
     assert first["open"] <= 2 and other["open"] <= 2, records  # the index, the names after it
-    assert other["steps"] == [1] * 6, records
+    assert other["steps"] == [0] * 6, records
+    for r in records:  # process 1 never listed step 8: it hears process 0's refusal
+        assert re.search(r"[Ss]tep 7.*\b8\b.*rollback", r.get("refused", "")), records
     assert max(first["steps"]) <= 4 and first["steps"][2:] == [first["steps"][2]] * 4, records
     assert first["reopen"] <= 2 and other["reopen"] <= 2, records
     ranges = _listings(gcs, before, f"{BUCKET}/{prefix}/run")  # each one page (checked there)

@@ -5,7 +5,8 @@
    only it refuses) fails on every process with that process's error type, naming the process
    and the key, within seconds; nobody returns arrays whose first collective would wait
    forever. A restore onto the host on one process meets nobody. Restores made together
-   afterwards work (no count out of step).
+   afterwards work (no count out of step). A process reading slowly makes as many
+   coordination-service operations as a quick one: it waits for a failure, it does not poll.
 3. ``latest_step``, ``all_steps``, ``metadata``, ``should_save`` and ``run_table`` on one
    process, with a local tier, return without the other; saves and restores made together
    afterwards work. Steps a ``save_interval_secs`` schedule does not save make no key-value
@@ -52,6 +53,36 @@ def test_a_restore_across_processes_costs_one_agreement(restores):
         ops = r["data"]["restore_ops"]
         # one agreement: a few operations per process, none per box or leaf
         assert 1 <= ops["total"] <= 12, (p, ops)
+
+
+def test_a_slow_readers_store_operations_do_not_grow_with_its_reading_time(restores):
+    # Process 0 (the leader) reads its 4 boxes in 8 s; process 1 waits for it in the
+    # agreement. Process 0 watches for a failure with one blocking get (no listing per
+    # second) and meets process 1, which posted long before: one listing, in the agreement.
+    _ok(restores, "slow_counted")
+    p0, p1 = (r["data"]["slow_ops"] for r in restores)
+    assert restores[0]["data"]["slow_read_boxes"] == 4, restores[0]["data"]
+    assert p0.get("key_value_dir_get", 0) <= 1, p0
+    assert p0.get("blocking_key_value_get", 0) <= 1, p0
+    assert p0["total"] <= 8, p0
+    # process 1's wait for the answer: one get until its notice (2 s), then one to the end
+    assert p1.get("key_value_dir_get", 0) == 0 and p1["total"] <= 12, p1
+
+
+def test_a_failure_left_by_an_unfinished_restore_is_reported_as_such_and_cleared(restores):
+    for p, r in enumerate(restores):
+        got = r["data"]["stale"]
+        assert got["type"] == "DistributedError", got
+        assert f"this process ({p}) stopped reading as a failure was posted" in got["msg"], got
+        assert "left by an earlier restore of this path" in got["msg"], got
+        assert "Restore again on every process" in got["msg"], got
+    _ok(restores, "after_stale")
+
+
+def test_no_restore_leaves_its_watcher_thread_running(restores):
+    # failed restores, restores agreed and a restore made alone alike
+    for r in restores:
+        assert r["data"]["watchers_left"] == [], r["data"]["watchers_left"]
 
 
 def test_a_missing_chunk_fails_the_restore_on_both_with_one_error(restores):

@@ -7,13 +7,14 @@ reader can follow ``save()`` to the byte written in three hops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from jaxckpt._api import reports as _reports
 from jaxckpt._api.incremental import Increment
@@ -36,6 +37,7 @@ from jaxckpt._storage import writer as _storage
 from jaxckpt._storage.messages import typed_os_error
 
 logger = logging.getLogger("jaxckpt")
+T = TypeVar("T")
 PathLike = str | os.PathLike[str]
 
 
@@ -271,13 +273,15 @@ def _start_save(
     plain = base is None and not digests and compression is None and loc.local is None
     global_plan = _with_objects(global_plan, sync.count, planner, plain)
     entries = storage_entries(global_plan.manifest)  # arrays, and packs as 1-D arrays
+    base_loc = None if base is None else _location.Location(base)
+    # The base's manifest is read beside the writer's first requests, before any data.
+    base_read = None if base_loc is None else _location.start_read_stamped(base_loc)
+    incremental = base is not None or digests
+    writer = _open_writer(loc, sync, overwrite, global_plan, entries, compression, incremental)
     increment = None
-    if base is not None or digests:  # the base's manifest is read before anything is written
-        base_loc = None if base is None else _location.Location(base)
-        increment = sync.run(
-            "base", lambda: Increment(base_loc, loc, global_plan.manifest, entries)
-        )
-    writer = _open_writer(loc, sync, overwrite, global_plan, entries, compression, increment)
+    if incremental:
+        made = functools.partial(Increment, base_loc, loc, global_plan.manifest, entries)
+        increment = _with_writer(writer, lambda: sync.run("base", lambda: made(base_read)))
     clock.mark("plan")
     order = local.items if increment is None else increment.order(local.items)
     bar = _progress.Progress("save", local.nbytes, progress)
@@ -304,6 +308,15 @@ def _start_save(
     return handle
 
 
+def _with_writer(writer: _storage.Writer, fn: Callable[[], T]) -> T:
+    """``fn()``; where it fails, ``writer`` is aborted first (its lease and data go)."""
+    try:
+        return fn()
+    except BaseException as e:
+        writer.abort(e)
+        raise
+
+
 def _open_writer(
     loc: _location.Location,
     sync: _distributed.SaveSync,
@@ -311,14 +324,14 @@ def _open_writer(
     plan: GlobalSavePlan,
     entries: dict[str, ArrayEntry],
     compression: str | None = None,
-    increment: Increment | None = None,
+    incremental: bool = False,
 ) -> _storage.Writer:
     """The save's ``Writer`` (its staging directory or generation, leased), writing format v5's
     data objects where the plan has them. A failed save of this same plan is resumed
     (``_storage.resume``), unless this one is incremental (its boxes are linked or referenced,
     never compared with leftovers)."""
     resume = None
-    if increment is None:
+    if not incremental:
         objects = plan.manifest.objects
         layout = "chunks" if objects is None else f"objects:{objects.processes}:{objects.target}"
         resume = _resume.plan_id(f"{plan.digest}:{compression}:{layout}", entries.values())

@@ -14,7 +14,7 @@ this module carries those decisions out for one save, on every process:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy.typing as npt
@@ -25,7 +25,7 @@ from jaxckpt._format.plan import ReadItem, WriteItem
 from jaxckpt._planning.reuse import Match, Reuse, Tracker, digest, recorded
 from jaxckpt._runtime.distributed import SaveSync
 from jaxckpt._storage import writer as _storage
-from jaxckpt._storage.location import Location, read_manifest
+from jaxckpt._storage.location import Location, Stamp, start_read_stamped
 from jaxckpt._storage.reader import CheckpointReader
 
 Items = Iterable[tuple[WriteItem, npt.NDArray[Any]]]
@@ -52,6 +52,7 @@ class Increment:
         loc: Location,
         manifest: Manifest,
         entries: dict[str, ArrayEntry],
+        base_read: Callable[[], tuple[bytes, Stamp]] | None = None,
     ) -> None:
         if base is not None and (base.local is None) != (loc.local is None):
             raise CheckpointError(
@@ -64,7 +65,7 @@ class Increment:
         self.base_manifest = (
             Manifest(tree={}, entries={})  # holds nothing: every box is new
             if base is None
-            else _base_manifest(base)
+            else _base_manifest(base, base_read or start_read_stamped(base))
         )
         if self.base_manifest.objects is not None:  # a v5 base: its records are neither
             self.base_manifest = Manifest(tree={}, entries={})  # linked nor referenced yet
@@ -131,6 +132,7 @@ class Increment:
             if not target.startswith(f"../{self.loc.name}/"):  # a step saved again never
                 self.refs[self.entries[key].path] = target  # refers to its own name: written
         whole = {k for k in whole if self.entries[k].path in self.refs}
+        writer.hold_early(self.refs)  # alike on every process now: the markers go with the data
         self.tracker.reused_bytes = sum(i.nbytes for i, _, _ in hashed if i.key in whole)
         return ((i, d) for i, d, _ in hashed if i.key not in whole), whole
 
@@ -166,9 +168,9 @@ class Increment:
         return self.tracker.reused_bytes
 
 
-def _base_manifest(base: Location) -> Manifest:
+def _base_manifest(base: Location, read: Callable[[], tuple[bytes, Stamp]]) -> Manifest:
     try:
-        raw = read_manifest(base)
+        raw = read()[0]
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(
             f"The base of this incremental save, {base}, holds no committed checkpoint. Pass "

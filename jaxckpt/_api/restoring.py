@@ -79,12 +79,13 @@ def restore(
       >>> jaxckpt.restore(d, {"w": s})["w"].sharding == s
       True
     """
-    with collector.paused():
-        start = time.perf_counter()
-        # Where the arrays span processes, every process reads its share or none returns:
-        # they agree after reading, before any collective (jaxckpt._runtime.shared_restore).
-        planner = planner if planner is not None else DefaultLoadPlanner()
-        meeting = RestoreMeeting(str(path), target, _asked(keys, strict, planner))
+    start = time.perf_counter()
+    # Where the arrays span processes, every process reads its share or none returns: they
+    # agree after reading, before any collective (jaxckpt._runtime.shared_restore); a watcher
+    # thread of the meeting, ended with it, stops the reading once another process failed.
+    planner = planner if planner is not None else DefaultLoadPlanner()
+    meeting = RestoreMeeting(str(path), target, _asked(keys, strict, planner))
+    with collector.paused(), meeting:
         with meeting.sharing():
             manifest, reader, loc = _open(path)
             # jax's process numbers only where there are iterators to set
@@ -120,8 +121,9 @@ def _read_into(
     total = sum(math.prod(i.sizes) * size[i.key] for i in items)
     ahead = planner.read_ahead_bytes
     if manifest.objects is not None and isinstance(planner, DefaultLoadPlanner):
-        # v5 byte ranges hold a box and its raw bytes, no decode buffers: half the budget
-        ahead = max(ahead, planner.max_host_bytes // 2)
+        # v5 reads in flight hold only their bytes (no box yet, no decode buffers): three
+        # quarters of the budget, the last quarter the boxes queued for their devices
+        ahead = max(ahead, planner.max_host_bytes * 3 // 4)
     start, place, nbytes = time.perf_counter(), 0.0, 0
     with _progress.Progress("restore", total, progress) as bar:
         with meeting.sharing():

@@ -33,7 +33,7 @@ newest step (one page, empty unless steps were saved there unindexed), when the 
 (every process), for ``all_steps``, delete and rollback; retention (process 0, in the
 background) lists the index alone, after writing the committed step's marker (and any the
 index lacks of the steps this process knows), then each deleted step's own prefix. A save
-lists only the key range of the step names after the newest step it knows (:meth:`Run.after`:
+(process 0 alone, its answer agreed with the others) lists only the key range of the step names after the newest step it knows (:meth:`Run.after`:
 nothing there but what other processes saved since, so one page), and the older committed steps come from what the
 ledger knows (:meth:`Ledger.persistent`: the listing when it opened, plus each commit, minus
 each delete). The rule for steps without a marker (a run older than the index, plain
@@ -48,6 +48,7 @@ Independent of bytes and leaves.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,8 @@ from jaxckpt._manager.cleanup import clean_listed
 from jaxckpt._manager.retention import referenced
 from jaxckpt._manager.run import Run
 from jaxckpt._planning.load_planner import LoadPlanner
+from jaxckpt._runtime import agreement as _agreement
+from jaxckpt._runtime import distributed as _distributed
 from jaxckpt._tiers.local_tier import LocalTier
 from jaxckpt._tiers.tier_choice import RestoredFrom
 
@@ -208,6 +211,9 @@ class Ledger:
     def check_new(self, step: int, directory: str, restored: int | None) -> list[int]:
         """Refuse ``step`` unless it is newer than every step of every tier (the directory
         listed now); ``restored``: the step the last ``restore()`` returned, for the advice.
+        On object stores with several processes only process 0 lists, and its listing (or its
+        refusal) reaches every process through one agreement (O(1) coordination operations
+        per process, O(P) on process 0): one listing page per step in all.
 
         Returns:
           The committed persistent steps, listed now.
@@ -216,7 +222,35 @@ class Ledger:
           CheckpointExistsError: ``step`` is saved already, or a newer step is (a rollback
             that forgot ``rollback()``): naming them and the call that rolls back.
         """
-        persistent = self._listed_for(step)
+        if self.run.loc.local is not None or _distributed.process_count() == 1:
+            return self._refuse(step, directory, restored, self._listed_for(step))
+
+        def listed_here(posted: dict[int, str]) -> str:  # on process 0
+            try:
+                steps = self._refuse(step, directory, restored, self._listed_for(step))
+            except CheckpointExistsError as e:
+                return json.dumps({"refused": str(e)})
+            return json.dumps({"steps": steps})
+
+        said = json.loads(
+            _agreement.decide(
+                "save-check",
+                "",
+                listed_here,
+                scope=_agreement.scope_of(directory, str(step)),
+                call=f"CheckpointManager.save({step})",
+            )
+        )
+        if "refused" in said:
+            raise CheckpointExistsError(said["refused"])
+        with self._lock:
+            self._known = set(said["steps"])
+        return self._refuse(step, directory, restored, list(said["steps"]))
+
+    def _refuse(
+        self, step: int, directory: str, restored: int | None, persistent: list[int]
+    ) -> list[int]:
+        """``persistent``, unless ``step`` is not newer than every step of every tier."""
         if self.local is None:  # the listing is the whole truth (a step deleted by hand too)
             self.newest = max(persistent, default=None)
         saved = step in persistent or step == self.newest

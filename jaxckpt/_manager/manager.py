@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from jaxckpt._api.entry import SaveHandle, save_async
 from jaxckpt._api.staged import BudgetError, budget_arg
-from jaxckpt._errors import CheckpointError
+from jaxckpt._errors import CheckpointError, CheckpointNotFoundError
 from jaxckpt._format import codecs as _codecs
 from jaxckpt._format.iterators import Checkpointable
 from jaxckpt._manager import cleanup as _cleanup
@@ -275,15 +275,11 @@ class CheckpointManager(RunReader):
         preemption)."""
         loc = self._run.path(step)
         base = str(self._run.path(max(steps))) if self.incremental and steps else None
-        if base is not None and not _location.exists(self._run.path(max(steps))):
-            # Object stores know older steps from the ledger: one deleted by hand is listed
-            # out, and its marker dropped from the run's index.
-            steps = self._run.held(self._run.steps(), primary=self._primary)
-            base = str(self._run.path(max(steps))) if steps else None
         began = self._schedule.clock()
-        try:
+
+        def start(base: str | None) -> SaveHandle:
             with _location.deadline(self._loc.io_timeout):
-                handle = save_async(
+                return save_async(
                     str(loc),
                     tree,
                     base=base,
@@ -292,6 +288,19 @@ class CheckpointManager(RunReader):
                     max_host_bytes=self.max_host_bytes,
                     compression=self.compression,
                 )
+
+        try:
+            try:  # the base's manifest is read beside the save's first requests
+                handle = start(base)
+            except CheckpointNotFoundError:
+                if base is None:
+                    raise
+                # Object stores know older steps from the ledger: one deleted by hand is
+                # listed out, its marker dropped from the run's index, and the save made again.
+                listed = self._run.steps()
+                steps = self._run.held(listed, primary=self._primary)
+                self._ledger.forget(sorted(set(listed) - set(steps)))
+                handle = start(str(self._run.path(max(steps))) if steps else None)
         except BaseException as e:
             self._ledger.failed(step, local_saved=self._local_saves(step))
             if isinstance(e, BudgetError):  # save_async's advice names its own arguments

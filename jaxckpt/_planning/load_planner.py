@@ -110,7 +110,8 @@ class DefaultLoadPlanner(LoadPlanner):
 
     Boxes stream onto their devices as they are read: at most ``max_host_bytes`` of boxes are
     on the host at once (a quarter read ahead by storage, with tensorstore's decode buffers for
-    those reads, and a quarter queued for or in transfer to their devices), or the largest
+    those reads, or three quarters of format 5's data objects, whose reads in flight hold only
+    their bytes; and a quarter queued for or in transfer to their devices), or the largest
     single box where that is larger. Host (numpy) results are the
     restored values themselves and are not counted.
 

@@ -258,11 +258,11 @@ def settle() -> None:
         future.result()
 
 
-def abandonable(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """Run ``fn(*args)`` on a new daemon thread, for a call that may never return (a pull from a
-    peer that died: ``jax.experimental.transfer`` ignores its timeout then). The caller waits on
-    the future with a deadline and gives the thread up after it; the interpreter neither joins
-    nor waits for it at exit, as it would a pool's."""
+def abandonable(fn: Callable[..., T], *args: Any, name: str = "jaxckpt-abandonable") -> Future[T]:
+    """Run ``fn(*args)`` on a new daemon thread named ``name``, for a call that may never
+    return (a pull from a peer that died: ``jax.experimental.transfer`` ignores its timeout
+    then). The caller waits on the future with a deadline and gives the thread up after it;
+    the interpreter neither joins nor waits for it at exit, as it would a pool's."""
     future: Future[T] = Future()
 
     def run() -> None:
@@ -273,5 +273,5 @@ def abandonable(fn: Callable[..., T], *args: Any) -> Future[T]:
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             future.set_exception(e)
 
-    threading.Thread(target=run, name="jaxckpt-abandonable", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future

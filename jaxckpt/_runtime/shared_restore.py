@@ -6,16 +6,20 @@ chunk, an I/O deadline, a target it refuses), the others must not go on: their n
 collective (the restore's own gather of shared reads in ``LoadPlanner.finish``, or the
 caller's first computation) would wait forever for the process that gave up. So:
 
-1. (a process that fails, reading or before) posts its error at once under
-   ``<agreement.PREFIX>/<scope>/restore-failed/<process>``, then joins step 3 with it;
-2. (every process still reading) looks for such a key between boxes, at most once every
-   ``WATCH_S`` seconds (one non-blocking listing, never a collective), and stops reading when
-   it finds one;
+1. (a process that fails, reading or before) posts at once that it failed, under the restore's
+   one watched key ``<agreement.PREFIX>/<scope>/restore-failed``, then joins step 3 with its
+   error;
+2. (every process, from the start of the restore) a watcher thread waits for that key with one
+   blocking get (re-armed after ``WAIT_S`` seconds); the reading thread only looks at what the
+   watcher found, between boxes (no store operation, never a collective), and stops reading
+   once another process has failed;
 3. (every process) after its own reads and before ``finish`` (the only step of the default
    planner that runs jax collectives), one :func:`jaxckpt._runtime.agreement.decide`: each
    posts its error, or a digest of the restore it made (:func:`what_restores`: the target's
-   leaves that span processes, ``keys``, the planner); the lowest process answers every
-   process with the failures, or with the processes whose restores differ;
+   leaves that span processes, ``keys``, the planner); the lowest process, once all have
+   posted (so after every failure was posted), sets the watched key to ``done`` (every watcher
+   returns) and deletes it, then answers every process with the failures, or with the
+   processes whose restores differ;
 4. (every process) raises the same error if any process failed: the first failing process's
    type (a :class:`jaxckpt.CheckpointError` subclass, else ``DistributedError``) and
    message, prefixed with ``Restore of PATH failed on process N``; or a ``DistributedError``
@@ -24,7 +28,18 @@ caller's first computation) would wait forever for the process that gave up. So:
 So no process ever waits in a jax collective while another waits in the coordination service
 (the agreement comes after every read and before every collective), nor the other way round.
 The scope is what every process derives from the path (``agreement.scope_of``), never a count
-of restores, so a restore one process skipped does not put later ones out of step.
+of restores, so a restore one process skipped does not put later ones out of step. The next
+restore of the same path watches the same key, so it must find it absent: the leader deletes it
+before it answers (step 3), and every process gets its answer only after that. A process posts
+in step 3 only once its watcher has sent its get, so the leader's ``done`` finds it waiting. A
+process whose watcher has not returned once it has its answer (its get reached the store after
+the delete nonetheless), or whose agreement failed, sets the key to ``done`` itself, joins its
+watcher and deletes the key again (:meth:`RestoreMeeting.close`): no watcher outlives its
+restore, as a thread still blocked in the store when the interpreter exits aborts the process.
+(A next restore begun meanwhile on another process may then see ``done`` and watch no more: it
+still fails together, at its agreement.) A failure left posted by a restore whose agreement
+never finished (a process crashed) stops the next restore of the path on every process, which
+then raises a ``DistributedError`` that says so; that restore's leader clears it.
 
 A restore whose target is all on this process's devices (or on the host) needs nobody else:
 it meets no one, so one process may call it alone (an evaluator reading a checkpoint), and a
@@ -32,8 +47,9 @@ single-process job makes no call here at all. Only the processes whose devices t
 take part, the lowest of them leading.
 
 Cost per restore across processes: one agreement (O(1) key-value operations per process, O(N)
-on the leader), one listing per second of reading on each process, and two more operations on
-a process that fails (posting its error, deleting it).
+on the leader), one blocking get per process for the watch (one more per ``WAIT_S`` seconds of
+reading: none in practice), two on the leader (``done``, delete), and one more on a process
+that fails (posting that it failed); never an operation per box or per second of reading.
 """
 
 from __future__ import annotations
@@ -41,8 +57,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import time
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as _wait_for
 from typing import Any
 
 import jax
@@ -50,8 +68,13 @@ import jax
 from jaxckpt._errors import CheckpointError, DistributedError
 from jaxckpt._runtime import agreement as _agreement
 from jaxckpt._runtime import distributed as _distributed
+from jaxckpt._runtime import pools
+from jaxckpt._runtime.kvstore import KeyValueClient, timed_out
 
-WATCH_S = 1.0  # how often a process still reading looks for another's failure
+WAIT_S = 600.0  # a watcher's blocking get is re-armed after this long (a restore reading on)
+JOIN_S = 1.0  # once answered, how long to wait for the watcher the leader's "done" woke
+WATCHER = "jaxckpt-restore-watcher"  # the watcher thread's name
+DONE = "done"  # the watched key's value once the restore is agreed: no failure, stop watching
 
 
 def spanned(target: Any) -> set[int]:
@@ -115,32 +138,55 @@ class RestoreMeeting:
         self.process = _distributed.process_index() if members else 0
         self.members = sorted(members)
         self.alone = self.process not in members or len(members) < 2
-        self._settled = False
-        self._looked = time.monotonic()
+        self._settled = self._agreed = False
         self._echo: BaseException | None = None  # raised here for another process's failure
+        self._watcher: Future[bool] | None = None  # True once another process failed
         if not self.alone:
             self._digest = what_restores(target, also)
             self._scope = _agreement.scope_of(path)
             self._failed = f"{_agreement.PREFIX}/{self._scope}/restore-failed"
 
+    def __enter__(self) -> RestoreMeeting:
+        """Start watching for another process's failure (step 2 of the module's docstring)."""
+        if not self.alone:
+            self._armed, self._over = threading.Event(), threading.Event()
+            kv = _distributed.kv_client()
+            watch = _watch, kv, self._failed, self._armed, self._over
+            self._watcher = pools.abandonable(*watch, name=WATCHER)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the watcher, however the restore ended: it must not outlive the restore (nor
+        block in the store at interpreter exit). Normally the leader's ``done`` has woken it;
+        else this process sets ``done`` itself, then deletes the key again."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is None:
+            return
+        self._over.set()
+        if self._agreed and _wait_for([watcher], JOIN_S).done:
+            return
+        kv = _distributed.kv_client()
+        with contextlib.suppress(Exception):
+            if not watcher.done():
+                kv.key_value_set(self._failed, DONE, allow_overwrite=True)
+                _wait_for([watcher], _distributed.sync_timeout())
+            kv.key_value_delete(self._failed)
+
     def watch(self) -> None:
-        """Raise at once if another process has failed its share (looked for at most once
-        every ``WATCH_S`` seconds: one non-blocking key-value listing), so that nobody reads
-        on for a restore that cannot succeed.
+        """Raise at once if another process has failed its share (as the watcher found: no
+        store operation here), so that nobody reads on for a restore that cannot succeed.
 
         Raises:
           DistributedError: another process failed (replaced by its error once agreed).
         """
-        if self.alone or time.monotonic() - self._looked < WATCH_S:
+        watcher = self._watcher
+        if watcher is None or not watcher.done() or not watcher.result() or self._settled:
             return
-        self._looked = time.monotonic()
-        try:
-            got = _distributed.kv_client().key_value_dir_get(self._failed + "/")
-        except Exception:  # noqa: BLE001 - the agreement that follows reports a lost service
-            return
-        if any(int(k.rsplit("/", 1)[1]) != self.process for k, _ in got):
-            self._echo = DistributedError(f"Restore of {self.path}: another process failed")
-            raise self._echo
+        self._echo = DistributedError(f"Restore of {self.path}: another process failed")
+        raise self._echo
 
     @contextlib.contextmanager
     def sharing(self) -> Iterator[None]:
@@ -175,15 +221,17 @@ class RestoreMeeting:
         self._settled = True
         own = error is not None and error is not self._echo  # not another's, echoed
         mine = _describe(error) if own and error is not None else ""
-        kv = _distributed.kv_client()
-        if mine:  # those still reading stop at once (watch), then agree
+        if mine:  # those still reading stop at once (their watchers return), then agree
             with contextlib.suppress(Exception):
-                kv.key_value_set(f"{self._failed}/{self.process}", mine)
+                kv, key = _distributed.kv_client(), self._failed
+                kv.key_value_set(key, str(self.process), allow_overwrite=True)
+        if self._watcher is not None:  # its get goes out before this process's post (step 3)
+            self._armed.wait(JOIN_S)
         try:
             verdict = _agreement.decide(
                 "restore",
                 mine or "=" + self._digest,
-                _verdict,
+                self._leads,
                 scope=self._scope,
                 members=self.members,
                 call=f"jaxckpt.restore({self.path})",
@@ -196,15 +244,35 @@ class RestoreMeeting:
                 f"{self.members}, so restore must be called on every one of them with the same "
                 f"target; this process ({self.process}) returns nothing."
             )
-        finally:
-            if mine:  # read by every process by now (or never to be): the next starts clean
-                with contextlib.suppress(Exception):
-                    kv.key_value_delete(f"{self._failed}/{self.process}")
+        self._agreed = True
         said = json.loads(verdict or "{}")
         if "differ" in said:
             return error if own else self._differ(said["differ"])
         failed = {int(p): why for p, why in said.items()}
-        return self._error(failed, error if own else None) if failed else None
+        if failed:
+            return self._error(failed, error if own else None)
+        return None if error is None or own else self._stale()
+
+    def _leads(self, posted: dict[int, str]) -> str:
+        """(the leader, once every process has posted: after every failure was posted) Wake
+        every watcher and delete the watched key, so the next restore of the path starts
+        clean; then :func:`_verdict`."""
+        kv = _distributed.kv_client()
+        with contextlib.suppress(Exception):
+            kv.key_value_set(self._failed, DONE, allow_overwrite=True)
+        with contextlib.suppress(Exception):
+            kv.key_value_delete(self._failed)
+        return _verdict(posted)
+
+    def _stale(self) -> DistributedError:
+        """This process stopped reading for a failure that no process reported."""
+        return DistributedError(
+            f"Restore of {self.path}: this process ({self.process}) stopped reading as a "
+            f"failure was posted under {self._failed}, but no process taking part "
+            f"({self.members}) reported one: it was left by an earlier restore of this path "
+            f"whose agreement did not finish (a process crashed or timed out), and is cleared "
+            f"now. Restore again on every process."
+        )
 
     def _differ(self, groups: list[list[int]]) -> DistributedError:
         shown = "; ".join(f"processes {g}" for g in groups[:4])
@@ -268,3 +336,18 @@ def _describe(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     text = text if len(text) <= 2000 else text[:2000] + " ..."
     return json.dumps([type(error).__name__, text])
+
+
+def _watch(kv: KeyValueClient, key: str, armed: threading.Event, over: threading.Event) -> bool:
+    """(a restore's watcher thread) Wait for ``key``: whether another process failed (its
+    value is not ``done``). Sets ``armed`` as it sends its first get. Returns once ``key`` is
+    set, or where the store is lost (the agreement reports that), or once ``over`` is set
+    after a get timed out."""
+    while not over.is_set():
+        armed.set()
+        try:
+            return kv.blocking_key_value_get(key, int(WAIT_S * 1000)) != DONE
+        except Exception as e:  # noqa: BLE001 - the client raises one runtime error type
+            if not timed_out(e):
+                return False
+    return False

@@ -16,7 +16,8 @@ the commit. The steps of one save:
 2. The arrays are written under the generation (all processes).
 3. :func:`commit` (coordinator): the manifest's paths are moved into the generation
    (``Manifest.relocated``) and parsed once more; the ``held-by`` markers of its references
-   are written (``jaxckpt._storage.holds``); then ``manifest.json`` is written only if it is
+   are written (``jaxckpt._storage.holds``), or waited for where an incremental save started
+   them beside its data (:func:`hold_early`); then ``manifest.json`` is written only if it is
    still the one step 1 saw (compare-and-swap on its generation), so a save that another
    commit overtook fails and leaves the winner whole.
 4. :func:`clean_up` after the commit, in the background (the save returns once committed):
@@ -74,6 +75,8 @@ class Target:
     probe: Any = None  # the future of :func:`_probe`'s write, if this save checks the store
     before: set[str] | None = None  # the prefix's keys step 1 listed (coordinator)
     resumed: bool = False  # a failed save's generation of the same plan, adopted
+    # The held-by markers started beside the data (:func:`hold_early`): what, and their wait.
+    held: tuple[dict[str, set[str]], Callable[[], None]] | None = None
 
 
 def prepare(
@@ -290,6 +293,17 @@ def encode(loc: Location, target: Target, manifest: Manifest) -> tuple[Manifest,
     return moved, data
 
 
+def hold_early(loc: Location, target: Target, refs: dict[str, str], name: str) -> None:
+    """Step 3's markers, started beside the data once the references are known (every
+    process knows them after the incremental save's exchange): the commit then waits for
+    them instead of writing them, one round trip fewer. Only where the store honours
+    preconditions (known from step 1's probe); elsewhere the commit writes them as before."""
+    referenced = holds.by_holder(refs)
+    if referenced and _check_probe(loc, target.probe):
+        held = {loc.sibling(h): p for h, p in referenced.items()}
+        target.held = (referenced, holds.start_hold_new(held, name))
+
+
 def commit(
     loc: Location,
     target: Target,
@@ -310,8 +324,13 @@ def commit(
     moved, data = encoded if encoded is not None else encode(loc, target, manifest)
     referenced = holds.by_holder(moved.refs)
     honoured = _check_probe(loc, target.probe)
+    early, target.held = target.held, None
     try:
-        if honoured:  # all at once, created if absent
+        if early is not None and early[0] == referenced:  # written beside the data
+            early[1]()
+        elif honoured:  # all at once, created if absent
+            if early is not None:
+                early[1]()  # merged into below: a marker only keeps data
             holds.hold_new({loc.sibling(h): p for h, p in referenced.items()}, name)
         else:  # read, merge, write each: what a create-only-if-absent would do
             for holder, paths in referenced.items():

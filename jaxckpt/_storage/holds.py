@@ -70,22 +70,32 @@ def hold_new(holders: Mapping[Location, set[str]], referrer: str) -> None:
     only if absent (one round trip for all, the usual case: ``referrer`` is a new step);
     where one exists already (``referrer`` saved again), it is read and merged, all at once.
     Only for stores that honour preconditions (``jaxckpt._storage.generations`` knows)."""
+    start_hold_new(holders, referrer)()
+
+
+def start_hold_new(holders: Mapping[Location, set[str]], referrer: str) -> Callable[[], None]:
+    """:func:`hold_new`'s writes, started; the call that waits for them (and merges where a
+    marker existed). A save starts them beside its data, once it knows its references."""
     key = marker(referrer)
     created = []
     for loc, paths in holders.items():
         kv = kvstore(loc.kvstore, loc)
         created.append((loc, kv, paths, kv.write(key, _record(paths), if_equal=ABSENT)))
-    reads = [
-        (loc, kv, paths, kv.read(key))
-        for loc, kv, paths, fut in created
-        if not wait(fut, loc, f"writing {key}").generation
-    ]
-    writes = []
-    for loc, kv, paths, fut in reads:
-        old = _parse(wait(fut, loc, f"reading {key}"))
-        writes.append((loc, kv.write(key, _record(paths | (old or set())))))
-    for loc, written in writes:
-        wait(written, loc, f"writing {key}")
+
+    def finish() -> None:
+        reads = [
+            (loc, kv, paths, kv.read(key))
+            for loc, kv, paths, fut in created
+            if not wait(fut, loc, f"writing {key}").generation
+        ]
+        writes = []
+        for loc, kv, paths, fut in reads:
+            old = _parse(wait(fut, loc, f"reading {key}"))
+            writes.append((loc, kv.write(key, _record(paths | (old or set())))))
+        for loc, written in writes:
+            wait(written, loc, f"writing {key}")
+
+    return finish
 
 
 def _record(paths: Iterable[str]) -> bytes:

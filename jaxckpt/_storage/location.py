@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -349,21 +349,19 @@ def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
       CheckpointNotFoundError: no manifest at ``loc``.
       ManifestError: the manifest is a link or not a regular file.
     """
+    return start_read_stamped(loc)()
+
+
+def start_read_stamped(loc: Location) -> Callable[[], tuple[bytes, Stamp]]:
+    """:func:`read_stamped`, its request sent now (object stores); the call that waits for it
+    and raises its errors. A save sends it beside its other first requests."""
     if loc.local is not None:
-        path = loc.local / MANIFEST
+        return lambda: _read_local_stamped(loc)
+    fut = kvstore(loc.kvstore, loc).read(MANIFEST)
+
+    def finish() -> tuple[bytes, Stamp]:
         try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):  # a link could lead anywhere; a FIFO hangs
-                raise ManifestError(
-                    f"{path} is a link or not a regular file; refusing to read it (it could lead "
-                    f"outside the checkpoint). Copy the checkpoint without links (cp -rL)."
-                )
-            with open(path, "rb", opener=_no_follow) as f:
-                return f.read(), _file_stamp(os.fstat(f.fileno()))
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-    else:
-        try:
-            got = wait(kvstore(loc.kvstore, loc).read(MANIFEST), loc, f"reading {MANIFEST}")
+            got = wait(fut, loc, f"reading {MANIFEST}")
         except ValueError as e:  # the store refused: no bucket, no access
             raise CheckpointError(
                 f"Cannot read {loc}/{MANIFEST}: {' '.join(str(e).split('[', 1)[0].split())}. "
@@ -372,6 +370,24 @@ def read_stamped(loc: Location) -> tuple[bytes, Stamp]:
             ) from e
         if got.state == "value":
             return got.value, (got.stamp.generation,)
+        raise CheckpointNotFoundError(f"No checkpoint at {loc}: {MANIFEST} is missing.")
+
+    return finish
+
+
+def _read_local_stamped(loc: Location) -> tuple[bytes, Stamp]:
+    assert loc.local is not None
+    path = loc.local / MANIFEST
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a link could lead anywhere; a FIFO hangs
+            raise ManifestError(
+                f"{path} is a link or not a regular file; refusing to read it (it could lead "
+                f"outside the checkpoint). Copy the checkpoint without links (cp -rL)."
+            )
+        with open(path, "rb", opener=_no_follow) as f:
+            return f.read(), _file_stamp(os.fstat(f.fileno()))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
     raise CheckpointNotFoundError(f"No checkpoint at {loc}: {MANIFEST} is missing.")
 
 

@@ -29,6 +29,8 @@ from jaxckpt._storage.location import Location, Pending, kvstore, wait
 from jaxckpt._storage.messages import write_error
 from jaxckpt._storage.resume import Present
 
+PART_BYTES = 4 << 20  # a record range is read in requests of at most this (``RecordReader.start``)
+
 # (object index, first byte, end byte, [(chunk index, offset in the read, record length)])
 _Read = tuple[int, int, int, list[tuple[tuple[int, ...], int, int]]]
 
@@ -45,6 +47,13 @@ def _chunk_box(
         in_box.append(slice(a - o, b - o))
         in_chunk.append(slice(a - lo, b - lo))
     return tuple(shape), tuple(in_box), tuple(in_chunk)
+
+
+def _whole(entry: ArrayEntry, idx: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+    """Whether chunk ``idx`` is exactly the box of ``sizes`` (a read of it is the box)."""
+    return (
+        _chunk_box(entry, idx, tuple(i * c for i, c in zip(idx, entry.chunks)), sizes)[0] == sizes
+    )
 
 
 def _flat(entry: ArrayEntry, idx: tuple[int, ...]) -> int:
@@ -244,7 +253,12 @@ class RecordReader:
     def start(
         self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]
     ) -> Callable[[], npt.NDArray[Any]]:
-        """Start the reads of the box's records; return the call that checks and copies them."""
+        """Start the reads of the box's records; return the call that checks and copies them.
+
+        A range longer than ``PART_BYTES`` is read as several requests at once: an object
+        store serves each request at a rate of its own, so more, smaller requests fill a link
+        that one large one cannot (the bytes in flight are the same). Nothing is allocated
+        until the data is taken: a read in flight holds only its bytes."""
         if self._table is None:
             self._table = table(self.objects, self._entries())
         names = self._table.names
@@ -252,64 +266,99 @@ class RecordReader:
         if self._kv is None:
             self._kv = self.kv()
         kv = self._kv
-        futs = [kv.read(names[o], byte_range=slice(a, b)) for o, a, b, _ in reads]
-        for fut in futs:
-            self.loc.watch(fut)
-        out = aligned_empty(sizes, dtype_from_name(entry.storage_dtype))
+        futs = [
+            [
+                kv.read(names[o], byte_range=slice(p, min(p + PART_BYTES, b)))
+                for p in range(a, b, PART_BYTES)
+            ]
+            for o, a, b, _ in reads
+        ]
+        for parts in futs:
+            for fut in parts:
+                self.loc.watch(fut)
+        dtype = dtype_from_name(entry.storage_dtype)
 
         def result() -> npt.NDArray[Any]:
-            for (o, a, b, recs), fut in zip(reads, futs):
-                value = self._value(entry, names[o], recs[0][0], fut, b - a)
+            out: npt.NDArray[Any] | None = None
+            for (o, a, b, recs), parts in zip(reads, futs):
+                whole = len(reads) == 1 and len(recs) == 1 and _whole(entry, recs[0][0], sizes)
+                value = self._value(entry, names[o], recs[0][0], parts, a, b, aligned=whole)
+                if whole and len(parts) > 1:  # the assembled range is the box: no second copy
+                    out = self._check(entry, recs[0][0], value, 0, b - a, names[o]).reshape(sizes)
+                    break
+                if out is None:
+                    out = aligned_empty(sizes, dtype)
                 for idx, at, n in recs:
-                    self._copy(entry, idx, offsets, sizes, value, at, n, out, names[o])
+                    chunk = self._check(entry, idx, value, at, n, names[o])
+                    shape, in_box, in_chunk = _chunk_box(entry, idx, offsets, sizes)
+                    out[in_box] = chunk.reshape(shape)[in_chunk]
+            if out is None:  # an empty box
+                out = aligned_empty(sizes, dtype)
             if entry.storage_dtype != entry.dtype:
                 return out.view(dtype_from_name(entry.dtype))
             return out
 
         return result
 
-    def _value(self, entry: ArrayEntry, name: str, idx: tuple[int, ...], fut: Any, n: int) -> bytes:
+    def _value(
+        self,
+        entry: ArrayEntry,
+        name: str,
+        idx: tuple[int, ...],
+        parts: list[Any],
+        a: int,
+        b: int,
+        aligned: bool,
+    ) -> npt.NDArray[np.uint8]:
+        """Bytes ``a:b`` of object ``name`` as read by ``parts`` (one view, or the parts
+        copied into one buffer, aligned where ``aligned``), each part's length checked."""
         what = f"reading data object {name} for key {entry.key!r}"
-        try:
-            r = wait(fut, self.loc, what, n)
-        except ValueError as e:
-            short = "OUT_OF_RANGE" in str(e)
-            raise self._error(
-                entry,
-                idx,
-                name,
-                "is shorter than the manifest says" if short else f"cannot be read ({e})",
-            ) from e
-        if r.state != "value":
-            raise self._error(entry, idx, name, "is missing")
-        value: bytes = r.value
-        if len(value) != n:
-            raise self._error(entry, idx, name, f"answered {len(value)} bytes of {n}")
-        return value
+        buf: npt.NDArray[np.uint8] | None = None
+        if len(parts) > 1:
+            buf = (
+                aligned_empty((b - a,), np.dtype(np.uint8))
+                if aligned
+                else np.empty(b - a, np.uint8)
+            )
+        for i, fut in enumerate(parts):
+            lo = a + i * PART_BYTES
+            n = min(PART_BYTES, b - lo)
+            try:
+                r = wait(fut, self.loc, what, n)
+            except ValueError as e:
+                short = "OUT_OF_RANGE" in str(e)
+                why = "is shorter than the manifest says" if short else f"cannot be read ({e})"
+                raise self._error(entry, idx, name, why) from e
+            if r.state != "value":
+                raise self._error(entry, idx, name, "is missing")
+            if len(r.value) != n:
+                raise self._error(entry, idx, name, f"answered {len(r.value)} bytes of {n}")
+            got = np.frombuffer(r.value, np.uint8)
+            if buf is None:
+                return got
+            buf[lo - a : lo - a + n] = got
+        assert buf is not None
+        return buf
 
-    def _copy(
+    def _check(
         self,
         entry: ArrayEntry,
         idx: tuple[int, ...],
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        value: bytes,
+        value: npt.NDArray[np.uint8],
         at: int,
         n: int,
-        out: npt.NDArray[Any],
         name: str,
-    ) -> None:
+    ) -> npt.NDArray[Any]:
+        """The record at ``value[at:at + n]``, its checksum checked, as a flat array."""
         crc = entry.checksum == "crc32c"
         body = n - 4 * crc
-        raw = np.frombuffer(value, np.uint8, count=body, offset=at)
-        if crc and crc32c(raw) != int.from_bytes(value[at + body : at + n], "little"):
+        raw = value[at : at + body]
+        if crc and crc32c(raw) != int.from_bytes(value[at + body : at + n].tobytes(), "little"):
             raise self._error(entry, idx, name, "fails its checksum")
         dtype = dtype_from_name(entry.storage_dtype)
-        shape, in_box, in_chunk = _chunk_box(entry, idx, offsets, sizes)
-        chunk = raw.view(dtype.newbyteorder("<")).reshape(shape)
         if dtype == np.bool_ and (raw > 1).any():
             raise self._error(entry, idx, name, "holds a bool byte other than 0 or 1")
-        out[in_box] = chunk[in_chunk]
+        return raw.view(dtype.newbyteorder("<"))
 
     def _error(
         self, entry: ArrayEntry, idx: tuple[int, ...], name: str, what: str

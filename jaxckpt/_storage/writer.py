@@ -357,6 +357,12 @@ class Writer:
             done = pools.stage_pool().submit(generations.encode, self.loc, self._target, manifest)
             self._ahead = (manifest, done)
 
+    def hold_early(self, refs: dict[str, str]) -> None:
+        """Object stores (coordinator): start the ``held-by`` markers of the references
+        ``refs`` (``Manifest.refs``) now, beside the data; :meth:`commit` waits for them."""
+        if self._target is not None and self.is_coordinator:
+            generations.hold_early(self.loc, self._target, refs, self.loc.name)
+
     def commit(self, manifest: Manifest) -> None:
         """Write the manifest last and make the checkpoint visible (the store's protocol).
 
