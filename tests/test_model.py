@@ -161,6 +161,7 @@ class CheckpointModel(RuleBasedStateMachine):
         self.steps: dict[int, int] = {}  # step -> value last committed
         self.scored: set[int] = set()  # steps saved with metrics (best-N ranks the rest last)
         self.broken: set[int] = set()  # steps a deletion by hand may have broken
+        self.gone: set[str] = set()  # the names of the steps deleted by hand
         self.plain: dict[str, int] = {}
         self.plain_broken: set[str] = set()
         self.mgr: jaxckpt.CheckpointManager | None = None
@@ -212,6 +213,10 @@ class CheckpointModel(RuleBasedStateMachine):
         self.steps[step] = v
         self.scored.add(step)
         self.broken.discard(step)
+        self.gone.discard(f"{step:08d}")
+        refs = jaxckpt.metadata(f"{self.run}/{step:08d}").refs.values()
+        if any(t.split("/")[1] in self.gone for t in refs):  # a broken base's references
+            self.broken.add(step)
         for gone in self._doomed(list(self.steps), self.steps, self.scored):
             del self.steps[gone]
             self.broken.discard(gone)
@@ -252,6 +257,7 @@ class CheckpointModel(RuleBasedStateMachine):
         step = data.draw(st.sampled_from(sorted(self.steps)))
         name = f"{self.run}/{step:08d}"
         self.broken |= self._referencing(step)
+        self.gone.add(f"{step:08d}")
         _remove_by_hand(name)
         loc = Location(self.run)
         if loc.local is None:  # and its marker (docs/manager.md, *Steps on object stores*)
