@@ -18,7 +18,8 @@ branch, and no step of the new one exists before it returns.
 What the ledger holds in memory is one number, :attr:`Ledger.newest`: the newest step saved
 in any tier (committed, or started by this manager), the same on every process. It is read
 when the manager opens (a listing of the directory and, with a local tier, the steps the
-processes agree some tier holds whole), raised by each save, and read again after a restore,
+processes agree some tier holds whole), raised by each save and by ``reload()`` (to a step
+saved by hand after it: one listing on each process), and read again after a restore,
 a delete or a rollback. So a step whose only copy was lost (a wiped local disk) still
 counts until the next of those: the loop that goes on from a ``restore()`` numbers from what
 the run holds. Everything else is listed afresh at each call, so steps another process
