@@ -257,6 +257,7 @@ def one_round(store: Store, kind: str, state: Any, orbax: bool = False) -> dict[
         mgr = jaxckpt.CheckpointManager(run, incremental=True, async_save=False)
         mgr.save(1, state)
         changed = dict(state, w0=state["w0"] + 1)
+        mgr.wait()  # step 1's metrics, index marker and retention: done by step 2 in training
         settle()
         save = timed(store, lambda: mgr.save(2, changed))
         settle()

@@ -29,6 +29,7 @@ from jaxckpt._storage.location import Location, Stamp, start_read_stamped
 from jaxckpt._storage.reader import CheckpointReader
 
 Items = Iterable[tuple[WriteItem, npt.NDArray[Any]]]
+Box = tuple[str, tuple[int, ...], tuple[int, ...]]  # (key, offsets, sizes)
 
 
 class Increment:
@@ -80,6 +81,7 @@ class Increment:
         self._base_entries = storage_entries(self.base_manifest)
         self.tracker = Tracker(self.reuse, entries, link, self._read_digest)
         self.refs: dict[str, str] = {}
+        self._read_ahead: dict[Box, str | None] = {}  # base digests read for to_write
 
     def _link(self, item: WriteItem, match: Match) -> bool:
         entry = self.entries[item.key]
@@ -90,14 +92,31 @@ class Increment:
     def _read_digest(self, item: WriteItem, base_entry: ArrayEntry) -> str | None:
         """The digest of the base's bytes of ``item``'s box, read from the base (which
         recorded none); ``None`` where they cannot be read, and the box is written."""
-        want = ReadItem(base_entry.key, item.offsets, item.sizes)
+        box = (base_entry.key, item.offsets, item.sizes)
+        if box in self._read_ahead:
+            return self._read_ahead.pop(box)
+        return self._read_base([ReadItem(*box)]).get(box)
+
+    def _base_digests(self, items: list[tuple[WriteItem, Any]]) -> dict[Box, str | None]:
+        """The digests of the base's boxes that deciding ``items`` will read (see
+        ``Reuse.unrecorded``), read in one pipeline: one round trip for all, not one each."""
+        want = []
+        for item, data in items:
+            b = self.reuse.unrecorded(item.key, item.offsets, item.sizes, data)
+            if b is not None:
+                want.append(ReadItem(b.key, item.offsets, item.sizes))
+        return self._read_base(want) if want else {}
+
+    def _read_base(self, want: list[ReadItem]) -> dict[Box, str | None]:
+        """The digest of each box of ``want`` in the base (``None``: it cannot be read)."""
         assert self._base_reader is not None  # only a base's entries match
+        got: dict[Box, str | None] = {(w.key, w.offsets, w.sizes): None for w in want}
         try:
-            for _, data in self._base_reader.read(self._base_entries, [want]):
-                return digest(data)
+            for w, data in self._base_reader.read(self._base_entries, want):
+                got[(w.key, w.offsets, w.sizes)] = digest(data)
         except CheckpointError:
-            return None
-        return None
+            pass  # the boxes not read yet are written
+        return got
 
     @property
     def hashes_all_first(self) -> bool:
@@ -123,6 +142,8 @@ class Increment:
         self.writer = writer
         if not self.hashes_all_first:  # no exchange without a base
             return self.tracker.to_write(items, ahead_bytes=ahead_bytes), set()
+        items = list(items)  # every box is held until the exchange below anyway
+        self._read_ahead = self._base_digests(items)
         hashed = [(item, data, self.tracker.decide(item, data)) for item, data in items]
         changed = json.loads(sync.reduce("reuse", json.dumps(sorted(self.tracker.changed)), _union))
         whole = self.reuse.whole_arrays(changed) if self.refs_ok else set()

@@ -183,6 +183,19 @@ class Reuse:
     def _probes(self, path: str) -> dict[str, str]:
         return self.base.probes.get(path, {})
 
+    def unrecorded(
+        self, key: str, offsets: Sequence[int], sizes: Sequence[int], data: npt.NDArray[Any]
+    ) -> ArrayEntry | None:
+        """The base's entry of ``key`` where :meth:`match` will read the base's bytes of this
+        box (the base recorded no digest of it, and its probe, if any, is ``data``'s): a save
+        reads all such boxes at once, not one round trip each."""
+        b = self._same.get(key)
+        if b is None or box_key(offsets, sizes) in self.base.digests.get(b.path, {}):
+            return None
+        found = probe(data)
+        same = None if found is None else self.same_probe(key, offsets, sizes, found)
+        return None if same is False else b
+
     def match_array(self, key: str) -> Match:
         """The base's entry of ``key``, an array :meth:`whole_arrays` found unchanged."""
         b = self._same[key]

@@ -6,6 +6,7 @@ element ``offset`` in it. ``jaxckpt._planning.packing`` decides the packing on s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -16,8 +17,8 @@ from jaxckpt._errors import CorruptChunkError
 from jaxckpt._format.manifest import PackEntry, dtype_from_name
 from jaxckpt._format.plan import ReadItem
 
-# A pack being read: (its entry, the items it serves, their lowest offset, its read's result)
-_Pack = tuple[PackEntry, list[ReadItem], int, Callable[[], npt.NDArray[Any]] | None]
+# What ``groups`` returns per pack (``jaxckpt._storage.reader.Group``, named there).
+_Group = tuple[int, Callable[[], Callable[[], Iterable[tuple[ReadItem, npt.NDArray[Any]]]]]]
 
 
 def split(
@@ -31,37 +32,35 @@ def split(
     return plain, packed
 
 
-def read(
-    reader: Any, entries: dict[str, Any], items: list[ReadItem], *, max_inflight_bytes: int
-) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
-    """Yield ``(item, data)`` for packed items, reading each needed pack once (the span of it
-    the items need), at most ``max_inflight_bytes`` ahead.
+def groups(reader: Any, entries: dict[str, Any], items: list[ReadItem]) -> list[_Group]:
+    """One group per needed pack (``jaxckpt._storage.reader.Group``): its bytes (the span of it
+    the items need), and the call that starts its read and returns the call yielding
+    ``(item, data)`` for the items it holds. Each pack is read once.
 
     ``reader`` is a ``jaxckpt._storage.reader.CheckpointReader``: a pack is read as its plain 1-D array.
     """
     by_pack: dict[str, list[ReadItem]] = {}
     for item in items:
         by_pack.setdefault(entries[item.key].path, []).append(item)
-    pending: list[tuple[int, _Pack]] = []
-    inflight = 0
+    out: list[_Group] = []
     for mine in by_pack.values():
         pack = entries[mine[0].key].pack
         lo = min(entries[i.key].offset for i in mine)
         hi = max(entries[i.key].offset + entries[i.key].size for i in mine)
-        try:  # opening lists the pack's chunks first: a missing one is reported here
-            array = pack.as_array()  # read like any array: in place from local files
-            fut = reader.start(array, ReadItem(array.key, (lo,), (hi - lo,))) if hi > lo else None
-        except CorruptChunkError as e:
-            raise _corrupt(reader, pack, [i.key for i in mine], e) from e
         n = (hi - lo) * dtype_from_name(pack.storage_dtype).itemsize
-        pending.append((n, (pack, mine, lo, fut)))
-        inflight += n
-        while inflight > max_inflight_bytes and len(pending) > 1:
-            n, done = pending.pop(0)
-            inflight -= n
-            yield from _slices(reader, entries, *done)
-    for _, done in pending:
-        yield from _slices(reader, entries, *done)
+        out.append((n, functools.partial(_start, reader, entries, pack, mine, lo, hi)))
+    return out
+
+
+def _start(
+    reader: Any, entries: dict[str, Any], pack: PackEntry, mine: list[ReadItem], lo: int, hi: int
+) -> Callable[[], Iterable[tuple[ReadItem, npt.NDArray[Any]]]]:
+    try:  # opening lists the pack's chunks first: a missing one is reported here
+        array = pack.as_array()  # read like any array: in place from local files
+        fut = reader.start(array, ReadItem(array.key, (lo,), (hi - lo,))) if hi > lo else None
+    except CorruptChunkError as e:
+        raise _corrupt(reader, pack, [i.key for i in mine], e) from e
+    return functools.partial(_slices, reader, entries, pack, mine, lo, fut)
 
 
 def _slices(

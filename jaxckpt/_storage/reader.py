@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import abc
 import collections
+import functools
+import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,17 +84,19 @@ class Reader(abc.ABC):
     ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
         """2. Yield each item's box, in order, reading ahead within ``max_inflight_bytes``.
 
-        Every format's one read-and-check path: :meth:`ahead` yields what the format reads
-        outside the pipeline; :meth:`start` starts each other box, read ahead by
-        :func:`pipelined`; :meth:`check_unchanged` runs after the read and on its errors.
+        Every format's one read-and-check path: :meth:`ahead` starts what the format reads
+        in groups (jaxckpt's packs), and :meth:`start` each other box, all in one pipeline
+        (:func:`pipelined`): a pack and an array are read in the same round trip;
+        :meth:`check_unchanged` runs after the read and on its errors.
         """
         try:
-            rest = yield from self.ahead(entries, items, max_inflight_bytes)
+            groups, rest = self.ahead(entries, items)
             yield from pipelined(
                 entries,
                 rest,
                 lambda item: self.start(entries[item.key], item),
                 max_inflight_bytes=max_inflight_bytes,
+                groups=groups,
             )
         except (CorruptChunkError, ManifestError) as e:  # a file gone: often a save replaced it
             self.check_unchanged(e)
@@ -100,12 +104,11 @@ class Reader(abc.ABC):
         self.check_unchanged()
 
     def ahead(
-        self, entries: dict[str, Any], items: Iterable[ReadItem], max_inflight_bytes: int
-    ) -> Generator[tuple[ReadItem, npt.NDArray[Any]], None, Iterable[ReadItem]]:
-        """Yield the boxes this format reads outside the pipeline; return the items left (by
-        default: all of them)."""
-        yield from ()
-        return items
+        self, entries: dict[str, Any], items: Iterable[ReadItem]
+    ) -> tuple[list[Group], Iterable[ReadItem]]:
+        """The groups of boxes this format reads together (read first, in the same pipeline
+        as the rest), and the items left (by default: no group, all of them)."""
+        return [], items
 
     @abc.abstractmethod
     def start(self, entry: Any, item: ReadItem) -> Callable[[], npt.NDArray[Any]]:
@@ -154,8 +157,8 @@ class CheckpointReader(Reader):
             self._check_inside(entry)
             if self.loc.local is not None:
                 self.check_chunks(entry)
-            else:  # the reads' answers say what is missing (fill_missing_data_reads below)
-                self.refs.check_held(entry)
+            # Object stores: the reads' answers say what is missing (fill_missing_data_reads
+            # below), and a referenced array's marker is checked as its boxes are taken.
             loc, path = self.holder(entry.path)
             spec = array_spec(loc.child(path), entry)
             spec["fill_missing_data_reads"] = False  # a missing chunk is an error, not zeros
@@ -301,19 +304,18 @@ class CheckpointReader(Reader):
         return listing
 
     def ahead(
-        self, entries: dict[str, Any], items: Iterable[ReadItem], max_inflight_bytes: int
-    ) -> Generator[tuple[ReadItem, npt.NDArray[Any]], None, Iterable[ReadItem]]:
-        """Packed items first, each needed pack read once (``jaxckpt._storage.packs``); the
+        self, entries: dict[str, Any], items: Iterable[ReadItem]
+    ) -> tuple[list[Group], Iterable[ReadItem]]:
+        """Packed items as groups, each needed pack read once (``jaxckpt._storage.packs``); the
         caller owns each yielded array (storage keeps no reference to it)."""
         items, packed = _pack.split(entries, items)
-        yield from _pack.read(self, entries, packed, max_inflight_bytes=max_inflight_bytes)
         for item in items:  # every box first: a chunk shared by boxes is read once for all
             entry = entries[item.key]
             if self._v5(entry):
                 continue
             if (inplace := self._in_place(entry)) is not None:
                 inplace.expect(entry, item.offsets, item.sizes)
-        return items
+        return _pack.groups(self, entries, packed), items
 
     def check_unchanged(self, cause: Exception | None = None) -> None:
         """Raise :class:`CheckpointChangedError` if the checkpoint was replaced since its
@@ -391,7 +393,10 @@ class CheckpointReader(Reader):
         try:
             data = wait(fut, self.loc, f"reading key {entry.key!r} ({entry.path})", nbytes)
         except ValueError as e:
+            self.refs.check_held(entry)  # a referenced array deleted by hand says so
             raise _chunk_error(entry, self.loc, e) from e
+        # Its holder's marker was read beside the box: checked before anyone sees the bytes.
+        self.refs.check_held(entry)
         return self._view(entry, data if out is None else out)
 
     @staticmethod
@@ -401,35 +406,51 @@ class CheckpointReader(Reader):
         return data
 
 
+# A group of boxes read by one request: its bytes, and the call that starts it and returns
+# the call that waits for it and yields its boxes.
+Group = tuple[int, Callable[[], Callable[[], Iterable[tuple[ReadItem, npt.NDArray[Any]]]]]]
+
+
 def pipelined(
     entries: dict[str, Any],
     items: Iterable[ReadItem],
     start: Callable[[ReadItem], Callable[[], npt.NDArray[Any]]],
     *,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    groups: Iterable[Group] = (),
 ) -> Iterator[tuple[ReadItem, npt.NDArray[Any]]]:
-    """Start each item's read in order (``start(item)`` returns a call that waits for its data),
-    yielding the oldest first whenever starting the next would put more than
-    ``max_inflight_bytes`` in flight; one read always runs, however large. Every reader
-    (jaxckpt's, Orbax's, safetensors') reads ahead through this one loop. An item holds its
-    box's bytes in flight (a partial chunk read in place adds a block per read thread, not per
-    item: ``jaxckpt._storage.chunkfile``).
+    """Start each of ``groups``, then each item's read, in order (``start(item)`` returns a
+    call that waits for its data), yielding the oldest first whenever starting the next would
+    put more than ``max_inflight_bytes`` in flight; one read always runs, however large. Every
+    reader (jaxckpt's, Orbax's, safetensors') reads ahead through this one loop. An item holds
+    its box's bytes in flight (a partial chunk read in place adds a block per read thread, not
+    per item: ``jaxckpt._storage.chunkfile``).
     """
-    pending: collections.deque[tuple[ReadItem, int, Callable[[], npt.NDArray[Any]]]] = (
+
+    def one(item: ReadItem) -> Callable[[], Iterable[tuple[ReadItem, npt.NDArray[Any]]]]:
+        result = start(item)
+        return lambda: ((item, result()),)
+
+    def size(item: ReadItem) -> int:
+        itemsize = dtype_from_name(entries[item.key].storage_dtype).itemsize
+        return math.prod(item.sizes) * itemsize
+
+    units: Iterable[Group] = itertools.chain(
+        groups, ((size(i), functools.partial(one, i)) for i in items)
+    )
+    pending: collections.deque[tuple[int, Callable[[], Iterable[tuple[ReadItem, Any]]]]] = (
         collections.deque()
     )
     inflight = 0
-    for item in items:
-        n = math.prod(item.sizes) * dtype_from_name(entries[item.key].storage_dtype).itemsize
+    for n, begin in units:
         while pending and inflight + n > max_inflight_bytes:
-            done, m, result = pending.popleft()
+            m, result = pending.popleft()
             inflight -= m
-            yield done, result()
-        pending.append((item, n, start(item)))
+            yield from result()
+        pending.append((n, begin()))
         inflight += n
     while pending:
-        done, _, result = pending.popleft()
-        yield done, result()
+        yield from pending.popleft()[1]()
 
 
 _ALIGNED_MIN_BYTES = 1 << 20
