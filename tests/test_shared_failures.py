@@ -56,7 +56,7 @@ def test_a_restore_across_processes_costs_one_agreement(restores):
 
 
 def test_a_slow_readers_store_operations_do_not_grow_with_its_reading_time(restores):
-    # Process 0 (the leader) reads its 4 boxes in 8 s; process 1 waits for it in the
+    # Process 0 (the leader) reads its 4 boxes in 4 s; process 1 waits for it in the
     # agreement. Process 0 watches for a failure with one blocking get (no listing per
     # second) and meets process 1, which posted long before: one listing, in the agreement.
     _ok(restores, "slow_counted")
