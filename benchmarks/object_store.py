@@ -25,7 +25,7 @@ returned count; the clean-up a save leaves in the background does not.
 
 Run: ``python benchmarks/object_store.py [--stores gcs,s3] [--latency-ms 0,30,80]
 [--rate-mbs 100] [--max-concurrent N] [--size 112] [--leaves 2000] [--rounds 3]
-[--restore-mib N] [--layout auto|chunks|objects] [--object-mib 128]``. The saves use
+[--restore-mib N] [--layout auto|chunks|objects] [--object-mib 128] [--part-mib 4]``. The saves use
 ``DefaultSavePlanner(layout=--layout)``: ``auto`` (the default planner's: data objects for
 ``big`` and ``small``; the incremental ``step`` keeps an object per chunk), or ``chunks`` (an
 object per chunk and a ``zarr.json`` per array, the default before 0.2.0)
@@ -370,7 +370,18 @@ def main() -> None:
         "manager's incremental steps), objects (the same), or chunks (an object per chunk)",
     )
     ap.add_argument("--object-mib", type=int, default=128, help="data objects' target MiB")
+    ap.add_argument(
+        "--part-mib",
+        type=int,
+        default=None,
+        help="restores read data-object ranges in requests of at most N MiB (default: "
+        "jaxckpt._storage.objects.PART_BYTES, 4 MiB; a large N: one request per range)",
+    )
     args = ap.parse_args()
+    if args.part_mib is not None:
+        from jaxckpt._storage import objects
+
+        objects.PART_BYTES = args.part_mib << 20
     global RESTORE_MIB, LAYOUT, OBJECT_MIB
     OBJECT_MIB = args.object_mib
     RESTORE_MIB = args.restore_mib
