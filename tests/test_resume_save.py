@@ -22,6 +22,7 @@ from test_s3 import BUCKET, keys, prefix, s3  # noqa: F401  (fixtures: the moto 
 import jaxckpt
 from jaxckpt._planning import save_planner
 from jaxckpt._storage import resume
+from jaxckpt._storage.crc import crc32c
 
 TOTAL = worker.ARRAYS * worker.ELEMENTS * 4
 CHUNK = worker.ELEMENTS * 4
@@ -78,11 +79,19 @@ def test_a_local_retry_rewrites_the_chunks_whose_data_changed(tmp_path):
     url = str(tmp_path / "ckpt")
     _kill_at_90(url)
     (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
-    before = _chunk_files(left / "arrays")
-    h = jaxckpt.save_async(url, worker.state(changed=0))  # a0 was written; now it differs
+    # The chunks the killed save finished (a file cut short by the kill is written again).
+    whole = {k for k in _chunk_files(left / "arrays") if _intact(left / "arrays" / k)}
+    h = jaxckpt.save_async(url, worker.state(changed=0))  # a0 differs now: written again
     h.wait()
-    assert h.nbytes == (worker.ARRAYS - len(before) + 1) * CHUNK
+    assert h.nbytes == (worker.ARRAYS - len(whole - {"a00/c/0"})) * CHUNK, sorted(whole)
     _assert_restores(url, worker.state(changed=0))
+
+
+def _intact(path: Path) -> bool:
+    """Whether a chunk file is whole: its bytes and the CRC-32C trailer that ends them."""
+    data = path.read_bytes()
+    body = np.frombuffer(data[:-4], np.uint8)
+    return len(body) == CHUNK and crc32c(body) == int.from_bytes(data[-4:], "little")
 
 
 def test_a_different_plan_does_not_adopt_and_its_save_cleans_up(tmp_path):
