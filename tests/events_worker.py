@@ -83,6 +83,12 @@ def main(argv: list[str]) -> None:
         "log": heard.lines,
     }
     (work / f"{stage}-{pid}.json").write_text(json.dumps(record))
+    try:  # process 0 hosts the coordination service: nobody exits before the others
+        from jax._src import distributed
+
+        distributed.global_state.client.wait_at_barrier("end", 60_000)
+    except Exception:  # noqa: BLE001 - a process that never came: its record says why
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

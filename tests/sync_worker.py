@@ -258,6 +258,10 @@ def main(argv: list[str]) -> None:
     groups.join(pid, n, port)
     checks = Checks(work / f"{stage}-{pid}.json")
     run_stage(stage, checks, work, pid)
+    try:  # process 0 hosts the coordination service: nobody exits before the others
+        barrier("end")  # (its early exit terminated a process still finishing its check)
+    except Exception:  # noqa: BLE001 - a process that never came: its record says why
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
